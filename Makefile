@@ -1,0 +1,41 @@
+# Quick start: `make demo` trains the debug recipe on 2 CPU processes; `make test` runs the test suite.
+# Both create .venv (Python 3.10+) with the CPU build of torch the first time.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+RECIPE ?= recipes/debug.yaml
+OUT ?= runs/debug
+# The CPU wheel of torch. Elsewhere than this project's machines add the CPU index, e.g.
+#   make demo TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+
+.PHONY: setup demo test lint clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)" $(TORCH_INDEX)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) tools/prepare_data.py --recipe $(RECIPE)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fsdp_trainer.train --recipe $(RECIPE) \
+		--train.out_dir $(OUT) --checkpoint.resume none
+	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, checkpoints/"
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) data runs

@@ -1,0 +1,3 @@
+from fsdp_trainer.train import main
+
+main()

@@ -1,0 +1,163 @@
+"""Sharded checkpoints of the whole training state through torch.distributed.checkpoint (DCP).
+
+Layout (this module is the only one that knows it):
+
+    OUT_DIR/checkpoints/step_00000100/   a DCP directory: one file per rank plus `.metadata`, written last
+    OUT_DIR/checkpoints/latest           text: the name of the newest complete step directory
+
+A step directory counts only once `.metadata` exists and `latest` names it; `latest` is replaced atomically
+(temp file + os.replace) after every rank has finished writing, so a crash at any instant leaves `latest` naming a
+complete checkpoint. Retention deletes only published steps older than the newest `keep_last`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdp_trainer.config import CheckpointConfig
+
+logger = logging.getLogger("fsdp_trainer")
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class ModelState(Stateful):
+    """The model's (sharded) weights under their HF names, whatever wrappers the model carries."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimState(Stateful):
+    """AdamW moments and step counts, keyed by parameter name so they reshard to another world size."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class TrainState(Stateful):
+    """The optimizer step count. Nothing else in training draws random numbers, so there is no RNG to restore: the
+    data order is a function of (seed, sample index) and the weight init of (seed, parameter name)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A DCP directory is complete once its coordinator wrote `.metadata`, which it does last."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A step directory, or a run / checkpoints directory whose `latest` names one; raises with what is wrong."""
+    path = Path(path)
+    for candidate in (path / "latest", path / "checkpoints" / "latest"):
+        if candidate.is_file():
+            target = candidate.parent / candidate.read_text().strip()
+            if not is_complete(target):
+                raise FileNotFoundError(f"{candidate} names {target}, which is missing or incomplete (no .metadata)")
+            return target
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not is_complete(path):
+        raise ValueError(f"{path} is not a complete DCP checkpoint (no .metadata); it is truncated or foreign")
+    return path
+
+
+def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model before DCP fails deep inside with a shape error."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        key = f"model.{name}"
+        saved = metadata.get(key)
+        if saved is None:
+            raise ValueError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
+        if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {path} holds {name} of shape {tuple(saved.size)} but the recipe's model has "
+                f"{tuple(tensor.shape)}: the recipe's model section differs from the run that saved it"
+            )
+
+
+class Checkpointer:
+    """Saves and restores a dict of Stateful objects under `out_dir/checkpoints`."""
+
+    def __init__(self, cfg: CheckpointConfig, out_dir: str, states: dict[str, Stateful], is_main: bool):
+        self.cfg = cfg
+        self.dir = Path(out_dir) / "checkpoints"
+        self.states = states
+        self.is_main = is_main
+
+    def load(self) -> int | None:
+        """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
+        resume = self.cfg.resume
+        if resume == "none" or (resume == "auto" and not (self.dir / "latest").is_file()):
+            return None
+        path = resolve_checkpoint(self.dir if resume == "auto" else resume)
+        check_model_shapes(path, self.states["model"].state_dict())
+        dcp.load(self.states, checkpoint_id=str(path))
+        step = self.states["train"].step
+        logger.info(f"resumed from {path} at step {step}")
+        return step
+
+    def save_if_due(self, step: int, last: bool) -> None:
+        if self.cfg.every and (step % self.cfg.every == 0 or last):
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        path = self.dir / f"step_{step:08d}"
+        dcp.save(self.states, checkpoint_id=str(path))
+        # dcp.save returns on the coordinator (rank 0) only after gathering every rank's write results and writing
+        # .metadata, so the directory is complete here and `latest` may point at it.
+        if self.is_main:
+            self._publish(path.name)
+            self._prune()
+            logger.info(f"saved checkpoint {path}")
+
+    def _publish(self, name: str) -> None:
+        tmp = self.dir / "latest.tmp"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, self.dir / "latest")
+
+    def _prune(self) -> None:
+        if not self.cfg.keep_last:
+            return
+        latest = (self.dir / "latest").read_text().strip()
+        published = sorted(p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name <= latest)
+        for name in published[: -self.cfg.keep_last]:
+            shutil.rmtree(self.dir / name, ignore_errors=True)

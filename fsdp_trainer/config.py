@@ -1,0 +1,296 @@
+"""Typed recipe sections. jsonargparse turns them into the CLI and their attribute docstrings into `--help`.
+
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, train, checkpoint); any key can
+be overridden on the command line as `--section.key value`. Every check that can fail does so here, with one
+`error: ...` line naming the key, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "Recipe",
+    "TrainConfig",
+    "load_recipe_yaml",
+    "parse_recipe",
+    "recipe_to_yaml",
+]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the decoder-only Transformer (Llama 3 / Qwen3 vocabulary)."""
+
+    family: Literal["llama", "qwen3"] = "llama"
+    """Architecture: `llama` (Llama 3) or `qwen3` (Llama plus RMSNorm on each head's queries and keys)."""
+    dim: int = 256
+    """Width of the residual stream (HF hidden_size)."""
+    n_layers: int = 4
+    """Number of Transformer blocks."""
+    n_heads: int = 8
+    """Number of query heads."""
+    n_kv_heads: int = 4
+    """Number of key/value heads (grouped-query attention); must divide n_heads."""
+    head_dim: int | None = None
+    """Width of one attention head; null means dim // n_heads (Qwen3 sets it explicitly)."""
+    ffn_dim: int = 768
+    """Hidden width of the SwiGLU feed-forward (HF intermediate_size)."""
+    vocab_size: int = 4096
+    """Number of token ids; must cover the tokenizer's vocabulary."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding frequencies."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary tables are built for."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal init of embeddings and projections (see Transformer.init_weights)."""
+
+    def __post_init__(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            _require(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
+        )
+        if self.head_dim is None:
+            _require(
+                self.dim % self.n_heads == 0,
+                f"model.n_heads={self.n_heads} must divide model.dim={self.dim} (or set model.head_dim)",
+            )
+        else:
+            _require(self.head_dim > 0, f"model.head_dim={self.head_dim} must be positive")
+        _require(self.resolved_head_dim % 2 == 0, f"model.head_dim={self.resolved_head_dim} must be even for RoPE")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over the processes torchrun started."""
+
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
+    """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), DDP (replicated), or ZeRO-3
+    within a node and replicas across nodes."""
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype. bf16 keeps fp32 master weights, optimizer state and gradient reductions."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: never, whole blocks, or everything but matmuls and attention."""
+    ac_every: int = 1
+    """With activation checkpointing, apply it to every k-th block only (1 = every block)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective backend: auto picks nccl on CUDA and gloo on CPU."""
+    compile: bool = False
+    """torch.compile each Transformer block (after activation checkpointing, before FSDP)."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait for a peer before the run fails (instead of hanging on a dead rank)."""
+
+    def __post_init__(self) -> None:
+        _require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
+        _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
+
+
+@dataclass
+class DataConfig:
+    """Token files and batch shape. The global batch is micro_batch_size x grad_accum_steps x data-parallel ranks."""
+
+    train_path: str = "data/shakespeare/train.bin"
+    """Training token file written by tools/prepare_data.py (a `.meta.json` must sit beside it)."""
+    val_path: str | None = "data/shakespeare/val.bin"
+    """Validation token file; null disables evaluation."""
+    tokenizer_path: str = "data/shakespeare/tokenizer.model"
+    """sentencepiece model the token files were made with."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+    grad_accum_steps: int = 1
+    """Forward/backward passes per optimizer step; gradients are synchronised on the last one only."""
+
+    def __post_init__(self) -> None:
+        for key in ("seq_len", "micro_batch_size", "grad_accum_steps"):
+            _require(getattr(self, key) > 0, f"data.{key}={getattr(self, key)} must be positive")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 3e-4
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr: float = 3e-5
+    """Learning rate at the last step of the cosine decay."""
+    warmup_steps: int = 100
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW beta1, beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        _require(self.lr > 0, f"optim.lr={self.lr} must be positive")
+        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must lie in [0, optim.lr={self.lr}]")
+        _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
+        _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    """Length of the run, logging and evaluation."""
+
+    steps: int = 200
+    """Optimizer steps to train for."""
+    seed: int = 0
+    """Seed of the weight init and the data order."""
+    out_dir: str = "runs/debug"
+    """Where config.yaml, metrics.jsonl and checkpoints/ go."""
+    log_every: int = 10
+    """Log (and sync the loss to the host) every this many steps."""
+    eval_every: int = 100
+    """Evaluate on data.val_path every this many steps (0 = never); also after the last step."""
+    eval_steps: int = 10
+    """Batches per evaluation (each the size of one global micro-batch)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"train.steps={self.steps} must be >= 0")
+        _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        _require(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0")
+        _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (torch.distributed.checkpoint) under train.out_dir/checkpoints/."""
+
+    every: int = 0
+    """Save every this many steps and after the last step (0 = never)."""
+    keep_last: int = 3
+    """Published checkpoints to keep; older ones are deleted (0 = keep all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+    resume: str = "auto"
+    """`auto`: continue from checkpoints/latest if it exists; `none`: start fresh; or a checkpoint directory."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
+        _require(self.keep_last >= 0, f"checkpoint.keep_last={self.keep_last} must be >= 0")
+
+
+@dataclass
+class Recipe:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.data.seq_len <= self.model.max_seq_len,
+            f"data.seq_len={self.data.seq_len} must be <= model.max_seq_len={self.model.max_seq_len}",
+        )
+        _require(
+            self.parallel.ac_every == 1 or self.parallel.activation_checkpointing != "none",
+            f"parallel.ac_every={self.parallel.ac_every} needs parallel.activation_checkpointing full or selective",
+        )
+
+
+# `from __future__ import annotations` makes field types strings; resolve them once here.
+SECTIONS = {f.name: globals()[f.type] for f in fields(Recipe)}
+
+
+def _build_parser():
+    from jsonargparse import ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(
+        prog="fsdp_trainer.train",
+        description="Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
+        print_config="--print_config",
+        exit_on_error=False,
+        default_meta=False,
+    )
+    parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
+    for name, cls in SECTIONS.items():
+        parser.add_class_arguments(cls, nested_key=name)
+    return parser
+
+
+def parse_recipe(argv: list[str] | None = None) -> Recipe:
+    """Parse `--recipe FILE` and `--section.key value` flags into a validated Recipe.
+
+    Any error (unknown key, wrong type, bad choice, impossible combination) exits with status 1 and exactly one
+    `error: ...` line on stderr. `--help` and `--print_config` print and exit 0.
+    """
+    from jsonargparse import ArgumentError
+
+    parser = _build_parser()
+    try:
+        ns = parser.parse_args(argv)
+        sections = parser.instantiate(ns)  # runs each section's __post_init__
+        return Recipe(**{name: sections[name] for name in SECTIONS})
+    except (ArgumentError, ValueError, TypeError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        sys.exit(1)
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML that `--recipe` reads back."""
+    import yaml
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return yaml.safe_dump(plain(asdict(recipe)), sort_keys=False)
+
+
+def load_recipe_yaml(path: str) -> Recipe:
+    """Read a recipe YAML (e.g. a run's config.yaml) without a command line; raises ValueError on bad content."""
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    unknown = set(raw) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"{path}: unknown recipe section(s) {sorted(unknown)}")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        try:
+            sections[name] = cls(**(raw.get(name) or {}))
+        except TypeError as e:
+            raise ValueError(f"{path}: section {name}: {e}") from e
+    return Recipe(**sections)

@@ -1,0 +1,192 @@
+"""The decoder-only Transformer of Llama 3 and Qwen3, in plain PyTorch.
+
+Read top to bottom: RMSNorm -> rotary embedding -> attention -> feed-forward -> block -> model. Module and parameter
+names are those of Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM (`model.layers.0.self_attn.q_proj.weight`,
+...) and RoPE uses HF's rotate-half layout, so a checkpoint converts to HF by copying tensors, never permuting them.
+
+Nothing here knows about processes or sharding: parallel.py wraps a built model from the outside.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_trainer.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain, computed in fp32 whatever the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (max_seq_len, head_dim), frequencies repeated for the two halves."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (T, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim): HF's rotate-half layout, not interleaved pairs
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, n_heads, T, head_dim) by the angles in cos/sin (T, head_dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o_proj(y)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP shards and AC recomputes."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks and final norm: HF's `model.` prefix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed by layer index keeps FQNs (`model.layers.3.`) stable when blocks get wrapped.
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class Transformer(nn.Module):
+    """Llama 3 / Qwen3 causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
+        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.model.embed_tokens(tokens)  # (B, T, dim)
+        for block in self.model.layers.values():
+            x = block(x, cos, sin)
+        x = self.model.norm(x)
+        return self.lm_head(x)  # (B, T, vocab_size)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+        """Initialise every parameter and buffer in place; calling it twice gives the same model.
+
+        | tensor                                        | init                                      |
+        |-----------------------------------------------|-------------------------------------------|
+        | embed_tokens, q/k/v_proj, gate/up_proj, lm_head | truncated normal(0, init_std), +-3 std  |
+        | o_proj, down_proj (write into the residual)   | truncated normal(0, init_std / sqrt(2 * n_layers)) |
+        | every RMSNorm weight                          | 1                                         |
+        | rope_cos, rope_sin                            | recomputed from the config                |
+
+        Each tensor's values come from its own generator seeded by (seed, parameter name), so the model is the same
+        however it is sharded. `fill(param, full_values)` writes a full-shape tensor into a parameter; parallel.py
+        passes one that keeps only this rank's shard. The default copies.
+        """
+        fill = fill or (lambda param, values: param.copy_(values))
+        cfg = self.cfg
+        for name, param in self.named_parameters():
+            # Wrappers (activation checkpointing, compile) insert `_`-prefixed path parts; drop them for the HF name.
+            name = ".".join(part for part in name.split(".") if not part.startswith("_"))
+            if name.endswith("norm.weight"):
+                fill(param, torch.ones(param.shape, dtype=param.dtype, device=param.device))
+                continue
+            std = cfg.init_std
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std = std / math.sqrt(2 * cfg.n_layers)
+            gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=gen)
+            fill(param, values.to(param.dtype))
+        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+
+def count_params(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
+    """Parameter count from the config alone (tied weights counted once)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        n -= model.model.embed_tokens.weight.numel()
+    return n

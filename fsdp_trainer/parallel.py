@@ -1,0 +1,202 @@
+"""Processes, device mesh, and everything distributed that is applied to a built model from the outside.
+
+Order matters and is fixed (see parallelize()): activation checkpointing wraps each block, then torch.compile
+compiles it, then FSDP2 (`fully_shard`) shards each block and finally the root. The model is built on the meta
+device, parallelized, then materialized shard by shard, so no rank ever holds the full model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from fsdp_trainer.config import ParallelConfig
+from fsdp_trainer.model import Transformer
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How one `parallel.sharding` name maps onto FSDP2."""
+
+    replicas: str
+    """How many copies of the model the world holds: `one` (shard over all ranks), `per_rank` (replicate over all
+    ranks, shard over none) or `per_node` (shard within a node, replicate across nodes)."""
+    reshard_after_forward: bool
+    """Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+
+
+# The only place the user's sharding names are spelled out. Data parallelism always spans the whole world; the plan
+# decides how the ranks split into a (replicate, shard) mesh, which FSDP2 runs as HSDP when both are > 1.
+SHARDING: dict[str, ShardingPlan] = {
+    "FULL_SHARD": ShardingPlan(replicas="one", reshard_after_forward=True),  # ZeRO-3
+    "SHARD_GRAD_OP": ShardingPlan(replicas="one", reshard_after_forward=False),  # ZeRO-2
+    # DDP semantics: a (world, 1) mesh replicates every parameter and all-reduces gradients in fp32, through the same
+    # code path and mixed-precision policy as the other modes. With a shard group of 1 there is nothing to free.
+    "NO_SHARD": ShardingPlan(replicas="per_rank", reshard_after_forward=False),
+    "HYBRID_SHARD": ShardingPlan(replicas="per_node", reshard_after_forward=True),
+}
+
+
+@dataclass
+class DistEnv:
+    """Where this process stands: its rank, its device and the data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init_distributed(cfg: ParallelConfig) -> DistEnv:
+    """Create the process group and mesh from torchrun's environment (or a 1-rank group without torchrun).
+
+    Raises ValueError, before any collective, for a backend the machine cannot run or a HYBRID_SHARD world that does
+    not split into whole nodes.
+    """
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world_size)
+    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
+    backend = {"auto": "nccl" if use_cuda else "gloo"}.get(cfg.backend, cfg.backend)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA, and no GPU is visible; use auto or gloo")
+    if cfg.sharding == "HYBRID_SHARD" and world_size % local_world_size:
+        raise ValueError(
+            f"parallel.sharding=HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the ranks per "
+            f"node ({local_world_size}); launch the same --nproc_per_node on every node"
+        )
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), device_id=device if use_cuda else None)
+    else:  # plain `python -m fsdp_trainer.train`: a 1-rank group keeps FSDP and DCP on the same code path
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=cfg.timeout_s)
+        )
+
+    replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // local_world_size}
+    n_replicas = replicas[SHARDING[cfg.sharding].replicas]
+    if n_replicas == 1:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh(
+            device.type, (n_replicas, world_size // n_replicas), mesh_dim_names=("dp_replicate", "dp_shard")
+        )
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh)
+
+
+# Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,
+# activations and elementwise ops are cheap to redo and account for most of the activation memory.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+for _name in (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+):
+    if hasattr(torch.ops.aten, _name):
+        _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)
+
+
+def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_save_matmuls_policy)
+
+
+def apply_ac(model: Transformer, mode: str, every: int = 1) -> None:
+    """Wrap every `every`-th block in activation checkpointing: `full` recomputes the whole block in backward,
+    `selective` recomputes all but the matmul and attention outputs."""
+    if mode == "none":
+        return
+    layers = model.model.layers
+    for i, (name, block) in enumerate(list(layers.items())):
+        if i % every:
+            continue
+        if mode == "full":
+            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+
+
+def apply_compile(model: Transformer) -> None:
+    """torch.compile each block separately: same graph for all blocks, so one compile serves them all."""
+    layers = model.model.layers
+    for name, block in list(layers.items()):
+        layers[name] = torch.compile(block, fullgraph=True)
+
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precision: str) -> None:
+    """fully_shard each block, then the root (embedding, final norm, lm_head and what is left)."""
+    plan = SHARDING[sharding]
+    if mixed_precision == "bf16":
+        # bf16 for compute and the parameter all-gather; fp32 master weights, optimizer state and grad reduction.
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
+    blocks = list(model.model.layers.values())
+    if not blocks:
+        raise ValueError("apply_fsdp found no Transformer block to wrap")
+    for block in blocks:
+        shard(block, reshard_after_forward=plan.reshard_after_forward)
+    shard(model, reshard_after_forward=plan.reshard_after_forward)
+
+
+def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
+    """Apply, in this order: activation checkpointing -> compile -> FSDP per block -> FSDP on the root.
+
+    AC must wrap the block before FSDP does, so FSDP's hooks sit outside the recomputed region, and compile goes in
+    between so it sees the checkpointed block whole (pytorch#148831).
+    """
+    apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
+    if cfg.compile:
+        apply_compile(model)
+    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision)
+
+
+def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
+    """Write this rank's part of a full-shape tensor into a (possibly sharded) parameter, without communication."""
+    if isinstance(param, DTensor):
+        local = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(values)
+
+
+def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+    """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size."""
+    model.to_empty(device=device)
+    model.init_weights(seed=seed, fill=_fill_local_shard)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally)."""
+    model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,190 @@
+"""Train a model from a recipe.
+
+    torchrun --standalone --nproc_per_node=N -m fsdp_trainer.train --recipe recipes/debug.yaml [--section.key value]
+    python -m fsdp_trainer.train --recipe recipes/debug.yaml          # one process, same code path
+
+main() reads as the data flow: recipe -> process group -> model on meta -> parallelize -> materialize -> optimizer,
+data, checkpoint -> loop. train_step() is one optimizer step with gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_trainer.checkpoint import Checkpointer, ModelState, OptimState, TrainState
+from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml
+from fsdp_trainer.data import TokenFile, TokenLoader
+from fsdp_trainer.metrics import Metrics, peak_memory_gb, setup_logging
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fsdp_trainer.parallel import DistEnv, init_distributed, materialize, parallelize, set_gradient_sync
+from fsdp_trainer.tokenizer import file_sha256
+
+logger = logging.getLogger("fsdp_trainer")
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    grad_clip: float,
+) -> dict[str, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches; returns detached device tensors (no host sync).
+
+    The loss of each micro-batch is divided by their number and FSDP averages gradients over ranks, so the gradient
+    is that of the mean loss over the whole global batch, however it is split.
+    """
+    set_lr(optimizer, lr)
+    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (inputs, targets) in enumerate(micro_batches):
+        # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
+        set_gradient_sync(model, i == len(micro_batches) - 1)
+        loss = cross_entropy(model(inputs), targets)
+        (loss / len(micro_batches)).backward()
+        loss_sum += loss.detach()
+    grad_norm = clip_grad_norm_(model, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum / len(micro_batches), "grad_norm": grad_norm}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val_file: TokenFile, recipe: Recipe, env: DistEnv) -> torch.Tensor:
+    """Mean loss over the first train.eval_steps global micro-batches of the validation file (the same every time)."""
+    data = recipe.data
+    loader = TokenLoader(val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size,
+                         shuffle=False, device=env.device)  # fmt: skip
+    total = torch.zeros((), device=env.device)
+    for _ in range(recipe.train.eval_steps):
+        ((inputs, targets),) = loader.next_batch()
+        total += cross_entropy(model(inputs), targets)
+    for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return mean_over_ranks(total / recipe.train.eval_steps)
+
+
+def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)  # gloo has no AVG
+    return x / dist.get_world_size()
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    x = torch.tensor(value, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item()
+
+
+def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
+    """Open and cross-check the token files and tokenizer; raises ValueError / FileNotFoundError naming the file."""
+    data = recipe.data
+    train_file = TokenFile(data.train_path)
+    val_file = TokenFile(data.val_path) if data.val_path and recipe.train.eval_every else None
+    tokenizer_sha = file_sha256(data.tokenizer_path) if os.path.isfile(data.tokenizer_path) else None
+    if tokenizer_sha is None:
+        raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
+    for f in filter(None, (train_file, val_file)):
+        if f.vocab_size > recipe.model.vocab_size:
+            raise ValueError(
+                f"{f.path} was tokenized with vocab_size={f.vocab_size}, more than model.vocab_size="
+                f"{recipe.model.vocab_size}"
+            )
+        if f.tokenizer_sha256 != tokenizer_sha:
+            raise ValueError(f"{f.path} was not made with data.tokenizer_path={data.tokenizer_path}; prepare it again")
+    return train_file, val_file
+
+
+def write_config(recipe: Recipe) -> None:
+    os.makedirs(recipe.train.out_dir, exist_ok=True)
+    path = os.path.join(recipe.train.out_dir, "config.yaml")
+    with open(path + ".tmp", "w") as f:
+        f.write(recipe_to_yaml(recipe))
+    os.replace(path + ".tmp", path)
+
+
+def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFile | None) -> None:
+    cfg, data = recipe.train, recipe.data
+    torch.manual_seed(cfg.seed)
+
+    # Model: shapes on meta, then AC / compile / FSDP from outside, then each rank allocates and fills its shards.
+    with torch.device("meta"):
+        model = Transformer(recipe.model)
+    parallelize(model, recipe.parallel, env.mesh)
+    materialize(model, env.device, cfg.seed)
+    optimizer = build_optimizer(model, recipe.optim)
+
+    loader = TokenLoader(train_file, data.seq_len, data.micro_batch_size, data.grad_accum_steps,
+                         env.rank, env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+    state = TrainState()
+    ckpt = Checkpointer(
+        recipe.checkpoint,
+        cfg.out_dir,
+        {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state},
+        env.is_main,
+    )
+    resumed_from = ckpt.load()
+
+    if env.is_main:
+        write_config(recipe)
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(
+            f"{recipe.model.family} model, {n_params / 1e6:.1f}M params | {env.world_size} rank(s), "
+            f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision} | global batch "
+            f"{loader.global_batch_size} x {data.seq_len} tokens | {cfg.steps} steps -> {cfg.out_dir}"
+        )
+    metrics = Metrics(cfg.out_dir, recipe.model, data.seq_len, loader.global_batch_size * data.seq_len,
+                      env.world_size, env.device, env.is_main, append=resumed_from is not None)  # fmt: skip
+    metrics.reset_clock(state.step)
+
+    while state.step < cfg.steps:
+        lr = lr_at(state.step, recipe.optim, cfg.steps)
+        stats = train_step(model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip)
+        state.step += 1
+        last = state.step == cfg.steps
+
+        if state.step % cfg.log_every == 0 or last:
+            # The step's only host syncs: the loss averaged over ranks and the largest peak memory of any rank.
+            loss = mean_over_ranks(stats["loss"]).item()
+            mem = max_over_ranks(peak_memory_gb(env.device), env.device)
+            metrics.log(state.step, loss, lr, stats["grad_norm"].item(), mem)
+
+        if val_file is not None and (state.step % cfg.eval_every == 0 or last):
+            metrics.log_eval(state.step, evaluate(model, val_file, recipe, env).item())
+            metrics.reset_clock(state.step)
+
+        ckpt.save_if_due(state.step, last)
+    metrics.close()
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    recipe = parse_recipe(argv)  # bad recipe: one `error:` line, exit 1
+    try:
+        train_file, val_file = open_data(recipe)
+        env = init_distributed(recipe.parallel)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")  # still before any collective: one line, exit 1
+    setup_logging(env.rank)
+    try:
+        train(recipe, env, train_file, val_file)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Shared fixtures: a tiny tokenized slice of the bundled corpus, a tiny recipe, and launchers for 2-rank runs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp_trainer.data import BUNDLED_CORPUS
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_MODEL = {
+    "family": "llama",
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 128,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """A recipe file whose data section points at a 512-token tokenizer and token files cut from ~400 KB of
+    Shakespeare, all written by tools/prepare_data.py."""
+    root = tmp_path_factory.mktemp("data")
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        (root / "corpus.txt").write_text(f.read(400_000))
+    recipe = root / "tiny.yaml"
+    recipe.write_text(
+        json.dumps(  # JSON is YAML
+            {
+                "model": TINY_MODEL,
+                "parallel": {"mixed_precision": "fp32"},
+                "data": {
+                    "train_path": str(root / "train.bin"),
+                    "val_path": str(root / "val.bin"),
+                    "tokenizer_path": str(root / "tokenizer.model"),
+                    "seq_len": 32,
+                    "micro_batch_size": 2,
+                },
+                "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+                "train": {"steps": 10, "log_every": 1, "eval_every": 0, "eval_steps": 2},
+                "checkpoint": {"every": 0},
+            }
+        )
+    )
+    subprocess.run(
+        [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--input",
+         str(root / "corpus.txt"), "--val_fraction", "0.1"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return recipe
+
+
+def train_cli(args: list[str], nproc: int = 1, check: bool = True, env: dict | None = None, timeout: float = 300):
+    """Run fsdp_trainer.train in a subprocess: `python -m` for one process, torchrun for more."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "fsdp_trainer.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "fsdp_trainer.train", *args]  # fmt: skip
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir: str | Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def run_distributed(fn, *args, world_size: int = 2) -> None:
+    """Run fn(rank, world_size, *args) in world_size gloo processes; any rank's exception fails the test."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world_size, os.path.join(d, "pg"), fn, args), nprocs=world_size, join=True)
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
