@@ -16,10 +16,12 @@ import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -36,6 +38,10 @@ from fsdp_trainer.config import CheckpointConfig
 logger = logging.getLogger("fsdp_trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: missing, incomplete, foreign, or of another model."""
 
 
 class ModelState(Stateful):
@@ -90,12 +96,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if candidate.is_file():
             target = candidate.parent / candidate.read_text().strip()
             if not is_complete(target):
-                raise FileNotFoundError(f"{candidate} names {target}, which is missing or incomplete (no .metadata)")
+                raise CheckpointError(f"{candidate} names {target}, which is missing or incomplete (no .metadata)")
             return target
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
-        raise ValueError(f"{path} is not a complete DCP checkpoint (no .metadata); it is truncated or foreign")
+        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata); it is truncated or foreign")
     return path
 
 
@@ -106,22 +112,31 @@ def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
         key = f"model.{name}"
         saved = metadata.get(key)
         if saved is None:
-            raise ValueError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
+            raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
         if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(tensor.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} holds {name} of shape {tuple(saved.size)} but the recipe's model has "
                 f"{tuple(tensor.shape)}: the recipe's model section differs from the run that saved it"
             )
 
 
 class Checkpointer:
-    """Saves and restores a dict of Stateful objects under `out_dir/checkpoints`."""
+    """Saves and restores a dict of Stateful objects under `out_dir/checkpoints`.
+
+    With `async_save`, save() returns once the state is copied off the training tensors, and the files are written
+    by a background thread; `latest` moves to that step once the write has finished (checked without blocking at
+    each later step, and waited for by the next save and by close()).
+    """
 
     def __init__(self, cfg: CheckpointConfig, out_dir: str, states: dict[str, Stateful], is_main: bool):
         self.cfg = cfg
         self.dir = Path(out_dir) / "checkpoints"
         self.states = states
         self.is_main = is_main
+        self._pending: tuple[Future, Path] | None = None
+        # The background write runs its own collectives; on the default group they would interleave with training's
+        # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
 
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
@@ -136,15 +151,34 @@ class Checkpointer:
         return step
 
     def save_if_due(self, step: int, last: bool) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self._finish_pending()
         if self.cfg.every and (step % self.cfg.every == 0 or last):
             self.save(step)
 
     def save(self, step: int) -> None:
         path = self.dir / f"step_{step:08d}"
+        if self._pending is not None:  # one write in flight at a time
+            self._finish_pending()
+        if self.cfg.async_save:
+            future = dcp.async_save(self.states, checkpoint_id=str(path), process_group=self._async_group)
+            self._pending = (future, path)
+            return
         dcp.save(self.states, checkpoint_id=str(path))
         # dcp.save returns on the coordinator (rank 0) only after gathering every rank's write results and writing
         # .metadata, so the directory is complete here and `latest` may point at it.
+        self._published(path)
+
+    def _finish_pending(self) -> None:
+        future, path = self._pending
+        self._pending = None
+        future.result()  # re-raises a failed background write on this rank
+        self._published(path)
+
+    def _published(self, path: Path) -> None:
         if self.is_main:
+            if not is_complete(path):
+                raise CheckpointError(f"{path} was written without .metadata; `latest` still names the previous step")
             self._publish(path.name)
             self._prune()
             logger.info(f"saved checkpoint {path}")
@@ -161,3 +195,8 @@ class Checkpointer:
         published = sorted(p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name <= latest)
         for name in published[: -self.cfg.keep_last]:
             shutil.rmtree(self.dir / name, ignore_errors=True)
+
+    def close(self) -> None:
+        """Wait for a background write and publish it."""
+        if self._pending is not None:
+            self._finish_pending()

@@ -238,7 +238,6 @@ def _build_parser():
         description="Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
         print_config="--print_config",
         exit_on_error=False,
-        default_meta=False,
     )
     parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
     for name, cls in SECTIONS.items():

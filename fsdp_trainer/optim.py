@@ -49,10 +49,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     The norm of DTensor gradients is reduced across their shards, so every rank sees the global norm and scales by
     the same factor. Returns a device tensor: reading it is the caller's (log-step) host sync.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()  # all-reduces the partial squared sums of the shards
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm

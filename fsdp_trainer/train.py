@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer.checkpoint import Checkpointer, ModelState, OptimState, TrainState
+from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, ModelState, OptimState, TrainState
 from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml
 from fsdp_trainer.data import TokenFile, TokenLoader
 from fsdp_trainer.metrics import Metrics, peak_memory_gb, setup_logging
@@ -168,7 +168,10 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             metrics.reset_clock(state.step)
 
         ckpt.save_if_due(state.step, last)
+    ckpt.close()
     metrics.close()
+    if env.is_main:
+        logger.info(f"done: run written to {cfg.out_dir}")
 
 
 @record
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(env.rank)
     try:
         train(recipe, env, train_file, val_file)
+    except CheckpointError as e:  # every rank finds the same problem: one line each, naming the rank
+        sys.exit(f"error: rank {env.rank}: {e}")
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,73 @@
+"""Recipe parsing: overrides, validation messages, --help, and the README's reference staying complete."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from fsdp_trainer.config import SECTIONS, load_recipe_yaml, parse_recipe, recipe_to_yaml
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_overrides_and_types():
+    recipe = parse_recipe(["--model.dim", "128", "--optim.betas", "[0.8, 0.99]", "--parallel.compile", "true",
+                           "--data.val_path", "null"])  # fmt: skip
+    assert recipe.model.dim == 128 and recipe.optim.betas == (0.8, 0.99) and recipe.parallel.compile is True
+    assert recipe.data.val_path is None
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    recipe = parse_recipe(["--model.family", "qwen3", "--model.head_dim", "64", "--train.steps", "7"])
+    (tmp_path / "c.yaml").write_text(recipe_to_yaml(recipe))
+    assert load_recipe_yaml(str(tmp_path / "c.yaml")) == recipe
+    assert parse_recipe(["--recipe", str(tmp_path / "c.yaml")]) == recipe
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model.dim", "abc"], 'Parser key "model.dim": Expected a <class \'int\'>. Got value: abc'),
+        (["--model.dim", "100", "--model.n_heads", "8"], "model.n_heads=8 must divide model.dim=100"),
+        (["--model.head_dim", "7"], "model.head_dim=7 must be even for RoPE"),
+        (["--optim.min_lr", "1.0"], "optim.min_lr=1.0 must lie in [0, optim.lr=0.0003]"),
+        (["--parallel.ac_every", "2"], "parallel.ac_every=2 needs parallel.activation_checkpointing full or selective"),
+        (["--parallel.activation_checkpointing", "some"], 'Parser key "parallel.activation_checkpointing"'),
+        (["--data.micro_batch_size", "0"], "data.micro_batch_size=0 must be positive"),
+        (["--recipe", "/no/such.yaml"], 'Parser key "recipe": File does not exist'),
+    ],
+)
+def test_errors_are_one_line_naming_the_key(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_yaml_typo_names_the_key(tmp_path, capsys):
+    (tmp_path / "r.yaml").write_text("model:\n  dimm: 3\n")
+    with pytest.raises(SystemExit):
+        parse_recipe(["--recipe", str(tmp_path / "r.yaml")])
+    assert "dimm" in capsys.readouterr().err
+
+
+def test_help_documents_every_key(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe(["--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            assert f"--{section}.{field.name}" in out
+    assert "Width of the residual stream" in out  # attribute docstrings are the help text
+
+
+def test_readme_reference_lists_every_key():
+    text = README.read_text()
+    for section, cls in SECTIONS.items():
+        assert f"**`{section}`**" in text
+        for field in dataclasses.fields(cls):
+            assert f"| `{field.name}` |" in text, f"README lacks {section}.{field.name}"

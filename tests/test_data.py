@@ -1,0 +1,89 @@
+"""Token files and the loader: the global batch at step t is the same whatever the world size and split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_trainer.data import TokenFile, TokenLoader, write_token_file
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "t.bin"
+    write_token_file(path, np.arange(1001), vocab_size=1001, tokenizer_sha256="abc")  # every window distinct
+    return TokenFile(path)
+
+
+def global_batch(token_file, world_size, micro, accum, steps, seed=0):
+    """The set of sequences every rank sees at each step, as sorted tuples."""
+    loaders = [TokenLoader(token_file, 10, micro, accum, r, world_size, seed=seed) for r in range(world_size)]
+    out = []
+    for _ in range(steps):
+        rows = []
+        for loader in loaders:
+            for inputs, targets in loader.next_batch():
+                assert inputs.shape == targets.shape == (micro, 10) and inputs.dtype == torch.int64
+                assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
+                rows += [tuple(r) for r in inputs.tolist()]
+        out.append(sorted(rows))
+    return out
+
+
+def test_global_batch_is_independent_of_world_size_and_split(token_file):
+    reference = global_batch(token_file, world_size=1, micro=4, accum=1, steps=60)  # > 1 epoch of 100 samples
+    assert global_batch(token_file, world_size=2, micro=2, accum=1, steps=60) == reference
+    assert global_batch(token_file, world_size=1, micro=2, accum=2, steps=60) == reference
+    assert global_batch(token_file, world_size=2, micro=1, accum=2, steps=60) == reference
+    assert global_batch(token_file, world_size=4, micro=1, accum=1, steps=60) == reference
+
+
+def test_each_epoch_visits_every_sample_once_in_a_seeded_order(token_file):
+    epoch = [row for step in global_batch(token_file, 1, 4, 1, steps=25) for row in step]
+    assert len(set(epoch)) == 100  # (1001 - 1) // 10 windows, each once
+    assert global_batch(token_file, 1, 4, 1, 3, seed=1) != global_batch(token_file, 1, 4, 1, 3, seed=0)
+
+
+def test_state_dict_resumes_the_stream_on_another_world_size(token_file):
+    run = TokenLoader(token_file, 10, 4, 1, 0, 1, seed=3)
+    for _ in range(7):
+        run.next_batch()
+    state = run.state_dict()
+    expected = torch.cat([inputs for inputs, _ in run.next_batch()])
+    # Resume on 2 ranks with micro 2: together they produce the same sequences.
+    resumed = [TokenLoader(token_file, 10, 2, 1, r, 2, seed=3) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    got = torch.cat([loader.next_batch()[0][0] for loader in resumed])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, expected.tolist()))
+
+
+def test_state_from_other_data_is_refused(token_file, tmp_path):
+    state = TokenLoader(token_file, 10, 4, seed=0).state_dict()
+    write_token_file(tmp_path / "other.bin", np.arange(2001), vocab_size=2001, tokenizer_sha256="abc")
+    with pytest.raises(ValueError, match="different fingerprint"):
+        TokenLoader(TokenFile(tmp_path / "other.bin"), 10, 4).load_state_dict(state)
+    with pytest.raises(ValueError, match="different seed"):
+        TokenLoader(token_file, 10, 4, seed=1).load_state_dict(state)
+
+
+def test_token_file_round_trip_and_dtypes(tmp_path):
+    write_token_file(tmp_path / "small.bin", np.array([1, 2, 65535]), vocab_size=65536, tokenizer_sha256="x")
+    write_token_file(tmp_path / "big.bin", np.array([1, 2, 100_000]), vocab_size=128256, tokenizer_sha256="x")
+    small, big = TokenFile(tmp_path / "small.bin"), TokenFile(tmp_path / "big.bin")
+    assert small.meta["dtype"] == "uint16" and list(small.tokens) == [1, 2, 65535]
+    assert big.meta["dtype"] == "uint32" and list(big.tokens) == [1, 2, 100_000]
+    assert (tmp_path / "small.bin").stat().st_size == 6  # flat little-endian, no header
+
+
+def test_bad_token_files_are_refused_with_the_file_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prepare_data.py"):
+        TokenFile(tmp_path / "missing.bin")
+    write_token_file(tmp_path / "t.bin", np.arange(100), vocab_size=100, tokenizer_sha256="x")
+    with open(tmp_path / "t.bin", "r+b") as f:
+        f.truncate(50)
+    with pytest.raises(ValueError, match="truncated or foreign"):
+        TokenFile(tmp_path / "t.bin")
+    with pytest.raises(ValueError, match=r"must lie in \[0, 100\)"):
+        write_token_file(tmp_path / "u.bin", np.array([5, 100]), vocab_size=100, tokenizer_sha256="x")

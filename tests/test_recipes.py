@@ -1,0 +1,38 @@
+"""Every shipped recipe parses, validates and builds on the meta device with the parameter count of its model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_trainer.config import parse_recipe
+from fsdp_trainer.model import count_params
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+# Published sizes: Llama-3.2-1B 1,235,814,400; Llama-3-8B 8,030,261,248; Qwen3-0.6B 596,049,920 (tied).
+EXPECTED_PARAMS = {
+    "debug.yaml": 4_196_608,  # 4096*256 + 4*(196_608 + 589_824 + 512) + 256
+    "125m.yaml": 123_685_632,  # 32000*768 + 12*(2_359_296 + 5_898_240 + 1536) + 768
+    "1b.yaml": 1_235_814_400,
+    "8b.yaml": 8_030_261_248,
+    "qwen3_0.6b.yaml": 596_049_920,
+}
+
+
+def test_every_recipe_is_listed():
+    assert sorted(p.name for p in RECIPES.glob("*.yaml")) == sorted(EXPECTED_PARAMS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_recipe_parses_and_builds(name):
+    recipe = parse_recipe(["--recipe", str(RECIPES / name)])
+    assert count_params(recipe.model) == EXPECTED_PARAMS[name]
+    text = (RECIPES / name).read_text()
+    assert text.startswith("#") and "fsdp_trainer.train" in text.split("\nmodel:")[0]  # opens with how to launch it
+
+
+def test_qwen3_recipe_has_qk_norm():
+    recipe = parse_recipe(["--recipe", str(RECIPES / "qwen3_0.6b.yaml")])
+    assert recipe.model.qk_norm and recipe.model.resolved_head_dim == 128
