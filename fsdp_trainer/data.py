@@ -41,7 +41,12 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: in
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
     _write_atomic(path, lambda f: f.write(tokens.astype(_DTYPES[dtype]).tobytes()))
-    meta = {"dtype": dtype, "n_tokens": int(tokens.size), "vocab_size": vocab_size, "tokenizer_sha256": tokenizer_sha256}
+    meta = {
+        "dtype": dtype,
+        "n_tokens": int(tokens.size),
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_sha256,
+    }
     _write_atomic(Path(f"{path}.meta.json"), lambda f: f.write(json.dumps(meta, indent=2).encode()))
 
 
@@ -102,7 +107,9 @@ class TokenLoader:
         self.device = torch.device(device)
         self.n_samples = (len(token_file) - 1) // seq_len
         if self.n_samples < 1:
-            raise ValueError(f"{token_file.path} has {len(token_file)} tokens, fewer than one sequence of {seq_len + 1}")
+            raise ValueError(
+                f"{token_file.path} has {len(token_file)} tokens, fewer than one sequence of {seq_len + 1}"
+            )
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
         self._epoch, self._order = -1, None
@@ -142,13 +149,19 @@ class TokenLoader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "seq_len": self.seq_len, "fingerprint": self.file.fingerprint}
+        return {
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "fingerprint": self.file.fingerprint,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key, ours in (("fingerprint", self.file.fingerprint), ("seed", self.seed), ("seq_len", self.seq_len)):
             if state[key] != ours:
                 raise ValueError(
                     f"the checkpoint's data loader was at a different {key} ({state[key]!r}, now {ours!r} for "
-                    f"{self.file.path}); resume with the same data and recipe, or start fresh with --checkpoint.resume none"
+                    f"{self.file.path}); resume with the same data and recipe, or start fresh with "
+                    "--checkpoint.resume none"
                 )
         self.consumed = int(state["consumed"])

@@ -75,8 +75,17 @@ def peak_memory_gb(device: torch.device) -> float:
 class Metrics:
     """Turns per-step tensors into numbers on log steps, on rank 0: a log line and a line of metrics.jsonl."""
 
-    def __init__(self, out_dir: str, model_cfg: ModelConfig, seq_len: int, tokens_per_step: int,
-                 world_size: int, device: torch.device, is_main: bool, append: bool = False):
+    def __init__(
+        self,
+        out_dir: str,
+        model_cfg: ModelConfig,
+        seq_len: int,
+        tokens_per_step: int,
+        world_size: int,
+        device: torch.device,
+        is_main: bool,
+        append: bool = False,
+    ):
         self.is_main = is_main
         self.tokens_per_step = tokens_per_step
         self.world_size = world_size

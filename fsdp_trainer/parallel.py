@@ -93,7 +93,9 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         device = torch.device("cpu")
 
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s), device_id=device if use_cuda else None)
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=cfg.timeout_s), device_id=device if use_cuda else None
+        )
     else:  # plain `python -m fsdp_trainer.train`: a 1-rank group keeps FSDP and DCP on the same code path
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=cfg.timeout_s)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer.checkpoint import CheckpointError, Checkpointer, ModelState, OptimState, TrainState
+from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, TrainState
 from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml
 from fsdp_trainer.data import TokenFile, TokenLoader
 from fsdp_trainer.metrics import Metrics, peak_memory_gb, setup_logging
@@ -66,8 +66,9 @@ def train_step(
 def evaluate(model: torch.nn.Module, val_file: TokenFile, recipe: Recipe, env: DistEnv) -> torch.Tensor:
     """Mean loss over the first train.eval_steps global micro-batches of the validation file (the same every time)."""
     data = recipe.data
-    loader = TokenLoader(val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size,
-                         shuffle=False, device=env.device)  # fmt: skip
+    loader = TokenLoader(
+        val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
+    )
     total = torch.zeros((), device=env.device)
     for _ in range(recipe.train.eval_steps):
         ((inputs, targets),) = loader.next_batch()
@@ -128,8 +129,16 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
     materialize(model, env.device, cfg.seed)
     optimizer = build_optimizer(model, recipe.optim)
 
-    loader = TokenLoader(train_file, data.seq_len, data.micro_batch_size, data.grad_accum_steps,
-                         env.rank, env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+    loader = TokenLoader(
+        train_file,
+        data.seq_len,
+        data.micro_batch_size,
+        data.grad_accum_steps,
+        env.rank,
+        env.world_size,
+        seed=cfg.seed,
+        device=env.device,
+    )
     state = TrainState()
     ckpt = Checkpointer(
         recipe.checkpoint,
@@ -147,8 +156,16 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision} | global batch "
             f"{loader.global_batch_size} x {data.seq_len} tokens | {cfg.steps} steps -> {cfg.out_dir}"
         )
-    metrics = Metrics(cfg.out_dir, recipe.model, data.seq_len, loader.global_batch_size * data.seq_len,
-                      env.world_size, env.device, env.is_main, append=resumed_from is not None)  # fmt: skip
+    metrics = Metrics(
+        cfg.out_dir,
+        recipe.model,
+        data.seq_len,
+        loader.global_batch_size * data.seq_len,
+        env.world_size,
+        env.device,
+        env.is_main,
+        append=resumed_from is not None,
+    )
     metrics.reset_clock(state.step)
 
     while state.step < cfg.steps:

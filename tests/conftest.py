@@ -57,10 +57,20 @@ def tiny_data(tmp_path_factory) -> Path:
         )
     )
     subprocess.run(
-        [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--input",
-         str(root / "corpus.txt"), "--val_fraction", "0.1"],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_data.py"),
+            "--recipe",
+            str(recipe),
+            "--input",
+            str(root / "corpus.txt"),
+            "--val_fraction",
+            "0.1",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return recipe
 
 
@@ -69,8 +79,16 @@ def train_cli(args: list[str], nproc: int = 1, check: bool = True, env: dict | N
     if nproc == 1:
         cmd = [sys.executable, "-m", "fsdp_trainer.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "fsdp_trainer.train", *args]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "fsdp_trainer.train",
+            *args,
+        ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -94,8 +112,9 @@ def run_distributed(fn, *args, world_size: int = 2) -> None:
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

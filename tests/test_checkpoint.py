@@ -76,12 +76,15 @@ def one_step_checkpoint(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize(
     "case, flags, message",
     [
-        ("shape", ["--model.ffn_dim", "96"], "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the "
-                                              "recipe's model has (96, 64)"),
+        (
+            "shape",
+            ["--model.ffn_dim", "96"],
+            "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64)",
+        ),
         ("missing", [], "does not exist"),
         ("truncated", [], "not a complete DCP checkpoint (no .metadata)"),
     ],
-)  # fmt: skip
+)
 def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpoint, case, flags, message):
     target = tmp_path / "ckpt"
     if case != "missing":

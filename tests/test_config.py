@@ -13,8 +13,9 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_overrides_and_types():
-    recipe = parse_recipe(["--model.dim", "128", "--optim.betas", "[0.8, 0.99]", "--parallel.compile", "true",
-                           "--data.val_path", "null"])  # fmt: skip
+    recipe = parse_recipe(
+        ["--model.dim", "128", "--optim.betas", "[0.8, 0.99]", "--parallel.compile", "true", "--data.val_path", "null"]
+    )
     assert recipe.model.dim == 128 and recipe.optim.betas == (0.8, 0.99) and recipe.parallel.compile is True
     assert recipe.data.val_path is None
 
@@ -29,7 +30,7 @@ def test_resolved_yaml_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model.dim", "abc"], 'Parser key "model.dim": Expected a <class \'int\'>. Got value: abc'),
+        (["--model.dim", "abc"], "Parser key \"model.dim\": Expected a <class 'int'>. Got value: abc"),
         (["--model.dim", "100", "--model.n_heads", "8"], "model.n_heads=8 must divide model.dim=100"),
         (["--model.head_dim", "7"], "model.head_dim=7 must be even for RoPE"),
         (["--optim.min_lr", "1.0"], "optim.min_lr=1.0 must lie in [0, optim.lr=0.0003]"),

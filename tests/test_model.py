@@ -13,11 +13,18 @@ transformers = pytest.importorskip("transformers")
 
 def hf_model(cfg: ModelConfig):
     common = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.resolved_head_dim, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
-    )  # fmt: skip
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.dim,
+        intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.resolved_head_dim,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
     if cfg.family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
@@ -27,9 +34,19 @@ def hf_model(cfg: ModelConfig):
 @pytest.mark.parametrize("tie", [False, True])
 def test_logits_match_transformers(family, tie):
     cfg = ModelConfig(
-        family=family, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32 if family == "qwen3" else None,
-        ffn_dim=160, vocab_size=101, max_seq_len=64, tie_embeddings=tie, rope_theta=500000.0, norm_eps=1e-6,
-    )  # fmt: skip
+        family=family,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32 if family == "qwen3" else None,
+        ffn_dim=160,
+        vocab_size=101,
+        max_seq_len=64,
+        tie_embeddings=tie,
+        rope_theta=500000.0,
+        norm_eps=1e-6,
+    )
     ours = Transformer(cfg)
     ours.init_weights(seed=3)
     with torch.no_grad():  # norms start at 1; perturb them so a swapped or ignored norm would show
@@ -51,13 +68,13 @@ def test_init_weights_is_deterministic_and_follows_its_table():
     a.init_weights(seed=7)
     b.init_weights(seed=7)
     a.init_weights(seed=7)  # idempotent
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     sd = a.state_dict()
     assert torch.equal(sd["model.norm.weight"], torch.ones(64))
     assert sd["model.embed_tokens.weight"].std().item() == pytest.approx(0.02, rel=0.05)
     # Residual-writing projections are scaled down by sqrt(2 * n_layers).
-    assert sd["model.layers.0.mlp.down_proj.weight"].std().item() == pytest.approx(0.02 / 8 ** 0.5, rel=0.1)
+    assert sd["model.layers.0.mlp.down_proj.weight"].std().item() == pytest.approx(0.02 / 8**0.5, rel=0.1)
     assert sd["model.embed_tokens.weight"].abs().max() <= 3 * 0.02 + 1e-6  # truncated at 3 std
     c = Transformer(cfg)
     c.init_weights(seed=8)

@@ -37,10 +37,10 @@ def test_clip_matches_torch(max_norm):
     a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     b.load_state_dict(a.state_dict())
     a(torch.randn(4, 8)).pow(2).sum().backward()
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         pb.grad = pa.grad.clone()
     norm = clip_grad_norm_(a, max_norm)
     ref = torch.nn.utils.clip_grad_norm_(b.parameters(), max_norm if max_norm else float("inf"))
     torch.testing.assert_close(norm, ref)
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad)

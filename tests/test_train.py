@@ -55,9 +55,20 @@ def test_activation_checkpointing_leaves_losses_unchanged(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
     losses = _run(
-        tiny_data, tmp_path, "--parallel.mixed_precision", "bf16", "--train.steps", "40", "--train.log_every", "5",
-        "--optim.warmup_steps", "5", "--data.micro_batch_size", "4", nproc=2,
-    )  # fmt: skip
+        tiny_data,
+        tmp_path,
+        "--parallel.mixed_precision",
+        "bf16",
+        "--train.steps",
+        "40",
+        "--train.log_every",
+        "5",
+        "--optim.warmup_steps",
+        "5",
+        "--data.micro_batch_size",
+        "4",
+        nproc=2,
+    )
     assert losses[5] > losses[40] + 1.0, losses  # from ~uniform over 512 ids (6.2) well into the corpus' statistics
     assert losses[40] < 5.0
 
@@ -66,10 +77,22 @@ def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
 def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     out = tmp_path / "run"
     proc = train_cli(
-        ["--recipe", str(tiny_data), "--train.out_dir", str(out), "--train.steps", "6", "--train.log_every", "3",
-         "--train.eval_every", "3", "--parallel.mixed_precision", "bf16"],
+        [
+            "--recipe",
+            str(tiny_data),
+            "--train.out_dir",
+            str(out),
+            "--train.steps",
+            "6",
+            "--train.log_every",
+            "3",
+            "--train.eval_every",
+            "3",
+            "--parallel.mixed_precision",
+            "bf16",
+        ],
         nproc=2,
-    )  # fmt: skip
+    )
     records = read_metrics(out)
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -110,3 +133,23 @@ def test_bad_input_gives_one_error_line(tiny_data, tmp_path, flags, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_compile_with_selective_ac_matches_eager(tiny_data, tmp_path):
+    """The per-block torch.compile path (after AC, before FSDP) trains to the same losses as eager, up to fusion."""
+    eager = _run(
+        tiny_data, tmp_path / "eager", "--train.steps", "3", "--parallel.activation_checkpointing", "selective"
+    )
+    compiled = _run(
+        tiny_data,
+        tmp_path / "compiled",
+        "--train.steps",
+        "3",
+        "--parallel.activation_checkpointing",
+        "selective",
+        "--parallel.compile",
+        "true",
+    )
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-4)

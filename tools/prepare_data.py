@@ -42,8 +42,7 @@ def prepare(
     if vocab_size > recipe.model.vocab_size:
         raise ValueError(f"--vocab_size={vocab_size} exceeds the recipe's model.vocab_size={recipe.model.vocab_size}")
     outputs = [data.tokenizer_path, data.train_path] + ([data.val_path] if data.val_path else [])
-    stamp = {"inputs": [file_sha256(p) for p in inputs], "vocab_size": vocab_size,
-             "val_fraction": val_fraction}  # fmt: skip
+    stamp = {"inputs": [file_sha256(p) for p in inputs], "vocab_size": vocab_size, "val_fraction": val_fraction}
     stamp_path = f"{data.train_path}.inputs.json"
     if not force and all(os.path.isfile(p) for p in outputs) and os.path.isfile(stamp_path):
         with open(stamp_path) as f:
@@ -85,8 +84,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", required=True, help="recipe whose data section names the outputs")
     parser.add_argument("--input", nargs="+", default=[str(BUNDLED_CORPUS)], help="text files (.txt or .txt.gz)")
     parser.add_argument("--val_fraction", type=float, default=0.05, help="tail of each document kept for validation")
-    parser.add_argument("--vocab_size", type=int, default=None,
-                        help="tokenizer vocabulary (default: the recipe's model.vocab_size; may be smaller)")
+    parser.add_argument(
+        "--vocab_size",
+        type=int,
+        default=None,
+        help="tokenizer vocabulary (default: the recipe's model.vocab_size; may be smaller)",
+    )
     parser.add_argument("--force", type=bool, default=False, help="rebuild even if the outputs are up to date")
     try:
         args = parser.parse_args(argv)
