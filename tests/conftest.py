@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,46 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+
+
+def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = ()):
+    """Start torchrun in the background, its output going to log_path."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *torchrun_flags, "-m", "fsdp_trainer.train", *args]  # fmt: skip
+    log = open(log_path, "w")
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+
+
+def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 180) -> int:
+    """Block until metrics.jsonl has logged `step` (returns the newest logged step); fail if the run dies first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited {proc.returncode} early:\n{Path(log_path).read_text()[-4000:]}")
+        try:
+            steps = [json.loads(line)["step"] for line in open(out_dir / "metrics.jsonl") if line.endswith("\n")]
+        except (FileNotFoundError, json.JSONDecodeError):
+            steps = []
+        if steps and steps[-1] >= step:
+            return steps[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The training processes torchrun started (its children running fsdp_trainer.train)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher_pid and b"fsdp_trainer.train" in cmdline:
+            pids.append(int(entry))
+    return pids

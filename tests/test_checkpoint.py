@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
 import pytest
 
-from tests.conftest import train_cli, train_losses
+from tests.conftest import train_cli, train_losses, train_popen, wait_for_step, worker_pids
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
 CONSTANT_LR = ["--optim.warmup_steps", "0", "--optim.min_lr", "3e-3", "--optim.lr", "3e-3", "--train.steps"]
@@ -94,3 +96,39 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
     proc = train_cli(_args(tiny_data, tmp_path / "run", 2, "--checkpoint.resume", str(target), *flags), check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: rank 0: ") and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_and_resume_continues_exactly(tiny_data, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    proc = train_popen(_args(tiny_data, out, 100_000, "--checkpoint.every", "0"), log)
+    wait_for_step(out, 5, proc, log)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    proc.wait(timeout=60)
+    assert "SIGTERM: saving step" in log.read_text()
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    logged = train_losses(out)
+    assert stopped_at >= 5 and max(logged) == stopped_at  # it finished the step it was in, saved it, and stopped
+
+    train_cli(_args(tiny_data, out, stopped_at + 3), nproc=2)  # checkpoint.resume: auto
+    reference = tmp_path / "reference"
+    train_cli(_args(tiny_data, reference, stopped_at + 3), nproc=2)
+    assert train_losses(out) == train_losses(reference)
+
+
+@pytest.mark.slow
+def test_killed_rank_is_restarted_by_torchrun_and_resumes(tiny_data, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    args = _args(tiny_data, out, 150, "--checkpoint.every", "10")
+    proc = train_popen(args, log, torchrun_flags=("--max-restarts=1",))
+    wait_for_step(out, 12, proc, log)
+    victim = worker_pids(proc.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    assert "resumed from" in text
+
+    reference = tmp_path / "reference"
+    train_cli(_args(tiny_data, reference, 150, "--checkpoint.every", "10"), nproc=2)
+    # metrics.jsonl holds the steps between the last checkpoint and the kill twice; the later lines are the resumed run.
+    assert train_losses(out) == train_losses(reference)
