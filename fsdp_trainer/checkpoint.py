@@ -2,8 +2,12 @@
 
 Layout (this module is the only one that knows it):
 
-    OUT_DIR/checkpoints/step_00000100/   a DCP directory: one file per rank plus `.metadata`, written last
+    OUT_DIR/checkpoints/step_00000100/   a DCP directory: one file per rank plus `.metadata`, written last, and the
+                                         attachments (recipe.yaml, tokenizer.model) that make it self-describing
     OUT_DIR/checkpoints/latest           text: the name of the newest complete step directory
+
+A weights-only checkpoint (tools/import_hf.py) holds just the `model` entry; loading it starts a fresh optimizer,
+data stream and step count.
 
 A step directory counts only once `.metadata` exists and `latest` names it; `latest` is replaced atomically
 (temp file + os.replace) after every rank has finished writing, so a crash at any instant leaves `latest` naming a
@@ -16,6 +20,8 @@ import logging
 import os
 import re
 import shutil
+import time
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -120,6 +126,41 @@ def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
             )
 
 
+def saved_entries(path: Path) -> set[str]:
+    """The top-level entries (model, optim, data, train) a DCP checkpoint holds."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key.split(".", 1)[0] for key in metadata}
+
+
+def load_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The full fp32 model weights of a checkpoint saved at any world size, read without a process group."""
+    path = resolve_checkpoint(path)
+    check_model_shapes(path, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state["model"]
+
+
+def save_model_weights(
+    state: dict[str, torch.Tensor], out_dir: str | os.PathLike, attachments: dict[str, bytes] | None = None
+) -> Path:
+    """Write full weights as a weights-only checkpoint `out_dir/checkpoints/step_00000000` and publish it, so that
+    `--checkpoint.resume out_dir` starts training from them. Needs no process group."""
+    ckpt_dir = Path(out_dir) / "checkpoints"
+    path = ckpt_dir / "step_00000000"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    for name, content in (attachments or {}).items():
+        (path / name).write_bytes(content)
+    tmp = ckpt_dir / "latest.tmp"
+    tmp.write_text(path.name + "\n")
+    os.replace(tmp, ckpt_dir / "latest")
+    return path
+
+
 class Checkpointer:
     """Saves and restores a dict of Stateful objects under `out_dir/checkpoints`.
 
@@ -128,11 +169,20 @@ class Checkpointer:
     each later step, and waited for by the next save and by close()).
     """
 
-    def __init__(self, cfg: CheckpointConfig, out_dir: str, states: dict[str, Stateful], is_main: bool):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        out_dir: str,
+        states: dict[str, Stateful],
+        is_main: bool,
+        attachments: dict[str, bytes] | None = None,
+    ):
         self.cfg = cfg
         self.dir = Path(out_dir) / "checkpoints"
         self.states = states
         self.is_main = is_main
+        self.attachments = attachments or {}
+        self.last_saved: int | None = None
         self._pending: tuple[Future, Path] | None = None
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
@@ -145,43 +195,62 @@ class Checkpointer:
             return None
         path = resolve_checkpoint(self.dir if resume == "auto" else resume)
         check_model_shapes(path, self.states["model"].state_dict())
+        saved = saved_entries(path)
+        if saved == {"model"}:  # weights only (an imported model): fresh optimizer, data stream and step
+            dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+            logger.info(f"loaded weights from {path}; starting at step 0")
+            return None
+        missing = set(self.states) - saved
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
         dcp.load(self.states, checkpoint_id=str(path))
         step = self.states["train"].step
+        self.last_saved = step
         logger.info(f"resumed from {path} at step {step}")
         return step
 
-    def save_if_due(self, step: int, last: bool) -> None:
+    def save_if_due(self, step: int) -> None:
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
-        if self.cfg.every and (step % self.cfg.every == 0 or last):
+        if self.cfg.every and step % self.cfg.every == 0:
+            self.save(step)
+
+    def save_final(self, step: int) -> None:
+        """At the end of a run: save the last step unless it is saved already (or checkpoints are off)."""
+        if self.cfg.every and self.last_saved != step:
             self.save(step)
 
     def save(self, step: int) -> None:
+        self.last_saved = step
         path = self.dir / f"step_{step:08d}"
         if self._pending is not None:  # one write in flight at a time
             self._finish_pending()
+        start = time.perf_counter()
         if self.cfg.async_save:
             future = dcp.async_save(self.states, checkpoint_id=str(path), process_group=self._async_group)
-            self._pending = (future, path)
+            self._pending = (future, path, start, time.perf_counter() - start)
             return
         dcp.save(self.states, checkpoint_id=str(path))
         # dcp.save returns on the coordinator (rank 0) only after gathering every rank's write results and writing
         # .metadata, so the directory is complete here and `latest` may point at it.
-        self._published(path)
+        blocked = time.perf_counter() - start
+        self._published(path, blocked, blocked)
 
     def _finish_pending(self) -> None:
-        future, path = self._pending
+        future, path, start, blocked = self._pending
         self._pending = None
         future.result()  # re-raises a failed background write on this rank
-        self._published(path)
+        self._published(path, time.perf_counter() - start, blocked)
 
-    def _published(self, path: Path) -> None:
+    def _published(self, path: Path, total_s: float, blocked_s: float) -> None:
         if self.is_main:
             if not is_complete(path):
                 raise CheckpointError(f"{path} was written without .metadata; `latest` still names the previous step")
+            for name, content in self.attachments.items():
+                (path / name).write_bytes(content)
             self._publish(path.name)
             self._prune()
-            logger.info(f"saved checkpoint {path}")
+            logger.info(f"saved checkpoint {path} ({total_s:.2f} s, training blocked {blocked_s:.2f} s)")
 
     def _publish(self, name: str) -> None:
         tmp = self.dir / "latest.tmp"

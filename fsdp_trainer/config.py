@@ -19,6 +19,7 @@ __all__ = [
     "ParallelConfig",
     "Recipe",
     "TrainConfig",
+    "load_recipe_sections",
     "load_recipe_yaml",
     "parse_recipe",
     "recipe_to_yaml",
@@ -277,8 +278,9 @@ def recipe_to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(plain(asdict(recipe)), sort_keys=False)
 
 
-def load_recipe_yaml(path: str) -> Recipe:
-    """Read a recipe YAML (e.g. a run's config.yaml) without a command line; raises ValueError on bad content."""
+def load_recipe_sections(path: str) -> dict:
+    """The sections of a recipe YAML (e.g. a run's config.yaml or a model.yaml fragment) as dataclasses, without a
+    command line and without the cross-section checks; sections the file lacks get their defaults."""
     import yaml
 
     with open(path) as f:
@@ -292,4 +294,9 @@ def load_recipe_yaml(path: str) -> Recipe:
             sections[name] = cls(**(raw.get(name) or {}))
         except TypeError as e:
             raise ValueError(f"{path}: section {name}: {e}") from e
-    return Recipe(**sections)
+    return sections
+
+
+def load_recipe_yaml(path: str) -> Recipe:
+    """Read a whole recipe YAML without a command line; raises ValueError on bad content."""
+    return Recipe(**load_recipe_sections(path))

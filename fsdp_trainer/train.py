@@ -132,6 +132,11 @@ class PreemptionFlag:
         return bool(flag.item())
 
 
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def write_config(recipe: Recipe) -> None:
     os.makedirs(recipe.train.out_dir, exist_ok=True)
     path = os.path.join(recipe.train.out_dir, "config.yaml")
@@ -167,6 +172,11 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
         cfg.out_dir,
         {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state},
         env.is_main,
+        # A checkpoint carries what tools/consolidate.py needs to turn it into an HF model on its own.
+        attachments={
+            "recipe.yaml": recipe_to_yaml(recipe).encode(),
+            "tokenizer.model": read_bytes(data.tokenizer_path),
+        },
     )
     resumed_from = ckpt.load()
 
@@ -211,7 +221,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             logger.info(f"SIGTERM: saving step {state.step} and stopping")
             ckpt.save(state.step)
             break
-        ckpt.save_if_due(state.step, last)
+        ckpt.save_if_due(state.step)
+    ckpt.save_final(state.step)
     ckpt.close()
     metrics.close()
     if env.is_main:

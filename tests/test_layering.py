@@ -17,6 +17,7 @@ ALLOWED = {
     "optim": {"config"},
     "metrics": {"config"},
     "checkpoint": {"config"},
+    "hf": {"config"},
     "parallel": {"config", "model"},
     "train": {"config", "model", "data", "tokenizer", "optim", "metrics", "checkpoint", "parallel"},
     "__main__": {"train"},

@@ -1,0 +1,189 @@
+"""Hugging Face interop: config.json <-> ModelConfig, safetensors shards, and tokenizer files from sentencepiece.
+
+Our parameter names are HF's and RoPE uses HF's rotate-half layout (model.py), so weights move between the two
+formats by name, unchanged; only the tied `lm_head.weight` is left out of HF files, as HF does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fsdp_trainer.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
+    """config.json for LlamaForCausalLM / Qwen3ForCausalLM. Every field HF would otherwise default is spelled out:
+    a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error and gives wrong logits."""
+    config = {
+        "architectures": [ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # where transformers>=5 reads it
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+    }
+    if cfg.family == "qwen3":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if bos_id is not None:
+        config["bos_token_id"] = bos_id
+    if eos_id is not None:
+        config["eos_token_id"] = eos_id
+    return config
+
+
+def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
+    """ModelConfig for an HF Llama / Qwen3 config.json; refuses (ValueError naming the field) what our model lacks."""
+    family = config.get("model_type")
+    if family not in ARCHITECTURES:
+        raise ValueError(f"{source}: model_type {family!r} is not supported (only {sorted(ARCHITECTURES)})")
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported yet")
+    for key, unsupported in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
+        if config.get(key) == unsupported:
+            raise ValueError(f"{source}: {key}={unsupported} is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
+    n_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    return ModelConfig(
+        family=family,
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        head_dim=None if head_dim * n_heads == config["hidden_size"] else head_dim,
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def save_safetensors(
+    state: dict[str, torch.Tensor], out_dir: str | os.PathLike, dtype: str, max_shard_bytes: int
+) -> list[str]:
+    """Write `state` as model.safetensors, or as model-0000i-of-0000n.safetensors + index above max_shard_bytes.
+
+    Only one shard's tensors are converted to `dtype` at a time, so the memory beyond `state` is one shard.
+    """
+    out_dir = Path(out_dir)
+    torch_dtype = DTYPES[dtype]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * torch_dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]  # fmt: skip
+    weight_map = {}
+    for file, names in zip(files, shards, strict=True):
+        shard = {name: state[name].to(torch_dtype).contiguous() for name in names}
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        del shard
+    if len(files) > 1:
+        total = sum(t.numel() * torch_dtype.itemsize for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
+
+
+def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory (single file or index + shards), as stored."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
+    state = {}
+    for file in files:
+        state.update(load_file(str(hf_dir / file)))
+    return state
+
+
+def write_tokenizer_files(sp_model_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """tokenizer.model (the sentencepiece file), tokenizer.json and tokenizer_config.json for PreTrainedTokenizerFast,
+    giving the same ids as sentencepiece.
+
+    tokenizer.json is a byte-fallback BPE whose merges are read off the sentencepiece vocabulary: every split of a
+    piece into two pieces, ranked by the merged piece's score. Spaces become `▁` without a prefix (the model is
+    trained with add_dummy_prefix off), and user-defined pieces such as the newline are added tokens.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(Path(sp_model_path).read_bytes())
+    Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
+    merges = []
+    for i, (piece, _, kind) in enumerate(pieces):
+        if kind != Piece.NORMAL:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((-pieces[i][1], i, vocab[left], vocab[right], left, right))
+    merges.sort()
+    unk = proto.trainer_spec.unk_piece
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=[m[4:] for m in merges], unk_token=unk, fuse_unk=True,
+                              byte_fallback=True))  # fmt: skip
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    special = [p for p, _, kind in pieces if kind in (Piece.UNKNOWN, Piece.CONTROL)]
+    tokenizer.add_special_tokens([AddedToken(p, special=True, normalized=False) for p in special])
+    tokenizer.add_tokens([AddedToken(p, normalized=False) for p, _, kind in pieces if kind == Piece.USER_DEFINED])
+
+    out_dir = Path(out_dir)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer.model").write_bytes(Path(sp_model_path).read_bytes())
+    by_id = {i: p for i, (p, _, _) in enumerate(pieces)}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": by_id.get(proto.trainer_spec.bos_id),
+        "eos_token": by_id.get(proto.trainer_spec.eos_id),
+        "unk_token": unk,
+        "add_bos_token": False,  # the training data has no BOS; documents end with EOS
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": True,  # like sentencepiece, read "<s>" in text as text
+        "model_max_length": 1_000_000,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

@@ -1,0 +1,137 @@
+"""Weights and tokenizer through Hugging Face: consolidate -> transformers, HF -> import -> train -> consolidate."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import yaml
+
+from fsdp_trainer.checkpoint import load_model_weights, save_model_weights
+from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.data import BUNDLED_CORPUS
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.tokenizer import Tokenizer
+from tests.conftest import REPO, train_cli
+
+transformers = pytest.importorskip("transformers")
+
+VARIANTS = {
+    "llama": ["--model.family", "llama"],
+    "llama_tied": ["--model.family", "llama", "--model.tie_embeddings", "true"],
+    "qwen3": ["--model.family", "qwen3", "--model.head_dim", "32"],
+    "qwen3_tied": ["--model.family", "qwen3", "--model.head_dim", "32", "--model.tie_embeddings", "true"],
+}
+
+
+def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], capture_output=True, text=True)
+    if check and proc.returncode:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+def our_model(ckpt, cfg: ModelConfig) -> Transformer:
+    model = Transformer(cfg)
+    model.load_state_dict(load_model_weights(ckpt, {k: v.shape for k, v in model.state_dict().items()}))
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_consolidated_checkpoint_matches_in_transformers(tiny_data, tmp_path, variant):
+    nproc = 2 if variant == "llama_tied" else 1  # a checkpoint of any world size consolidates the same way
+    run = tmp_path / "run"
+    flags = ["--train.steps", "2", "--checkpoint.every", "2", *VARIANTS[variant]]
+    train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(run), *flags], nproc=nproc)
+    out = tmp_path / "hf"
+    tool("consolidate.py", run, out, "--verify", "hf")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer.model", "tokenizer_config.json"
+    ]  # fmt: skip
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    cfg = ModelConfig(**{**json.loads((tiny_data).read_text())["model"], **_flags_to_model(VARIANTS[variant])})
+    ours = our_model(run / "checkpoints" / "step_00000002", cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+
+    # The HF tokenizer gives our ids: same pieces, newlines, spaces and byte fallback.
+    sp = Tokenizer(out / "tokenizer.model")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        samples = f.read(60_000).split("\n\n")[:200] + ["Café — naïve 12345 \U0001f600  x  ", "<s> and </s> as text"]
+    for text in samples:
+        assert hf_tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+        assert hf_tok.decode(sp.encode(text)) == text
+
+
+def _flags_to_model(flags: list[str]) -> dict:
+    pairs = dict(zip(flags[::2], flags[1::2], strict=True))
+    out = {k.removeprefix("--model."): v for k, v in pairs.items()}
+    if "head_dim" in out:
+        out["head_dim"] = int(out["head_dim"])
+    if "tie_embeddings" in out:
+        out["tie_embeddings"] = out["tie_embeddings"] == "true"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hf_import_train_zero_steps_consolidate_is_identity(tiny_data, tmp_path, family):
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  rope_theta=20000.0, tie_word_embeddings=family == "qwen3")  # fmt: skip
+    config_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config_cls(**common))
+    original.save_pretrained(tmp_path / "hf_in")
+
+    tool("import_hf.py", tmp_path / "hf_in", tmp_path / "imported")
+    run = tmp_path / "run"
+    proc = train_cli(["--recipe", str(tiny_data), "--recipe", str(tmp_path / "imported" / "model.yaml"),
+                      "--checkpoint.resume", str(tmp_path / "imported"), "--train.steps", "0",
+                      "--checkpoint.every", "1", "--train.out_dir", str(run)])  # fmt: skip
+    assert "loaded weights from" in proc.stdout
+    tool("consolidate.py", run, tmp_path / "hf_out")
+
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
+    before, after = original.state_dict(), again.state_dict()
+    assert set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
+def test_large_models_are_sharded_with_an_index(tmp_path):
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=512, max_seq_len=64)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    model_yaml = yaml.safe_dump({"model": asdict(cfg)})
+    save_model_weights(model.state_dict(), tmp_path / "ck", {"recipe.yaml": model_yaml.encode()})
+    tool("consolidate.py", tmp_path / "ck", tmp_path / "hf", "--max_shard_gb", "0.0001", "--dtype", "bf16")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((tmp_path / "hf" / f).is_file() for f in files)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.dtype == torch.bfloat16
+    torch.testing.assert_close(hf.state_dict()["model.norm.weight"], model.state_dict()["model.norm.weight"].bfloat16())
+
+
+def test_tool_errors_are_one_line(tiny_data, tmp_path):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep me")
+    proc = tool("consolidate.py", tmp_path / "nope", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == f"error: checkpoint {tmp_path / 'nope'} does not exist"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}))  # fmt: skip
+    proc = tool("import_hf.py", tmp_path / "hf", tmp_path / "imp", check=False)
+    assert proc.returncode == 1 and "rope scaling 'llama3' is not supported yet" in proc.stderr
+    assert (tmp_path / "full" / "x").read_text() == "keep me"
