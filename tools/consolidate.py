@@ -41,21 +41,34 @@ def find_recipe(ckpt: Path) -> Path:
     raise FileNotFoundError(f"{ckpt} has no recipe.yaml and no run config.yaml two levels up")
 
 
+def read_safetensors_one_by_one(path: Path):
+    """Yield (name, tensor) from a safetensors file, reading one tensor at a time with plain reads: memory-mapping
+    the file (safe_open) would count the whole file in the process's resident memory."""
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            f.seek(8 + header_size + start)
+            data = bytearray(f.read(end - start))
+            yield name, torch.frombuffer(data, dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+
+
 def check_files(out_dir: Path, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """Every expected tensor is in the files, with its shape and (cast) value; nothing else is."""
-    from safetensors import safe_open
-
-    found = {}
+    found = set()
     for file in sorted(out_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                found[name] = f.get_tensor(name)
-    if set(found) != set(expected):
-        raise ValueError(f"written keys differ: missing {sorted(set(expected) - set(found))[:3]}, "
-                         f"unexpected {sorted(set(found) - set(expected))[:3]}")  # fmt: skip
-    for name, tensor in expected.items():
-        if found[name].shape != tensor.shape or not torch.equal(found[name], tensor.to(dtype)):
-            raise ValueError(f"written {name} differs from the checkpoint")
+        for name, tensor in read_safetensors_one_by_one(file):
+            if name not in expected:
+                raise ValueError(f"{file.name} holds {name}, which the model does not have")
+            if tensor.shape != expected[name].shape or not torch.equal(tensor, expected[name].to(dtype)):
+                raise ValueError(f"{name} in {file.name} differs from the checkpoint")
+            found.add(name)
+    if found != set(expected):
+        raise ValueError(f"the written files lack {sorted(set(expected) - found)[:3]}")
 
 
 def check_with_transformers(out_dir: Path, model: Transformer | None, dtype: torch.dtype) -> float | None:
@@ -87,9 +100,9 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_gb: 
     cfg = sections["model"]
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
-    state = load_model_weights(ckpt, shapes)
     if cfg.tie_embeddings:
-        state.pop("lm_head.weight")  # HF ties it to embed_tokens on load
+        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    state = load_model_weights(ckpt, shapes)
     tokenizer_path = ckpt / "tokenizer.model"
     if not tokenizer_path.is_file():
         tokenizer_path = Path(sections["data"].tokenizer_path)
