@@ -126,6 +126,14 @@ def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
             )
 
 
+def checkpoint_recipe(path: Path) -> Path:
+    """The recipe a checkpoint was saved with: its own recipe.yaml, else its run's config.yaml."""
+    for candidate in (path / "recipe.yaml", path.parent.parent / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{path} has no recipe.yaml and no run config.yaml two levels up")
+
+
 def saved_entries(path: Path) -> set[str]:
     """The top-level entries (model, optim, data, train) a DCP checkpoint holds."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

@@ -85,6 +85,7 @@ def one_step_checkpoint(tiny_data, tmp_path_factory):
         ),
         ("missing", [], "does not exist"),
         ("truncated", [], "not a complete DCP checkpoint (no .metadata)"),
+        ("latest_dangling", [], "step_00000009, which is missing or incomplete (no .metadata)"),
     ],
 )
 def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpoint, case, flags, message):
@@ -93,6 +94,9 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
         shutil.copytree(one_step_checkpoint, target)
     if case == "truncated":
         (target / ".metadata").unlink()
+    if case == "latest_dangling":  # a run directory whose `latest` names a step that is gone
+        (target / "checkpoints").mkdir()
+        (target / "checkpoints" / "latest").write_text("step_00000009\n")
     proc = train_cli(_args(tiny_data, tmp_path / "run", 2, "--checkpoint.resume", str(target), *flags), check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: rank 0: ") and message in proc.stderr, proc.stderr

@@ -27,18 +27,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
 
-from fsdp_trainer.checkpoint import load_model_weights, resolve_checkpoint  # noqa: E402
+from fsdp_trainer.checkpoint import checkpoint_recipe, load_model_weights, resolve_checkpoint  # noqa: E402
 from fsdp_trainer.config import load_recipe_sections  # noqa: E402
 from fsdp_trainer.hf import DTYPES, hf_config, save_safetensors, write_tokenizer_files  # noqa: E402
 from fsdp_trainer.model import Transformer  # noqa: E402
 from fsdp_trainer.tokenizer import Tokenizer  # noqa: E402
-
-
-def find_recipe(ckpt: Path) -> Path:
-    for candidate in (ckpt / "recipe.yaml", ckpt.parent.parent / "config.yaml"):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(f"{ckpt} has no recipe.yaml and no run config.yaml two levels up")
 
 
 def read_safetensors_one_by_one(path: Path):
@@ -96,7 +89,7 @@ def consolidate(ckpt_dir: str, out_dir: str, dtype: str = "fp32", max_shard_gb: 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
-    sections = load_recipe_sections(str(find_recipe(ckpt)))
+    sections = load_recipe_sections(str(checkpoint_recipe(ckpt)))
     cfg = sections["model"]
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
