@@ -190,3 +190,32 @@ def count_params(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
     if exclude_embedding:
         n -= model.model.embed_tokens.weight.numel()
     return n
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    stop_id: int | None = None,
+) -> torch.Tensor:
+    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy. No KV cache: each new token
+    re-reads the last max_seq_len tokens, which is plenty fast for the models one samples from a laptop."""
+    tokens = prompt.clone()
+    for _ in range(max_new_tokens):
+        logits = model(tokens[-model.cfg.max_seq_len :][None])[0, -1].float()  # (vocab_size,)
+        if temperature == 0:
+            next_id = logits.argmax()
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        tokens = torch.cat([tokens, next_id.view(1)])
+        if stop_id is not None and next_id.item() == stop_id:
+            break
+    return tokens

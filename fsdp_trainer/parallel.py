@@ -188,9 +188,11 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precis
     blocks = list(model.model.layers.values())
     if not blocks:
         raise ValueError("apply_fsdp found no Transformer block to wrap")
-    for block in blocks:
-        shard(block, reshard_after_forward=plan.reshard_after_forward)
-    shard(model, reshard_after_forward=plan.reshard_after_forward)
+    for i, block in enumerate(blocks):
+        # Backward starts with the last block, so freeing its gathered params after forward would only mean
+        # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
+        shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
+    shard(model, reshard_after_forward=False)
 
 
 def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> None:

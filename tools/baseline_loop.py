@@ -1,0 +1,94 @@
+"""The yardstick for tools/bench.py: a plain FSDP2 training loop, written the way a user would without a framework.
+
+    torchrun --standalone --nproc_per_node=2 tools/baseline_loop.py --recipe R --steps 20 --warmup 5 --out result.json
+
+Same model (fsdp_trainer.model, same init), same data file, same global batch and optimizer as the recipe; nothing
+else: no config system, no checkpointing, no eval, no logging until the end. Writes one JSON object: tokens/s over
+the `steps` after `warmup` and the largest peak memory of any rank.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_trainer.config import load_recipe_yaml  # noqa: E402
+from fsdp_trainer.metrics import peak_memory_gb  # noqa: E402
+from fsdp_trainer.model import Transformer  # noqa: E402
+from fsdp_trainer.parallel import materialize  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--recipe", required=True)
+parser.add_argument("--train_path", required=True)
+parser.add_argument("--steps", type=int, default=20)
+parser.add_argument("--warmup", type=int, default=5)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+recipe = load_recipe_yaml(args.recipe)
+data, mcfg = recipe.data, recipe.model
+
+dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+
+with torch.device("meta"):
+    model = Transformer(mcfg)
+bf16 = recipe.parallel.mixed_precision == "bf16"
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+for block in model.model.layers.values():
+    fully_shard(block, mp_policy=mp)
+fully_shard(model, mp_policy=mp)
+materialize(model, device, seed=0)  # the trainer's init, so both start from the same weights (not timed)
+optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, betas=recipe.optim.betas,
+                              weight_decay=recipe.optim.weight_decay, foreach=True)  # fmt: skip
+
+tokens = np.memmap(args.train_path, dtype=np.uint16 if mcfg.vocab_size <= 65536 else np.uint32, mode="r")
+rng = np.random.default_rng(rank)
+
+
+def get_batch():  # nanoGPT's: random windows
+    starts = rng.integers(0, len(tokens) - data.seq_len - 1, data.micro_batch_size)
+    rows = torch.from_numpy(np.stack([tokens[s : s + data.seq_len + 1] for s in starts]).astype(np.int64))
+    rows = rows.to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def sync():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+for step in range(args.warmup + args.steps):
+    if step == args.warmup:
+        sync()
+        start = time.perf_counter()
+    for micro in range(data.grad_accum_steps):
+        model.set_requires_gradient_sync(micro == data.grad_accum_steps - 1)
+        x, y = get_batch()
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        (loss / data.grad_accum_steps).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+sync()
+elapsed = time.perf_counter() - start
+
+mem = torch.tensor(peak_memory_gb(device), device=device)
+dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+tokens_per_step = data.micro_batch_size * data.grad_accum_steps * data.seq_len * world
+if rank == 0:
+    result = {"tokens_per_s": tokens_per_step * args.steps / elapsed, "peak_mem_gb": mem.item(), "loss": loss.item()}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+dist.destroy_process_group()

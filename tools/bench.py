@@ -1,0 +1,141 @@
+"""Throughput and memory of fsdp_trainer against a hand-written FSDP2 loop, measured side by side.
+
+    python tools/bench.py --recipe recipes/debug.yaml --nproc 2 --steps 20 [--repeats 2] [--model.dim 512 ...]
+
+Runs, alternating and each as its own torchrun job (so peak memory is per job): the real trainer
+(`python -m fsdp_trainer.train`, logging every --log_every steps, no eval, no checkpoints) and tools/baseline_loop.py
+(the same model, init, batch and optimizer in a plain loop that never logs). Both read the same token file: random
+tokens by default (--data synthetic), or the recipe's train_path (--data recipe). Throughput is measured over
+--steps steps after a warmup of --log_every steps. Prints a table and the headline ratio ours / baseline, and
+writes everything to --out as JSON. Flags it does not know are recipe overrides (`--model.dim 512`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
+from fsdp_trainer.data import write_token_file  # noqa: E402
+from fsdp_trainer.metrics import flops_per_token  # noqa: E402
+from fsdp_trainer.tokenizer import file_sha256  # noqa: E402
+
+
+def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]:
+    """A token file of uniform random ids, and a stand-in tokenizer file whose hash the token file's meta names."""
+    tokenizer = tmp / "synthetic.tokenizer"
+    tokenizer.write_bytes(b"synthetic tokens: no tokenizer\n")
+    tokens = np.random.default_rng(0).integers(0, vocab_size, n_tokens)
+    write_token_file(tmp / "train.bin", tokens, vocab_size, file_sha256(tokenizer))
+    return str(tmp / "train.bin"), str(tokenizer)
+
+
+def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tmp: Path) -> dict:
+    out = tmp / "ours_run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
+           "--data.val_path", "null", "--data.tokenizer_path", tokenizer_path, "--train.steps", str(log_every + steps),
+           "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
+           "--checkpoint.resume", "none", "--train.out_dir", str(out)]  # fmt: skip
+    _run(cmd)
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
+    elapsed = last["elapsed_s"] - first["elapsed_s"]
+    tokens_per_step = _tokens_per_step(recipe_path, nproc)
+    return {"tokens_per_s": (last["step"] - first["step"]) * tokens_per_step / elapsed,
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"]}  # fmt: skip
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def _tokens_per_step(recipe_path: str, nproc: int) -> int:
+    data = parse_recipe(["--recipe", recipe_path]).data
+    return data.micro_batch_size * data.grad_accum_steps * data.seq_len * nproc
+
+
+def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
+    out = tmp / "baseline.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "tools" / "baseline_loop.py"), "--recipe", recipe_path, "--train_path", train_path,
+           "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]  # fmt: skip
+    _run(cmd)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="measured steps (a multiple of --log_every)")
+    parser.add_argument("--log_every", type=int, default=10, help="ours logs this often; also the warmup length")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--data", choices=["synthetic", "recipe"], default="synthetic")
+    parser.add_argument("--out", default="bench_out/bench.json")
+    args, overrides = parser.parse_known_args()
+    if args.steps % args.log_every:
+        parser.error(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
+    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        recipe_path = str(tmp / "recipe.yaml")
+        Path(recipe_path).write_text(recipe_to_yaml(recipe))
+        if args.data == "synthetic":
+            n_tokens = 4 * (args.log_every + args.steps) * _tokens_per_step(recipe_path, args.nproc) + 1
+            train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, n_tokens)
+        else:
+            train_path, tokenizer_path = recipe.data.train_path, recipe.data.tokenizer_path
+        results = {"ours": [], "baseline": []}
+        for _ in range(args.repeats):
+            results["baseline"].append(
+                run_baseline(recipe_path, train_path, args.nproc, args.steps, args.log_every, tmp)
+            )
+            results["ours"].append(
+                run_ours(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, args.log_every, tmp)
+            )
+            print(f"baseline {results['baseline'][-1]['tokens_per_s']:,.0f} tok/s | "
+                  f"ours {results['ours'][-1]['tokens_per_s']:,.0f} tok/s", flush=True)  # fmt: skip
+
+    summary = {}
+    for impl, runs in results.items():
+        summary[impl] = {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in runs),
+            "tokens_per_s_min": min(r["tokens_per_s"] for r in runs),
+            "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
+            "peak_mem_gb_max": max(r["peak_mem_gb"] for r in runs),
+        }
+    ratio = summary["ours"]["tokens_per_s_median"] / summary["baseline"]["tokens_per_s_median"]
+    shape = recipe.model
+    print(f"\n{recipe.model.family} dim {shape.dim} x {shape.n_layers} layers, seq {recipe.data.seq_len}, "
+          f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, {args.nproc} ranks, "
+          f"{flops_per_token(shape, recipe.data.seq_len) / 1e6:.0f} MFLOP/token")  # fmt: skip
+    print("| impl | tokens/s (median) | min - max | per device | peak mem / rank |")
+    print("|---|---|---|---|---|")
+    for impl, s in summary.items():
+        print(f"| {impl} | {s['tokens_per_s_median']:,.0f} | {s['tokens_per_s_min']:,.0f} - "
+              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | "
+              f"{s['peak_mem_gb_max']:.2f} GB |")  # fmt: skip
+    print(f"ours / baseline = {ratio:.3f}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "overrides": overrides, "runs": results, "summary": summary,
+                   "ratio": ratio}, f, indent=2)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
