@@ -29,7 +29,8 @@ demo: $(VENV)/.installed
 	$(PY) tools/prepare_data.py --recipe $(RECIPE)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fsdp_trainer.train --recipe $(RECIPE) \
 		--train.out_dir $(OUT) --checkpoint.resume none
-	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, checkpoints/"
+	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, checkpoints/. A sample from it:"
+	$(PY) tools/generate.py $(OUT) --prompt "ROMEO." --max_new_tokens 80
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest
