@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,11 +133,6 @@ class PreemptionFlag:
         return bool(flag.item())
 
 
-def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def write_config(recipe: Recipe) -> None:
     os.makedirs(recipe.train.out_dir, exist_ok=True)
     path = os.path.join(recipe.train.out_dir, "config.yaml")
@@ -175,7 +171,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
         # A checkpoint carries what tools/consolidate.py needs to turn it into an HF model on its own.
         attachments={
             "recipe.yaml": recipe_to_yaml(recipe).encode(),
-            "tokenizer.model": read_bytes(data.tokenizer_path),
+            "tokenizer.model": Path(data.tokenizer_path).read_bytes(),
         },
     )
     resumed_from = ckpt.load()
