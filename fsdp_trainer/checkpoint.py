@@ -134,6 +134,13 @@ def checkpoint_recipe(path: Path) -> Path:
     raise FileNotFoundError(f"{path} has no recipe.yaml and no run config.yaml two levels up")
 
 
+def publish_latest(ckpt_dir: Path, name: str) -> None:
+    """Point `latest` at step directory `name` atomically: readers see the old name or the new one, never half."""
+    tmp = ckpt_dir / "latest.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, ckpt_dir / "latest")
+
+
 def saved_entries(path: Path) -> set[str]:
     """The top-level entries (model, optim, data, train) a DCP checkpoint holds."""
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -163,9 +170,7 @@ def save_model_weights(
         dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
     for name, content in (attachments or {}).items():
         (path / name).write_bytes(content)
-    tmp = ckpt_dir / "latest.tmp"
-    tmp.write_text(path.name + "\n")
-    os.replace(tmp, ckpt_dir / "latest")
+    publish_latest(ckpt_dir, path.name)
     return path
 
 
@@ -191,7 +196,7 @@ class Checkpointer:
         self.is_main = is_main
         self.attachments = attachments or {}
         self.last_saved: int | None = None
-        self._pending: tuple[Future, Path] | None = None
+        self._pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
         self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
@@ -256,14 +261,9 @@ class Checkpointer:
                 raise CheckpointError(f"{path} was written without .metadata; `latest` still names the previous step")
             for name, content in self.attachments.items():
                 (path / name).write_bytes(content)
-            self._publish(path.name)
+            publish_latest(self.dir, path.name)
             self._prune()
             logger.info(f"saved checkpoint {path} ({total_s:.2f} s, training blocked {blocked_s:.2f} s)")
-
-    def _publish(self, name: str) -> None:
-        tmp = self.dir / "latest.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.dir / "latest")
 
     def _prune(self) -> None:
         if not self.cfg.keep_last:

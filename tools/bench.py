@@ -41,7 +41,7 @@ def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]
     return str(tmp / "train.bin"), str(tokenizer)
 
 
-def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tmp: Path) -> dict:
+def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path) -> dict:
     out = tmp / "ours_run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
@@ -52,7 +52,6 @@ def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, t
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
     elapsed = last["elapsed_s"] - first["elapsed_s"]
-    tokens_per_step = _tokens_per_step(recipe_path, nproc)
     return {"tokens_per_s": (last["step"] - first["step"]) * tokens_per_step / elapsed,
             "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"]}  # fmt: skip
 
@@ -61,11 +60,6 @@ def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-
-
-def _tokens_per_step(recipe_path: str, nproc: int) -> int:
-    data = parse_recipe(["--recipe", recipe_path]).data
-    return data.micro_batch_size * data.grad_accum_steps * data.seq_len * nproc
 
 
 def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
@@ -90,13 +84,15 @@ def main() -> None:
     if args.steps % args.log_every:
         parser.error(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
     recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+    data = recipe.data
+    tokens_per_step = data.micro_batch_size * data.grad_accum_steps * data.seq_len * args.nproc
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         recipe_path = str(tmp / "recipe.yaml")
         Path(recipe_path).write_text(recipe_to_yaml(recipe))
         if args.data == "synthetic":
-            n_tokens = 4 * (args.log_every + args.steps) * _tokens_per_step(recipe_path, args.nproc) + 1
+            n_tokens = 4 * (args.log_every + args.steps) * tokens_per_step + 1
             train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, n_tokens)
         else:
             train_path, tokenizer_path = recipe.data.train_path, recipe.data.tokenizer_path
@@ -106,7 +102,16 @@ def main() -> None:
                 run_baseline(recipe_path, train_path, args.nproc, args.steps, args.log_every, tmp)
             )
             results["ours"].append(
-                run_ours(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, args.log_every, tmp)
+                run_ours(
+                    recipe_path,
+                    train_path,
+                    tokenizer_path,
+                    args.nproc,
+                    args.steps,
+                    args.log_every,
+                    tokens_per_step,
+                    tmp,
+                )
             )
             print(f"baseline {results['baseline'][-1]['tokens_per_s']:,.0f} tok/s | "
                   f"ours {results['ours'][-1]['tokens_per_s']:,.0f} tok/s", flush=True)  # fmt: skip
