@@ -23,6 +23,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -77,17 +79,20 @@ class OptimState(Stateful):
 
 
 class TrainState(Stateful):
-    """The optimizer step count. Nothing else in training draws random numbers, so there is no RNG to restore: the
-    data order is a function of (seed, sample index) and the weight init of (seed, parameter name)."""
+    """The optimizer step count and how many steps were skipped as non-finite. Nothing else in training draws random
+    numbers, so there is no RNG to restore: the data order is a function of (seed, sample index) and the weight init
+    of (seed, parameter name)."""
 
     def __init__(self) -> None:
         self.step = 0
+        self.skipped_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return {"step": self.step, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -189,6 +194,7 @@ class Checkpointer:
         states: dict[str, Stateful],
         is_main: bool,
         attachments: dict[str, bytes] | None = None,
+        timeout: timedelta | None = None,
     ):
         self.cfg = cfg
         self.dir = Path(out_dir) / "checkpoints"
@@ -199,7 +205,7 @@ class Checkpointer:
         self._pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
-        self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self._async_group = dist.new_group(backend="gloo", timeout=timeout) if cfg.async_save else None
 
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
@@ -222,16 +228,15 @@ class Checkpointer:
         logger.info(f"resumed from {path} at step {step}")
         return step
 
-    def save_if_due(self, step: int) -> None:
+    def is_due(self, step: int) -> bool:
+        """Whether `step` is a checkpoint.every step; also publishes a background write that has finished."""
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
-        if self.cfg.every and step % self.cfg.every == 0:
-            self.save(step)
+        return bool(self.cfg.every) and step % self.cfg.every == 0
 
-    def save_final(self, step: int) -> None:
-        """At the end of a run: save the last step unless it is saved already (or checkpoints are off)."""
-        if self.cfg.every and self.last_saved != step:
-            self.save(step)
+    def final_save_due(self, step: int) -> bool:
+        """At the end of a run: the last step needs saving unless it is saved already (or checkpoints are off)."""
+        return bool(self.cfg.every) and self.last_saved != step
 
     def save(self, step: int) -> None:
         self.last_saved = step
@@ -239,11 +244,14 @@ class Checkpointer:
         if self._pending is not None:  # one write in flight at a time
             self._finish_pending()
         start = time.perf_counter()
-        if self.cfg.async_save:
-            future = dcp.async_save(self.states, checkpoint_id=str(path), process_group=self._async_group)
-            self._pending = (future, path, start, time.perf_counter() - start)
-            return
-        dcp.save(self.states, checkpoint_id=str(path))
+        try:
+            if self.cfg.async_save:
+                future = dcp.async_save(self.states, checkpoint_id=str(path), process_group=self._async_group)
+                self._pending = (future, path, start, time.perf_counter() - start)
+                return
+            dcp.save(self.states, checkpoint_id=str(path))
+        except (OSError, CheckpointException) as e:
+            self._abandon(path, e)
         # dcp.save returns on the coordinator (rank 0) only after gathering every rank's write results and writing
         # .metadata, so the directory is complete here and `latest` may point at it.
         blocked = time.perf_counter() - start
@@ -252,8 +260,23 @@ class Checkpointer:
     def _finish_pending(self) -> None:
         future, path, start, blocked = self._pending
         self._pending = None
-        future.result()  # re-raises a failed background write on this rank
+        try:
+            future.result()  # re-raises a failed background write
+        except (OSError, CheckpointException) as e:
+            self._abandon(path, e)
         self._published(path, time.perf_counter() - start, blocked)
+
+    def _abandon(self, path: Path, error: BaseException) -> None:
+        """A save failed (disk full, quota, permissions) on some rank, and DCP raised it on every rank: remove the
+        partial directory and fail with the cause; `latest` was never moved, so it names the previous checkpoint."""
+        if isinstance(error, CheckpointException) and error.failures:
+            rank, (cause, _) = next(iter(error.failures.items()))
+            error = f"rank {rank}: {type(cause).__name__}: {cause}"
+        if self.is_main:
+            shutil.rmtree(path, ignore_errors=True)
+        latest = self.dir / "latest"
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no checkpoint was saved"
+        raise CheckpointError(f"saving checkpoint {path} failed ({error}); {kept}")
 
     def _published(self, path: Path, total_s: float, blocked_s: float) -> None:
         if self.is_main:

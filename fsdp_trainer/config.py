@@ -178,6 +178,13 @@ class TrainConfig:
     """Evaluate on data.val_path every this many steps (0 = never); also after the last step."""
     eval_steps: int = 10
     """Batches per evaluation (each the size of one global micro-batch)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN/inf never updates the weights. `stop`: fail at the next log step (or
+    save), naming the step, with nothing after the last good checkpoint saved. `skip`: drop the step, count it in
+    metrics.jsonl (`skipped_steps`) and go on."""
+    progress_bar: bool = True
+    """On a terminal, show a progress bar with ETA on rank 0 (log lines still go to metrics.jsonl); off a terminal
+    (CI, Slurm, a pipe) only the log lines are printed."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps={self.steps} must be >= 0")

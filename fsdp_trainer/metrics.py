@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
 import time
+from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import ModelConfig
 
@@ -65,6 +68,23 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def local_gb(tensors: Iterable[torch.Tensor | None]) -> float:
+    """GB this rank holds of these tensors: its local shard of a DTensor, all of a plain tensor."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        total += t.numel() * t.element_size()
+    return total / 1e9
+
+
+def optimizer_state_gb(optimizer: torch.optim.Optimizer) -> float:
+    """GB of optimizer state (AdamW moments and step counts) on this rank."""
+    return local_gb(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak memory of this rank: allocated by the caching allocator on CUDA, resident set size on CPU."""
     if device.type == "cuda":
@@ -73,7 +93,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Metrics:
-    """Turns per-step tensors into numbers on log steps, on rank 0: a log line and a line of metrics.jsonl."""
+    """Turns per-step tensors into numbers on log steps, on rank 0: a log line, a line of metrics.jsonl, TensorBoard
+    scalars (when the `tensorboard` package is installed) and, on a terminal, a progress bar with ETA."""
 
     def __init__(
         self,
@@ -84,7 +105,9 @@ class Metrics:
         world_size: int,
         device: torch.device,
         is_main: bool,
-        append: bool = False,
+        total_steps: int,
+        start_step: int = 0,
+        progress_bar: bool = True,
     ):
         self.is_main = is_main
         self.tokens_per_step = tokens_per_step
@@ -94,13 +117,44 @@ class Metrics:
         self.device = device
         self.start = self.last_time = time.perf_counter()
         self.last_step: int | None = None
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w") if is_main else None
+        self.file = self.tensorboard = self.bar = None
+        if not is_main:
+            return
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if start_step:
+            _drop_records_after(path, start_step)
+        self.file = open(path, "a" if start_step else "w")
+        self.tensorboard = _tensorboard_writer(os.path.join(out_dir, "tensorboard"), start_step)
+        if progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            # Log lines go through tqdm.write while the bar is up, so the two never interleave mid-line.
+            self._redirect = logging_redirect_tqdm()  # the root logger, where setup_logging put the handler
+            self._redirect.__enter__()
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
 
     def reset_clock(self, step: int) -> None:
         """Start the throughput window at `step` (after start-up, a resume, or an evaluation)."""
         self.last_time, self.last_step = time.perf_counter(), step
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float, peak_mem_gb: float) -> dict:
+    def advance(self, step: int) -> None:
+        """Called after every step: moves the progress bar (host-side only, no sync)."""
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def log_state_memory(self, step: int, state_gb: dict[str, float]) -> None:
+        """One record of the per-rank (largest rank) sizes of parameters, gradients and optimizer state."""
+        if self.is_main:
+            state_gb = {k: state_gb[k] for k in ("params_gb", "grads_gb", "optimizer_gb")}
+            total = sum(state_gb.values())
+            parts = ", ".join(f"{k.removesuffix('_gb')} {v:.3f}" for k, v in state_gb.items())
+            logger.info(f"training state per rank: {total:.3f} GB ({parts})")
+            self._write({"step": step, **state_gb, "state_gb": total})
+
+    def log(
+        self, step: int, loss: float, lr: float, grad_norm: float, peak_mem_gb: float, skipped_steps: int = 0
+    ) -> dict:
         now = time.perf_counter()
         steps = step - (self.last_step if self.last_step is not None else step - 1)
         tokens_per_s = steps * self.tokens_per_step / max(now - self.last_time, 1e-9)
@@ -117,6 +171,7 @@ class Metrics:
             "tokens_per_s_per_device": tokens_per_s / self.world_size,
             "mfu": mfu,
             "peak_mem_gb": peak_mem_gb,
+            "skipped_steps": skipped_steps,
             "elapsed_s": now - self.start,
         }
         if self.is_main:
@@ -125,6 +180,8 @@ class Metrics:
                 f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
                 f"{tokens_per_s:,.0f} tok/s{mfu_text} | mem {peak_mem_gb:.2f} GB"
             )
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._write(record)
         return record
 
@@ -134,9 +191,57 @@ class Metrics:
             self._write({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.start})
 
     def _write(self, record: dict) -> None:
+        # NaN and inf are not JSON; null keeps the file readable by strict parsers (jq, JavaScript).
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "elapsed_s") and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
 
     def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self._redirect.__exit__(None, None, None)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.file:
             self.file.close()
+
+
+# TensorBoard groups scalars by the part before the slash.
+TENSORBOARD_TAGS = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "tokens_per_s": "speed/tokens_per_s",
+    "tokens_per_s_per_device": "speed/tokens_per_s_per_device",
+    "mfu": "speed/mfu",
+    "peak_mem_gb": "memory/peak_gb",
+    "params_gb": "memory/params_gb",
+    "grads_gb": "memory/grads_gb",
+    "optimizer_gb": "memory/optimizer_gb",
+    "state_gb": "memory/state_gb",
+}
+
+
+def _tensorboard_writer(log_dir: str, start_step: int):
+    """A SummaryWriter when the optional `tensorboard` package is installed, else None (metrics.jsonl has it all)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    # purge_step drops events a previous attempt wrote past the step this run resumes from.
+    return SummaryWriter(log_dir, purge_step=start_step or None)
+
+
+def _drop_records_after(path: str, step: int) -> None:
+    """On resume, forget what the interrupted attempt logged after the checkpoint, so each step appears once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        # A line cut short by a kill has no newline and no value.
+        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)

@@ -22,8 +22,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # foreach runs one kernel per op over all tensors of a group; it accepts DTensor shards.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+    # fused: one kernel for the whole update (CUDA and CPU, DTensor shards included), and the only implementation that
+    # can skip a step on the device from a `found_inf` flag, which train_step uses for non-finite gradients.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -8,6 +8,7 @@ device, parallelized, then materialized shard by shard, so no rank ever holds th
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -58,6 +59,8 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     mesh: DeviceMesh
+    timeout: timedelta
+    """How long a collective waits for a peer; every process group the run creates gets it."""
 
     @property
     def is_main(self) -> bool:
@@ -130,7 +133,30 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         mesh = init_device_mesh(
             device.type, (n_replicas, world_size // n_replicas), mesh_dim_names=("dp_replicate", "dp_shard")
         )
-    return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh)
+    for dim in range(mesh.ndim):
+        # The mesh's sub-groups (HYBRID_SHARD, NO_SHARD) are created with torch's default timeout (30 min for gloo);
+        # a dead peer must fail them as fast as the main group. Private, but the only way after creation (torchtitan
+        # does the same).
+        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
+
+
+def silent_ranks(rank: int, world_size: int, wait_s: float = 5.0) -> list[int]:
+    """After this rank failed: which ranks did not also report a failure within `wait_s`, i.e. the dead or hung ones.
+
+    A collective that fails because a peer died names only the peer's address, and one that times out names nobody.
+    Every failing rank writes a key to the rendezvous store (fresh per torchrun restart) and waits briefly for the
+    others' keys; the ranks that never write one are the ones that exited or hang.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"failed/{rank}", "1")
+    keys = [f"failed/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        silent = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not silent or time.monotonic() > deadline:
+            return silent
+        time.sleep(0.1)
 
 
 # Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,10 +27,17 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, TrainState
 from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml
 from fsdp_trainer.data import TokenFile, TokenLoader
-from fsdp_trainer.metrics import Metrics, peak_memory_gb, setup_logging
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.metrics import Metrics, local_gb, optimizer_state_gb, peak_memory_gb, setup_logging
+from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from fsdp_trainer.parallel import DistEnv, init_distributed, materialize, parallelize, set_gradient_sync
+from fsdp_trainer.parallel import (
+    DistEnv,
+    init_distributed,
+    materialize,
+    parallelize,
+    set_gradient_sync,
+    silent_ranks,
+)
 from fsdp_trainer.tokenizer import file_sha256
 
 logger = logging.getLogger("fsdp_trainer")
@@ -44,11 +54,17 @@ def train_step(
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float,
     grad_clip: float,
+    after_backward: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One optimizer step over this rank's micro-batches; returns detached device tensors (no host sync).
+    """One optimizer step over this rank's micro-batches; returns global loss, grad norm and the non-finite flag as
+    device tensors (no host sync).
 
     The loss of each micro-batch is divided by their number and FSDP averages gradients over ranks, so the gradient
     is that of the mean loss over the whole global batch, however it is split.
+
+    A step whose global loss or gradient norm is not finite leaves weights and AdamW state untouched, decided on the
+    device: the fused AdamW kernel skips its update where `found_inf` is set (the mechanism torch.amp.GradScaler
+    uses). Both numbers are global, so every rank takes the same decision.
     """
     set_lr(optimizer, lr)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
@@ -59,9 +75,50 @@ def train_step(
         (loss / len(micro_batches)).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm_(model, grad_clip)
+    # One scalar all-reduce a step (queued on the device, no host sync) gives every rank the global loss, for the
+    # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
+    loss = mean_over_ranks(loss_sum / len(micro_batches))
+    nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
+    if after_backward is not None:
+        after_backward()
+    optimizer.found_inf = nonfinite.float()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / len(micro_batches), "grad_norm": grad_norm}
+    return {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite}
+
+
+class NonFiniteError(RuntimeError):
+    """A step had a NaN/inf loss or gradient norm and train.on_nonfinite is `stop`."""
+
+
+class NonFiniteSteps:
+    """Counts skipped (non-finite) steps on the device, and reads the count only at log steps and before saves, so
+    watching for them costs no host sync of its own."""
+
+    def __init__(self, mode: str, state: TrainState, device: torch.device):
+        self.mode, self.state = mode, state
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)
+
+    def add(self, step: int, nonfinite: torch.Tensor) -> None:
+        self.count += nonfinite
+        self.first = torch.where(nonfinite & (self.first < 0), step, self.first)
+
+    def settle(self, last_saved: int | None) -> None:
+        """Host sync: fold the device count into the training state; with `stop`, raise naming the first bad step."""
+        count, first = torch.stack([self.count, self.first]).tolist()
+        if not count:
+            return
+        self.count.zero_()
+        self.first.fill_(-1)
+        if self.mode == "stop":
+            kept = f"checkpoint step {last_saved} is the newest" if last_saved is not None else "no checkpoint saved"
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {first}; its update was not applied and training stopped "
+                f"(train.on_nonfinite=stop; {kept}). Lower optim.lr or set train.on_nonfinite=skip"
+            )
+        self.state.skipped_steps += count
+        logger.warning(f"skipped {count} step(s) with a non-finite loss or gradient norm, the first at step {first}")
 
 
 @torch.no_grad()
@@ -112,6 +169,33 @@ def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
     return train_file, val_file
 
 
+def check_out_dir(recipe: Recipe, rank: int) -> None:
+    """Fail before any collective, naming train.out_dir, if it cannot take this run's files: it cannot be created or
+    written (a probe file per rank, as every rank writes checkpoint shards), or, with checkpoints on, its disk lacks
+    room for one checkpoint (fp32 weights and two AdamW moments: 12 bytes per parameter)."""
+    out_dir = recipe.train.out_dir
+    probe = os.path.join(out_dir, f".write_test.rank{rank}")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(bytes(4096))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ValueError(f"train.out_dir={out_dir} is not writable ({e.strerror}); choose another directory") from e
+    finally:
+        if os.path.exists(probe):
+            os.remove(probe)
+    if recipe.checkpoint.every:
+        need = 12 * count_params(recipe.model)
+        free = shutil.disk_usage(out_dir).free
+        if free < need:
+            raise ValueError(
+                f"train.out_dir={out_dir} has {free / 1e9:.1f} GB free, and one checkpoint of this model takes "
+                f"{need / 1e9:.1f} GB; free space or choose another directory"
+            )
+
+
 class PreemptionFlag:
     """SIGTERM (what Slurm, Kubernetes and torchrun send before killing) asks the run to stop after the current step.
 
@@ -119,9 +203,9 @@ class PreemptionFlag:
     gloo group of its own: a CPU round trip that never waits on the GPU, unlike reading a device tensor would.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta) -> None:
         self.received = False
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -173,8 +257,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             "recipe.yaml": recipe_to_yaml(recipe).encode(),
             "tokenizer.model": Path(data.tokenizer_path).read_bytes(),
         },
+        timeout=env.timeout,
     )
-    resumed_from = ckpt.load()
+    ckpt.load()
 
     if env.is_main:
         write_config(recipe)
@@ -192,33 +277,59 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
         env.world_size,
         env.device,
         env.is_main,
-        append=resumed_from is not None,
+        total_steps=cfg.steps,
+        start_step=state.step,
+        progress_bar=cfg.progress_bar,
     )
     metrics.reset_clock(state.step)
-    preemption = PreemptionFlag()
+    preemption = PreemptionFlag(env.timeout)
+    nonfinite = NonFiniteSteps(cfg.on_nonfinite, state, env.device)
+    first_step = state.step
+    state_gb: dict[str, float] = {}  # what the sharded training state costs this rank, measured on the first step
 
-    while state.step < cfg.steps:
-        lr = lr_at(state.step, recipe.optim, cfg.steps)
-        stats = train_step(model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip)
-        state.step += 1
-        last = state.step == cfg.steps
+    def measure_grads() -> None:
+        state_gb["grads_gb"] = local_gb(p.grad for p in model.parameters())
 
-        if state.step % cfg.log_every == 0 or last:
-            # The step's only host syncs: the loss averaged over ranks and the largest peak memory of any rank.
-            loss = mean_over_ranks(stats["loss"]).item()
-            mem = max_over_ranks(peak_memory_gb(env.device), env.device)
-            metrics.log(state.step, loss, lr, stats["grad_norm"].item(), mem)
+    def save(step: int) -> None:
+        nonfinite.settle(ckpt.last_saved)  # under `stop`, nothing at or after a non-finite step is saved
+        ckpt.save(step)
 
-        if val_file is not None and (state.step % cfg.eval_every == 0 or last):
-            metrics.log_eval(state.step, evaluate(model, val_file, recipe, env).item())
-            metrics.reset_clock(state.step)
+    try:
+        while state.step < cfg.steps:
+            lr = lr_at(state.step, recipe.optim, cfg.steps)
+            measure = state.step == first_step
+            stats = train_step(
+                model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip, measure_grads if measure else None
+            )
+            state.step += 1
+            last = state.step == cfg.steps
+            nonfinite.add(state.step, stats["nonfinite"])
+            metrics.advance(state.step)
+            if measure:
+                state_gb.update(params_gb=local_gb(model.parameters()), optimizer_gb=optimizer_state_gb(optimizer))
+                metrics.log_state_memory(state.step, {k: max_over_ranks(v, env.device) for k, v in state_gb.items()})
 
-        if preemption.agreed():  # every rank saves this step, then exits 0; a restart resumes here
-            logger.info(f"SIGTERM: saving step {state.step} and stopping")
-            ckpt.save(state.step)
-            break
-        ckpt.save_if_due(state.step)
-    ckpt.save_final(state.step)
+            if state.step % cfg.log_every == 0 or last:
+                # The only host syncs of a step: on log steps, loss, grad norm, skipped steps and peak memory.
+                nonfinite.settle(ckpt.last_saved)
+                mem = max_over_ranks(peak_memory_gb(env.device), env.device)
+                metrics.log(state.step, stats["loss"].item(), lr, stats["grad_norm"].item(), mem, state.skipped_steps)
+
+            if val_file is not None and (state.step % cfg.eval_every == 0 or last):
+                metrics.log_eval(state.step, evaluate(model, val_file, recipe, env).item())
+                metrics.reset_clock(state.step)
+
+            if preemption.agreed():  # every rank saves this step, then exits 0; a restart resumes here
+                logger.info(f"SIGTERM: saving step {state.step} and stopping")
+                save(state.step)
+                break
+            if ckpt.is_due(state.step):
+                save(state.step)
+        if ckpt.final_save_due(state.step):
+            save(state.step)
+    except NonFiniteError:
+        ckpt.close()  # publish a background save of an earlier, good step before failing
+        raise
     ckpt.close()
     metrics.close()
     if env.is_main:
@@ -230,14 +341,24 @@ def main(argv: list[str] | None = None) -> None:
     recipe = parse_recipe(argv)  # bad recipe: one `error:` line, exit 1
     try:
         train_file, val_file = open_data(recipe)
+        check_out_dir(recipe, int(os.environ.get("RANK", 0)))
         env = init_distributed(recipe.parallel)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")  # still before any collective: one line, exit 1
     setup_logging(env.rank)
     try:
         train(recipe, env, train_file, val_file)
-    except CheckpointError as e:  # every rank finds the same problem: one line each, naming the rank
+    except (CheckpointError, NonFiniteError) as e:  # every rank finds the same problem: one line each, naming the rank
         sys.exit(f"error: rank {env.rank}: {e}")
+    except Exception as e:
+        # Typically a collective that failed because a peer died or hung: say which peers went silent. The traceback
+        # follows, and torchrun's summary names the rank that failed first.
+        silent = silent_ranks(env.rank, env.world_size)
+        who = ", ".join(map(str, silent))
+        hint = f"; rank {who} reported no failure of its own: it exited or hangs, look there first" if silent else ""
+        cause = str(e).splitlines()[0] if str(e) else ""
+        print(f"error: rank {env.rank}: {type(e).__name__}: {cause}{hint}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 

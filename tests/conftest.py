@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -95,6 +96,36 @@ def train_cli(args: list[str], nproc: int = 1, check: bool = True, env: dict | N
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 300) -> list[str]:
+    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine that meet through c10d rendezvous, the
+    way the nodes of a cluster do; returns each agent's output."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=test{port}",
+           "-m", "fsdp_trainer.train", *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        for _ in range(nnodes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n{out[-5000:]}")
+    return outputs
 
 
 def read_metrics(out_dir: str | Path) -> list[dict]:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 import yaml
 
-from tests.conftest import read_metrics, train_cli, train_losses
+from tests.conftest import REPO, read_metrics, train_cli, train_losses
 
 
 def _run(tiny_data, out_dir, *extra, nproc=1):
@@ -153,3 +160,46 @@ def test_compile_with_selective_ac_matches_eager(tiny_data, tmp_path):
     )
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
+
+
+def _run_on_terminal(args: list[str]) -> str:
+    """Run one training process with its stdout on a pseudo-terminal of 120 columns; return what it printed."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_trainer.train", *args],
+        stdout=slave, stderr=slave, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_and_tensorboard_scalars(tiny_data, tmp_path):
+    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--train.steps", "20",
+            "--train.log_every", "10"]  # fmt: skip
+    shown = _run_on_terminal(args)
+    assert "20/20 [" in shown and "step/s" in shown and "loss=" in shown  # tqdm: count, ETA/elapsed, rate
+    assert shown.count("step     10 | loss") == 1  # each log line once, above the bar
+    plain = train_cli([*args, "--train.out_dir", str(tmp_path / "piped")])
+    assert "step/s" not in plain.stdout + plain.stderr  # not a terminal: log lines only
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("loss/train")}
+    assert losses == pytest.approx(train_losses(tmp_path))
+    assert {"train/lr", "train/grad_norm", "speed/tokens_per_s", "memory/peak_gb", "memory/state_gb"} <= set(
+        events.Tags()["scalars"]
+    )

@@ -50,7 +50,7 @@ for block in model.model.layers.values():
 fully_shard(model, mp_policy=mp)
 materialize(model, device, seed=0)  # the trainer's init, so both start from the same weights (not timed)
 optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, betas=recipe.optim.betas,
-                              weight_decay=recipe.optim.weight_decay, foreach=True)  # fmt: skip
+                              weight_decay=recipe.optim.weight_decay, fused=True)  # fmt: skip
 
 tokens = np.memmap(args.train_path, dtype=np.uint16 if mcfg.vocab_size <= 65536 else np.uint32, mode="r")
 rng = np.random.default_rng(rank)

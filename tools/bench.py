@@ -49,11 +49,14 @@ def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, t
            "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
            "--checkpoint.resume", "none", "--train.out_dir", str(out)]  # fmt: skip
     _run(cmd)
-    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    lines = [r for r in records if "loss" in r]
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
     elapsed = last["elapsed_s"] - first["elapsed_s"]
+    state_gb = next(r["state_gb"] for r in records if "state_gb" in r)
     return {"tokens_per_s": (last["step"] - first["step"]) * tokens_per_step / elapsed,
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"]}  # fmt: skip
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "state_gb": state_gb, "mfu": last["mfu"],
+            "loss": last["loss"]}  # fmt: skip
 
 
 def _run(cmd: list[str]) -> None:

@@ -1,0 +1,196 @@
+"""What a user sees when things go wrong: a dead or hung rank, a diverging run, a full disk or a bad out_dir.
+
+Each failure must end the run with a message that names the rank, step or directory, and leave `latest` naming a
+complete, good checkpoint."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.parallel import materialize, parallelize
+from fsdp_trainer.train import train_step
+from tests.conftest import REPO, read_metrics, run_distributed, train_cli, train_popen, wait_for_step, worker_pids
+
+DIVERGE = ["--optim.lr", "1e30", "--optim.min_lr", "0", "--optim.warmup_steps", "0"]  # weights ~1e30 after step 1
+
+
+def test_nonfinite_step_stops_the_run_naming_it(tiny_data, tmp_path):
+    proc = train_cli(
+        [
+            "--recipe",
+            str(tiny_data),
+            "--train.out_dir",
+            str(tmp_path),
+            *DIVERGE,
+            "--checkpoint.every",
+            "1",
+            "--train.log_every",
+            "5",
+        ],  # fmt: skip
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "error: rank 0: non-finite loss or gradient norm at step 2" in proc.stderr, proc.stderr
+    # Step 1 was finite and saved; nothing from step 2 on was.
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_00000001"]
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tiny_data, tmp_path):
+    train_cli(
+        [
+            "--recipe",
+            str(tiny_data),
+            "--train.out_dir",
+            str(tmp_path),
+            *DIVERGE,
+            "--train.on_nonfinite",
+            "skip",
+            "--train.log_every",
+            "5",
+        ],  # fmt: skip
+    )
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [(r["step"], r["skipped_steps"]) for r in records] == [(5, 4), (10, 9)]
+    assert records[-1]["grad_norm"] is None  # NaN is written as JSON null
+
+
+CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+
+
+def _batch(seed: int, poisoned: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
+    if poisoned:  # every target ignored: the mean loss is 0/0 = NaN, while the gradients stay finite (zero)
+        targets = torch.full_like(targets, -100)
+    return [(inputs, targets)]
+
+
+def _train(batches, world_size):
+    mesh = init_device_mesh("cpu", (world_size,))
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    parallelize(model, ParallelConfig(mixed_precision="fp32"), mesh)
+    materialize(model, torch.device("cpu"), seed=0)
+    optimizer = build_optimizer(model, OptimConfig())
+    flags = [train_step(model, optimizer, b, lr=1e-2, grad_clip=1.0)["nonfinite"].item() for b in batches]
+    state = [p.to_local() for p in model.parameters()]
+    state += [v.to_local() for s in optimizer.state.values() for v in s.values() if v.ndim]
+    return flags, state, [s["step"].item() for s in optimizer.state.values()]
+
+
+def _skip_is_exact(rank, world_size):
+    # Rank 1's loss is NaN in the middle step: both ranks must skip it, and end exactly where a run without it ends.
+    batches = [_batch(0, False), _batch(1, poisoned=rank == 1), _batch(2, False)]
+    flags, state, steps = _train(batches, world_size)
+    assert flags == [False, True, False]
+    _, ref_state, ref_steps = _train([batches[0], batches[2]], world_size)
+    assert steps == ref_steps == [2.0] * len(steps)  # the skipped step did not count for AdamW's bias correction
+    for a, b in zip(state, ref_state, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_skipped_step_leaves_weights_and_adamw_state_untouched():
+    run_distributed(_skip_is_exact)
+
+
+def test_unwritable_out_dir_fails_before_training(tiny_data, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path / "a_file" / "run")], check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"error: train.out_dir={tmp_path}/a_file/run is not writable (Not a directory); " \
+                                  "choose another directory"  # fmt: skip
+
+
+def test_out_dir_without_room_for_a_checkpoint_fails_before_training(tiny_data, tmp_path):
+    huge = ["--model.dim", "16384", "--model.n_layers", "400", "--model.ffn_dim", "65536", "--model.n_heads", "128"]
+    proc = train_cli(
+        ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--checkpoint.every", "5", *huge], check=False
+    )
+    assert proc.returncode == 1
+    assert "GB free, and one checkpoint of this model takes" in proc.stderr and proc.stderr.count("\n") == 1
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_data, tmp_path, async_save):
+    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--checkpoint.every", "4",
+            "--checkpoint.async_save", async_save]  # fmt: skip
+    train_cli([*args, "--train.steps", "4"])
+    # Resume with files capped at 256 KiB: run files fit, the step-8 shards do not (EFBIG, as ENOSPC would).
+    cmd = [sys.executable, "-m", "fsdp_trainer.train", *args, "--train.steps", "8"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY)),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    ckpts = tmp_path / "checkpoints"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: rank 0: saving checkpoint {ckpts}/step_00000008 failed (rank 0: OSError: [Errno 27] File too large); "
+        f"{ckpts}/latest still names step_00000004"
+    )
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000004"]  # the partial step 8 is gone
+
+
+def _error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("error: rank")]
+
+
+@pytest.mark.slow
+def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "helpers" / "exit_early.py"), "--recipe", str(tiny_data), "--train.out_dir",
+           str(tmp_path), "--parallel.timeout_s", "60"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_STEP": "3", "EXIT_RANK": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60  # a closed connection fails at once, long before the timeout
+    [line] = _error_lines(proc.stderr)
+    assert line.startswith("error: rank 0: ") and line.endswith(
+        "rank 1 reported no failure of its own: it exited or hangs, look there first"
+    ), line
+
+
+@pytest.mark.slow
+def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
+    log = tmp_path / "log.txt"
+    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--train.steps", "100000",
+            "--parallel.timeout_s", "10"]  # fmt: skip
+    proc = train_popen(args, log)
+    stopped = []
+    try:
+        wait_for_step(tmp_path, 2, proc, log)
+        rank1 = sorted(worker_pids(proc.pid))[1]  # started second: local rank 1
+        os.kill(rank1, signal.SIGSTOP)
+        stopped.append(rank1)
+        start = time.monotonic()
+        proc.wait(timeout=120)
+        waited = time.monotonic() - start
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert 10 <= waited < 90, waited
+    lines = _error_lines(log.read_text())
+    assert any(
+        line.startswith("error: rank 0: ") and "rank 1 reported no failure of its own" in line for line in lines
+    ), log.read_text()[-3000:]
