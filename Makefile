@@ -16,7 +16,7 @@ TORCH_INDEX ?=
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)" $(TORCH_INDEX)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -29,7 +29,8 @@ demo: $(VENV)/.installed
 	$(PY) tools/prepare_data.py --recipe $(RECIPE)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fsdp_trainer.train --recipe $(RECIPE) \
 		--train.out_dir $(OUT) --checkpoint.resume none
-	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, checkpoints/. A sample from it:"
+	$(PY) tools/plot.py $(OUT)
+	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, metrics.png, checkpoints/. A sample from it:"
 	$(PY) tools/generate.py $(OUT) --prompt "ROMEO." --max_new_tokens 80
 
 test: $(VENV)/.installed-test

@@ -11,7 +11,7 @@ import torch
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, generate
-from tests.conftest import REPO, train_cli
+from tests.conftest import REPO, train_cli, train_losses
 
 
 @pytest.mark.slow
@@ -60,3 +60,30 @@ def test_generate_cli_reads_our_checkpoint_and_the_hf_export(tiny_data, tmp_path
         assert proc.returncode == 0, proc.stderr
         texts.append(proc.stdout)
     assert texts[0].startswith("KING.") and texts[0] == texts[1]  # same weights, same greedy continuation
+
+
+def test_plot_draws_several_runs(tiny_data, tmp_path):
+    for name, lr in (("a", "3e-3"), ("b", "1e-3")):
+        train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path / name), "--train.steps", "4",
+                   "--train.eval_every", "2", "--optim.lr", lr])  # fmt: skip
+    from tools.plot import plot, read_run
+
+    runs = {name: read_run(tmp_path / name) for name in ("a", "b")}
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "plot.py"), str(tmp_path / "a"), str(tmp_path / "b")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    png = (tmp_path / "a" / "metrics.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+    # Each curve drawn is the run's own numbers.
+    drawn = plot(runs, tmp_path / "c.png")
+    for name in ("a", "b"):
+        losses = train_losses(tmp_path / name)
+        assert drawn[name, "loss"] == (list(losses), list(losses.values()))
+        assert drawn[name, "val_loss"][0] == [2, 4]
+    assert drawn["a", "loss"] != drawn["b", "loss"]
+    missing = subprocess.run([sys.executable, str(REPO / "tools" / "plot.py"), str(tmp_path / "nope")],
+                             capture_output=True, text=True)  # fmt: skip
+    assert missing.returncode == 1 and missing.stderr.strip() == (
+        f"error: {tmp_path}/nope/metrics.jsonl does not exist: pass the train.out_dir of a run"
+    )
