@@ -72,3 +72,14 @@ def test_readme_reference_lists_every_key():
         assert f"**`{section}`**" in text
         for field in dataclasses.fields(cls):
             assert f"| `{field.name}` |" in text, f"README lacks {section}.{field.name}"
+
+
+def test_print_config_prints_the_resolved_recipe_that_reproduces_it(tmp_path, capsys):
+    recipe_path = Path(__file__).resolve().parents[1] / "recipes" / "debug.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe(["--recipe", str(recipe_path), "--train.steps", "7", "--print_config"])
+    assert exit_info.value.code == 0
+    (tmp_path / "printed.yaml").write_text(capsys.readouterr().out)
+    printed = parse_recipe(["--recipe", str(tmp_path / "printed.yaml")])
+    assert printed == parse_recipe(["--recipe", str(recipe_path), "--train.steps", "7"])
+    assert printed.train.steps == 7
