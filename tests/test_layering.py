@@ -20,6 +20,7 @@ ALLOWED = {
     "hf": {"config"},
     "parallel": {"config", "model"},
     "train": {"config", "model", "data", "tokenizer", "optim", "metrics", "checkpoint", "parallel"},
+    "plan": {"config", "model"},
     "__main__": {"train"},
     "__init__": set(),
 }

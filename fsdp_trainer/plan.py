@@ -1,0 +1,181 @@
+"""Will it fit? Predicted memory per rank for every sharding x activation-checkpointing choice of a recipe.
+
+    python -m fsdp_trainer.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80] [--device cuda]
+
+Prints a table (training state, gathered parameters, activations, logits, runtime, total) and recommends the fastest
+configuration that fits. The terms, per rank, for P parameters, S ranks sharing one copy of the model (the world for
+FULL_SHARD and SHARD_GRAD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf16) or 4 (fp32),
+t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
+
+- training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
+- gathered parameters: FSDP's unsharded compute copies, a bytes each: two blocks (the current one and the
+  prefetched next) plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP and NO_SHARD, which keep
+  them from forward to backward;
+- activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
+  in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included);
+  a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
+  plus one block's worth for the activation gradients of the block in backward, and under AC one more for the
+  block being recomputed;
+- logits: t x V x (a + 8) bytes (the logits, their fp32 copy and log-softmax, and the gradient);
+- gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
+  block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
+  the larger of (activations + logits) and these;
+- runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
+  context, ~0.5 GB, which max_memory_allocated does not count and this table does).
+
+Validated against peak memory measured on CPU (docs/benchmarks.md); treat GPU figures as a plan, not a promise:
+allocator fragmentation typically adds 5-10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
+from fsdp_trainer.model import Transformer
+
+SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")  # least to most communication
+AC_MODES = ("none", "selective", "full")  # least to most recomputation
+RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
+
+
+@dataclass
+class Estimate:
+    sharding: str
+    ac: str
+    state_gb: float
+    gathered_gb: float
+    activations_gb: float
+    logits_gb: float
+    grad_buffers_gb: float
+    runtime_gb: float
+
+    @property
+    def total_gb(self) -> float:
+        # Activations and logits peak when backward starts; the unsharded gradient buffers of the root are largest
+        # when it ends, by which time the activations are freed.
+        transient = max(self.activations_gb + self.logits_gb, self.grad_buffers_gb)
+        return self.state_gb + self.gathered_gb + transient + self.runtime_gb
+
+
+def param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(all parameters, parameters of one block), counted on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    block = next(iter(model.model.layers.values()))
+    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in block.parameters())
+
+
+def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) -> tuple[float, float]:
+    """(bytes saved per token by each layer, bytes per token of one layer's full activations).
+
+    Counted from what autograd keeps in model.py's Block (tests/test_plan.py checks it against a real forward): each
+    RMSNorm its fp32 input, the normalized input and its output (4d + 2ad); attention the rotated q and k, v and the
+    output (a(2q + 2kv), q = n_heads x head_dim) plus the log-sum-exp; the SwiGLU gate, up, silu(gate) and product
+    (4af). Selective AC keeps the block input and the matmul and attention outputs; full AC only the block input.
+    """
+    a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
+    q = cfg.n_heads * cfg.resolved_head_dim
+    kv = cfg.n_kv_heads * cfg.resolved_head_dim
+    small = 8 + 4 * h  # RMSNorm's fp32 rsqrt per norm, attention's fp32 log-sum-exp per head
+    full = 8 * d + 4 * a * d + a * (2 * q + 2 * kv) + 4 * a * f + small
+    saved = {"none": full, "full": a * d, "selective": a * (3 * d + 2 * q + 2 * kv + 2 * f) + 4 * h}
+    return saved[ac], full
+
+
+def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str) -> Estimate:
+    cfg, data = recipe.model, recipe.data
+    world = nproc * nnodes
+    shard_group = {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "NO_SHARD": 1, "HYBRID_SHARD": nproc}[sharding]
+    a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
+    n_params, n_block = param_counts(cfg)
+    n_root = n_params - cfg.n_layers * n_block
+    tokens = data.micro_batch_size * data.seq_len
+
+    state = 16 * n_params / shard_group
+    kept_blocks = cfg.n_layers if sharding in ("SHARD_GRAD_OP", "NO_SHARD") else min(2, cfg.n_layers)
+    gathered = a * (kept_blocks * n_block + n_root)
+    # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
+    # time, and the root's, which all exist at the end of backward.
+    gradient_buffers = (a + (4 if a < 4 else 0)) * (n_block + n_root)
+    saved, full = activation_bytes_per_token(cfg, a, ac)
+    # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
+    # block's recomputed activations.
+    activations = tokens * (cfg.n_layers * saved + full * (2 if ac != "none" else 1))
+    logits = tokens * cfg.vocab_size * (a + 8)
+    gb = 1e9
+    return Estimate(
+        sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, gradient_buffers / gb,
+        RUNTIME_GB[device],
+    )  # fmt: skip
+
+
+def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
+    shardings = [s for s in SHARDINGS if nnodes > 1 or s != "HYBRID_SHARD"]
+    return [estimate(recipe, nproc, nnodes, s, ac, device) for ac in AC_MODES for s in shardings]
+
+
+def recommend(estimates: list[Estimate], device_mem_gb: float) -> Estimate | None:
+    """The fastest that fits: the least recomputation first (AC costs compute on every step), then the least
+    communication (ZeRO-3 moves 1.5x the bytes of DDP and ZeRO-2). The list is already in that order."""
+    return next((e for e in estimates if e.total_gb <= device_mem_gb), None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="fsdp_trainer.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument(
+        "--device_mem_gb", "--device-mem-gb", type=float, help="memory per device (default: this GPU's, or RAM / nproc)"
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible")
+    args, overrides = parser.parse_known_args(argv)
+    if args.nproc < 1 or args.nnodes < 1:
+        parser.error("--nproc and --nnodes must be >= 1")
+    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mem = args.device_mem_gb
+    if mem is None:
+        if device == "cuda" and torch.cuda.is_available():
+            mem = torch.cuda.get_device_properties(0).total_memory / 1e9
+        else:
+            import os
+
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
+    estimates = plan(recipe, args.nproc, args.nnodes, device)
+    n_params, _ = param_counts(recipe.model)
+    data = recipe.data
+    print(
+        f"{recipe.model.family} {n_params / 1e9:.2f}B params, {recipe.parallel.mixed_precision}, micro-batch "
+        f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
+        f"device(s) of {mem:.1f} GB"
+    )
+    print(
+        "| sharding | AC | state | gathered + grad buffers | activations | logits | runtime | total GB / rank | fits |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for e in estimates:
+        print(
+            f"| {e.sharding} | {e.ac} | {e.state_gb:.2f} | {e.gathered_gb:.2f} | {e.activations_gb:.2f} | "
+            f"{e.logits_gb:.2f} | {e.runtime_gb:.2f} | {e.total_gb:.2f} | {'yes' if e.total_gb <= mem else 'no'} |"
+        )
+    best = recommend(estimates, mem)
+    if best is None:
+        smallest = min(estimates, key=lambda e: e.total_gb)
+        sys.exit(
+            f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC, "
+            f"{smallest.total_gb:.1f} GB): lower data.micro_batch_size (and raise data.grad_accum_steps) or add devices"
+        )
+    print(
+        f"recommended: --parallel.sharding {best.sharding} --parallel.activation_checkpointing {best.ac} "
+        f"({best.total_gb:.1f} of {mem:.1f} GB)"
+    )
+
+
+if __name__ == "__main__":
+    main()

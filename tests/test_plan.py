@@ -1,0 +1,82 @@
+"""The memory planner: its terms against what the model really saves for backward, and its recommendation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fsdp_trainer.config import ModelConfig, Recipe
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.plan import activation_bytes_per_token, estimate, param_counts, plan, recommend
+from tests.conftest import REPO
+
+
+def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tuple[int, int]) -> int:
+    """Bytes autograd keeps for backward in one block's forward: distinct storages, parameters and RoPE tables
+    excluded (they exist anyway)."""
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    model.to(dtype)
+    block = model.model.layers["0"]
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in exclude:
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    B, T = tokens
+    x = torch.randn(B, T, cfg.dim, dtype=dtype, requires_grad=True)
+    cos, sin = model.rope_cos[:T].to(dtype), model.rope_sin[:T].to(dtype)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, cos, sin)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160), dict(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=256)],
+)
+def test_activation_formula_counts_what_a_block_saves(dtype, shape):
+    cfg = ModelConfig(n_layers=1, vocab_size=32, max_seq_len=64, **shape)
+    B, T = 2, 64
+    measured = _saved_bytes_of_one_block(cfg, dtype, (B, T))
+    per_token, _ = activation_bytes_per_token(cfg, dtype.itemsize, "none")
+    assert per_token * B * T == measured
+
+
+def test_state_follows_zero_formulas_and_sharding_order():
+    recipe = Recipe()
+    n_params, n_block = param_counts(recipe.model)
+    assert 0 < n_block < n_params
+    for sharding, group in (("FULL_SHARD", 8), ("SHARD_GRAD_OP", 8), ("NO_SHARD", 1), ("HYBRID_SHARD", 4)):
+        e = estimate(recipe, nproc=4, nnodes=2, sharding=sharding, ac="none", device="cuda")
+        assert e.state_gb == pytest.approx(16 * n_params / group / 1e9)
+    by_key = {(e.sharding, e.ac): e for e in plan(recipe, nproc=4, nnodes=2, device="cuda")}
+    assert len(by_key) == 12
+    assert by_key["FULL_SHARD", "none"].gathered_gb < by_key["SHARD_GRAD_OP", "none"].gathered_gb
+    assert by_key["FULL_SHARD", "full"].activations_gb < by_key["FULL_SHARD", "selective"].activations_gb
+    assert by_key["FULL_SHARD", "selective"].activations_gb < by_key["FULL_SHARD", "none"].activations_gb
+    # The recommendation is the least recomputation, then the least communication, that fits.
+    estimates = plan(recipe, nproc=4, nnodes=2, device="cuda")
+    assert recommend(estimates, 1e9) is estimates[0] and estimates[0].sharding == "NO_SHARD"
+    tight = by_key["FULL_SHARD", "none"].total_gb
+    assert recommend(estimates, tight).ac == "none"
+    assert recommend(estimates, 0.0) is None
+
+
+def test_plan_cli_recommends_or_says_what_to_change():
+    cmd = [sys.executable, "-m", "fsdp_trainer.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"), "--nproc", "8",
+           "--device", "cuda"]  # fmt: skip
+    fits = subprocess.run([*cmd, "--device_mem_gb", "80"], capture_output=True, text=True, cwd=REPO)
+    assert fits.returncode == 0, fits.stderr
+    assert "| FULL_SHARD | full |" in fits.stdout and "recommended: --parallel.sharding " in fits.stdout
+    tiny = subprocess.run([*cmd, "--device_mem_gb", "8"], capture_output=True, text=True, cwd=REPO)
+    assert tiny.returncode == 1 and tiny.stderr.startswith("nothing fits in 8.0 GB per device")

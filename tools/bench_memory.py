@@ -1,0 +1,92 @@
+"""Memory per rank, measured against the ZeRO formulas and fsdp_trainer.plan, one training job per configuration.
+
+    python tools/bench_memory.py --recipe recipes/debug.yaml --nproc 2 --steps 3 \
+        --configs FULL_SHARD/bf16/none SHARD_GRAD_OP/bf16/none NO_SHARD/fp32/full ... [--model.dim 512 ...]
+
+Each config is SHARDING/PRECISION/AC. For each, trains --steps steps on random tokens under torchrun and reads the
+run's metrics.jsonl: the training state each rank holds (parameters, gradients, AdamW state, measured from the local
+shards) against 16 bytes x P / shard group, and the peak memory of the largest rank against the planner's total.
+Prints a markdown table and writes the numbers to --out as JSON. Flags it does not know are recipe overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench import _run, synthetic_data  # noqa: E402
+
+from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
+from fsdp_trainer.plan import estimate, param_counts  # noqa: E402
+
+
+def measure(recipe_path: str, train_path: str, tokenizer_path: str, nproc: int, steps: int, config: str, tmp: Path):
+    sharding, precision, ac = config.split("/")
+    out = tmp / config.replace("/", "_")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
+           "--data.val_path", "null", "--data.tokenizer_path", tokenizer_path, "--train.steps", str(steps),
+           "--train.log_every", "1", "--train.eval_every", "0", "--checkpoint.every", "0", "--checkpoint.resume",
+           "none", "--train.out_dir", str(out), "--parallel.sharding", sharding, "--parallel.mixed_precision",
+           precision, "--parallel.activation_checkpointing", ac]  # fmt: skip
+    _run(cmd)
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    state = next(r for r in records if "state_gb" in r)
+    return {"config": config, **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")},
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in records if "peak_mem_gb" in r)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", nargs="+", default=["FULL_SHARD/bf16/none"])
+    parser.add_argument("--out", default="bench_out/memory.json")
+    args, overrides = parser.parse_known_args()
+    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+    n_params, _ = param_counts(recipe.model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        recipe_path = str(tmp / "recipe.yaml")
+        Path(recipe_path).write_text(recipe_to_yaml(recipe))
+        tokens_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * args.nproc
+        train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, 4 * args.steps * tokens_per_step + 1)
+        for config in args.configs:
+            row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, tmp)
+            sharding, precision, ac = config.split("/")
+            recipe.parallel.mixed_precision = precision
+            shard_group = 1 if sharding == "NO_SHARD" else args.nproc
+            row["formula_state_gb"] = 16 * n_params / shard_group / 1e9
+            row["plan"] = vars(estimate(recipe, args.nproc, 1, sharding, ac, "cpu"))
+            row["plan_total_gb"] = estimate(recipe, args.nproc, 1, sharding, ac, "cpu").total_gb
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    m = recipe.model
+    print(f"\n{n_params / 1e6:.1f}M params (dim {m.dim} x {m.n_layers} layers, vocab {m.vocab_size}), "
+          f"micro-batch {recipe.data.micro_batch_size} x seq {recipe.data.seq_len}, {args.nproc} ranks")  # fmt: skip
+    print("| sharding / precision / AC | params / grads / AdamW GB (measured) | state GB: measured / formula | "
+          "peak GB: measured / plan | plan error |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for r in rows:
+        err = r["plan_total_gb"] / r["peak_mem_gb"] - 1
+        print(f"| {r['config']} | {r['params_gb']:.3f} / {r['grads_gb']:.3f} / {r['optimizer_gb']:.3f} | "
+              f"{r['state_gb']:.3f} / {r['formula_state_gb']:.3f} | {r['peak_mem_gb']:.2f} / {r['plan_total_gb']:.2f} "
+              f"| {100 * err:+.0f}% |")  # fmt: skip
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "overrides": overrides, "n_params": n_params, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
