@@ -104,11 +104,18 @@ class ParallelConfig:
     """Collective backend: auto picks nccl on CUDA and gloo on CPU."""
     compile: bool = False
     """torch.compile each Transformer block (after activation checkpointing, before FSDP)."""
+    prefetch_blocks: int = 1
+    """Blocks whose parameter all-gather FSDP issues ahead of compute, in forward and in backward. 1 is FSDP2's own
+    (the next block); more overlaps communication further ahead, for one more gathered block of memory each."""
+    expandable_segments: bool = False
+    """CUDA's caching allocator grows segments in place instead of allocating new ones: less fragmentation when
+    shapes vary (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Nothing to do on CPU."""
     timeout_s: float = 600.0
     """Seconds a collective may wait for a peer before the run fails (instead of hanging on a dead rank)."""
 
     def __post_init__(self) -> None:
         _require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
+        _require(self.prefetch_blocks >= 1, f"parallel.prefetch_blocks={self.prefetch_blocks} must be >= 1")
         _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
 
 

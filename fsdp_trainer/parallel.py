@@ -109,6 +109,8 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
             f"parallel.sharding=HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the ranks per "
             f"node ({local_world_size}); launch the same --nproc_per_node on every node"
         )
+    if use_cuda and cfg.expandable_segments:
+        _use_expandable_segments()
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -139,6 +141,16 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         # does the same).
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
     return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
+
+
+def _use_expandable_segments() -> None:
+    """Switch CUDA's caching allocator to expandable segments, through its documented environment variable: read when
+    the allocator starts, which is why this runs before the first CUDA call that allocates."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError("parallel.expandable_segments must be set before CUDA is initialized")
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in conf:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
 
 
 def silent_ranks(rank: int, world_size: int, wait_s: float = 5.0) -> list[int]:
@@ -202,8 +214,11 @@ def apply_compile(model: Transformer) -> None:
         layers[name] = torch.compile(block, fullgraph=True)
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precision: str) -> None:
-    """fully_shard each block, then the root (embedding, final norm, lm_head and what is left)."""
+def apply_fsdp(
+    model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precision: str, prefetch_blocks: int = 1
+) -> None:
+    """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
+    prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward)."""
     plan = SHARDING[sharding]
     if mixed_precision == "bf16":
         # bf16 for compute and the parameter all-gather; fp32 master weights, optimizer state and grad reduction.
@@ -219,6 +234,12 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precis
         # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
         shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
     shard(model, reshard_after_forward=False)
+    if prefetch_blocks > 1:
+        # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
+        # reversed forward order); an explicit list replaces that, so it starts with the adjacent block.
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch_blocks])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks) : i][::-1])
 
 
 def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
@@ -230,7 +251,7 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> No
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)
-    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision)
+    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks)
 
 
 def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:

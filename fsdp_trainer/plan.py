@@ -8,15 +8,17 @@ FULL_SHARD and SHARD_GRAD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHA
 t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
-- gathered parameters: FSDP's unsharded compute copies, a bytes each: two blocks (the current one and the
-  prefetched next) plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP and NO_SHARD, which keep
-  them from forward to backward;
+- gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
+  parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP and
+  NO_SHARD, which keep them from forward to backward;
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
   in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included);
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
-  plus one block's worth for the activation gradients of the block in backward, and under AC one more for the
-  block being recomputed;
-- logits: t x V x (a + 8) bytes (the logits, their fp32 copy and log-softmax, and the gradient);
+- logits: t x V x 12 bytes, at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
+  reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
+  log-softmax take no more);
+- block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed;
+  it comes after the logits are freed, so the peak counts the larger of the two;
 - gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
   block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
   the larger of (activations + logits) and these;
@@ -51,14 +53,16 @@ class Estimate:
     gathered_gb: float
     activations_gb: float
     logits_gb: float
+    backward_gb: float
     grad_buffers_gb: float
     runtime_gb: float
 
     @property
     def total_gb(self) -> float:
-        # Activations and logits peak when backward starts; the unsharded gradient buffers of the root are largest
-        # when it ends, by which time the activations are freed.
-        transient = max(self.activations_gb + self.logits_gb, self.grad_buffers_gb)
+        # The saved activations are all alive when backward starts, next to the logits' memory (freed once the output
+        # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
+        # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed.
+        transient = max(self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb)
         return self.state_gb + self.gathered_gb + transient + self.runtime_gb
 
 
@@ -94,22 +98,24 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
     a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
     n_params, n_block = param_counts(cfg)
     n_root = n_params - cfg.n_layers * n_block
+    prefetch = recipe.parallel.prefetch_blocks
     tokens = data.micro_batch_size * data.seq_len
 
     state = 16 * n_params / shard_group
-    kept_blocks = cfg.n_layers if sharding in ("SHARD_GRAD_OP", "NO_SHARD") else min(2, cfg.n_layers)
+    kept_blocks = cfg.n_layers if sharding in ("SHARD_GRAD_OP", "NO_SHARD") else min(1 + prefetch, cfg.n_layers)
     gathered = a * (kept_blocks * n_block + n_root)
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
     gradient_buffers = (a + (4 if a < 4 else 0)) * (n_block + n_root)
     saved, full = activation_bytes_per_token(cfg, a, ac)
+    activations = tokens * cfg.n_layers * saved
+    logits = tokens * cfg.vocab_size * 12
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
-    activations = tokens * (cfg.n_layers * saved + full * (2 if ac != "none" else 1))
-    logits = tokens * cfg.vocab_size * (a + 8)
+    backward = tokens * full * (2 if ac != "none" else 1)
     gb = 1e9
     return Estimate(
-        sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, gradient_buffers / gb,
+        sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device],
     )  # fmt: skip
 
@@ -151,19 +157,19 @@ def main(argv: list[str] | None = None) -> None:
     n_params, _ = param_counts(recipe.model)
     data = recipe.data
     print(
-        f"{recipe.model.family} {n_params / 1e9:.2f}B params, {recipe.parallel.mixed_precision}, micro-batch "
+        f"{recipe.model.family} {n_params / 1e6:,.1f}M params, {recipe.parallel.mixed_precision}, micro-batch "
         f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
         f"device(s) of {mem:.1f} GB"
     )
     print(
-        "| sharding | AC | state | gathered + grad buffers | activations | logits | runtime | total GB / rank | fits |"
+        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | runtime "
+        "| total GB / rank | fits |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
-        print(
-            f"| {e.sharding} | {e.ac} | {e.state_gb:.2f} | {e.gathered_gb:.2f} | {e.activations_gb:.2f} | "
-            f"{e.logits_gb:.2f} | {e.runtime_gb:.2f} | {e.total_gb:.2f} | {'yes' if e.total_gb <= mem else 'no'} |"
-        )
+        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb)
+        cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
+        print(f"| {e.sharding} | {e.ac} | {cells} | {'yes' if e.total_gb <= mem else 'no'} |")
     best = recommend(estimates, mem)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)

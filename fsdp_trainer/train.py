@@ -269,6 +269,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision} | global batch "
             f"{loader.global_batch_size} x {data.seq_len} tokens | {cfg.steps} steps -> {cfg.out_dir}"
         )
+        if recipe.parallel.expandable_segments and env.device.type != "cuda":
+            logger.info(f"parallel.expandable_segments: CUDA's allocator only, nothing to do on {env.device.type}")
     metrics = Metrics(
         cfg.out_dir,
         recipe.model,

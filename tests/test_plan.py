@@ -59,6 +59,12 @@ def test_state_follows_zero_formulas_and_sharding_order():
     for sharding, group in (("FULL_SHARD", 8), ("SHARD_GRAD_OP", 8), ("NO_SHARD", 1), ("HYBRID_SHARD", 4)):
         e = estimate(recipe, nproc=4, nnodes=2, sharding=sharding, ac="none", device="cuda")
         assert e.state_gb == pytest.approx(16 * n_params / group / 1e9)
+    # Each prefetched block is one more gathered bf16 block.
+    recipe.parallel.prefetch_blocks = 3
+    deeper = estimate(recipe, nproc=4, nnodes=2, sharding="FULL_SHARD", ac="none", device="cuda")
+    recipe.parallel.prefetch_blocks = 1
+    e = estimate(recipe, nproc=4, nnodes=2, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert deeper.gathered_gb - e.gathered_gb == pytest.approx(2 * 2 * n_block / 1e9)
     by_key = {(e.sharding, e.ac): e for e in plan(recipe, nproc=4, nnodes=2, device="cuda")}
     assert len(by_key) == 12
     assert by_key["FULL_SHARD", "none"].gathered_gb < by_key["SHARD_GRAD_OP", "none"].gathered_gb

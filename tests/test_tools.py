@@ -1,4 +1,4 @@
-"""tools/bench.py and tools/generate.py on tiny shapes: they run and report what they claim (no timing asserts)."""
+"""tools/bench*.py, generate.py and plot.py on tiny shapes: they run and report what they claim (no timing asserts)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, generate
-from tests.conftest import REPO, train_cli, train_losses
+from tests.conftest import REPO, TINY_MODEL, train_cli, train_losses
 
 
 @pytest.mark.slow
@@ -31,6 +31,48 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
         report["summary"]["ours"]["tokens_per_s_median"] / report["summary"]["baseline"]["tokens_per_s_median"]
     )
     assert "ours / baseline = " in proc.stdout and "dim 32 x 2 layers" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
+    """Per rank: FULL_SHARD holds 16 bytes x P / 2 of parameters, gradients and AdamW state, NO_SHARD all 16 x P."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
+         "--steps", "2", "--configs", "FULL_SHARD/fp32/none", "NO_SHARD/bf16/full", "--out", str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    n_params = sum(p.numel() for p in Transformer(ModelConfig(**TINY_MODEL)).parameters())
+    assert rows["FULL_SHARD/fp32/none"]["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
+    assert rows["NO_SHARD/bf16/full"]["state_gb"] == pytest.approx(16 * n_params / 1e9, rel=1e-3)
+    for row in rows.values():
+        assert (
+            row["optimizer_gb"] == pytest.approx(2 * row["params_gb"], rel=1e-3)
+            and row["plan_total_gb"] > row["state_gb"]
+        )
+    assert "| FULL_SHARD/fp32/none |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_scaling_reports_each_size_and_world_size(tiny_data, tmp_path):
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_scaling.py"), "--recipe", str(tiny_data), "--sizes", "32x1",
+         "64x2", "--nproc", "1", "2", "--steps", "2", "--log_every", "1", "--parallel.mixed_precision", "fp32",
+         "--out", str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["size"], r["nproc"]) for r in rows] == [("32x1", 1), ("32x1", 2), ("64x2", 1), ("64x2", 2)]
+    for r in rows:
+        # ZeRO-3 in fp32: two all-gathers and a reduce-scatter of 4 bytes per parameter, each sending half of it.
+        assert r["comm_gb_per_rank"] == pytest.approx(12 * r["params"] * (r["nproc"] - 1) / r["nproc"] / 1e9)
+        assert r["state_gb"] == pytest.approx(16 * r["params"] / r["nproc"] / 1e9, rel=1e-3)
+        assert r["step_s"] > 0
+    assert rows[2]["params"] > rows[0]["params"]
 
 
 def test_greedy_generation_follows_the_argmax():

@@ -40,6 +40,21 @@ def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, shar
 
 
 @pytest.mark.slow
+def test_fast_path_flags_run_on_cpu_and_change_no_number(tiny_data, tmp_path, reference_losses):
+    """GPU fast-path flags must run on CPU too: explicit prefetching of 2 blocks ahead changes only when all-gathers
+    start; expandable segments are CUDA's and are said to be skipped."""
+    proc = train_cli(
+        ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--parallel.prefetch_blocks", "2",
+         "--parallel.expandable_segments", "true"],
+        nproc=2,
+    )  # fmt: skip
+    assert "parallel.expandable_segments: CUDA's allocator only, nothing to do on cpu" in proc.stdout + proc.stderr
+    losses = train_losses(tmp_path)
+    for step, ref in reference_losses.items():
+        assert losses[step] == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, reference_losses):
     losses = _run(tiny_data, tmp_path, "--parallel.sharding", "HYBRID_SHARD", nproc=2)
     for step, ref in reference_losses.items():

@@ -1,0 +1,105 @@
+"""How step time and memory grow with model size and world size, measured, with the ZeRO communication volume beside.
+
+    python tools/bench_scaling.py --recipe recipes/debug.yaml --sizes 256x4 512x8 768x12 --nproc 1 2 \
+        [--steps 6 --log_every 3] [--parallel.sharding FULL_SHARD ...]
+
+For each model size (dim x layers; heads of 64, half as many kv heads, ffn 3 x dim) and each world size, trains the
+recipe's shape of micro-batch per rank (weak scaling: the work per rank stays fixed) on random tokens under torchrun,
+one thread per rank, and reads the run's metrics.jsonl. Reports the median step time, tokens/s per rank, training
+state and peak memory per rank, and the bytes each rank sends per step by the ZeRO formulas, so that the extra step
+time of 2 ranks over 1 gives the effective collective bandwidth of this machine. Writes the rows to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from bench import run_ours, synthetic_data  # noqa: E402
+
+from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml  # noqa: E402
+from fsdp_trainer.plan import param_counts  # noqa: E402
+
+
+def comm_bytes_per_rank(recipe: Recipe, n_params: int, world: int) -> float:
+    """Bytes one rank sends per optimizer step (ring collectives: each moves (W-1)/W of the buffer per rank).
+
+    ZeRO-3 (FULL_SHARD) all-gathers the parameters in forward and again in backward, in the compute dtype, and
+    reduce-scatters the gradients in fp32; ZeRO-2 (SHARD_GRAD_OP) gathers once; DDP (NO_SHARD) all-reduces the fp32
+    gradients, which is a reduce-scatter plus an all-gather. In one dtype, ZeRO-3 moves 1.5x the bytes of DDP.
+    """
+    a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
+    per_param = {"FULL_SHARD": 2 * a + 4, "HYBRID_SHARD": 2 * a + 4, "SHARD_GRAD_OP": a + 4, "NO_SHARD": 8}
+    return per_param[recipe.parallel.sharding] * n_params * (world - 1) / world
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--sizes", nargs="+", default=["256x4", "512x8", "768x12"], help="DIMxLAYERS")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--steps", type=int, default=6, help="measured steps (a multiple of --log_every)")
+    parser.add_argument("--log_every", type=int, default=3, help="also the warmup length")
+    parser.add_argument("--out", default="bench_out/scaling.json")
+    args, overrides = parser.parse_known_args()
+    if args.steps % args.log_every:
+        parser.error(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank at every world size: the per-device work is equal
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for size in args.sizes:
+            dim, layers = (int(x) for x in size.split("x"))
+            heads = max(1, dim // 64)
+            shape = ["--model.dim", str(dim), "--model.n_layers", str(layers), "--model.n_heads", str(heads),
+                     "--model.n_kv_heads", str(max(1, heads // 2)), "--model.ffn_dim", str(3 * dim)]  # fmt: skip
+            recipe = parse_recipe(["--recipe", args.recipe, *overrides, *shape])
+            recipe_path = tmp / f"recipe_{size}.yaml"
+            recipe_path.write_text(recipe_to_yaml(recipe))
+            n_params, _ = param_counts(recipe.model)
+            data = recipe.data
+            tokens_per_rank = data.micro_batch_size * data.grad_accum_steps * data.seq_len
+            train_path, tokenizer_path = synthetic_data(
+                tmp, recipe.model.vocab_size, 4 * (args.steps + args.log_every) * tokens_per_rank * max(args.nproc) + 1
+            )
+            for nproc in args.nproc:
+                result = run_ours(str(recipe_path), train_path, tokenizer_path, nproc, args.steps, args.log_every,
+                                  tokens_per_rank * nproc, tmp / f"{size}_{nproc}")  # fmt: skip
+                row = {"size": size, "params": n_params, "nproc": nproc,
+                       "step_s": tokens_per_rank * nproc / result["tokens_per_s"],
+                       "tokens_per_s_per_rank": result["tokens_per_s"] / nproc, "state_gb": result["state_gb"],
+                       "peak_mem_gb": result["peak_mem_gb"],
+                       "comm_gb_per_rank": comm_bytes_per_rank(recipe, n_params, nproc) / 1e9}  # fmt: skip
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    d = recipe.data
+    print(f"\n{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, micro-batch {d.micro_batch_size} x "
+          f"seq {d.seq_len} per rank, one thread per rank")  # fmt: skip
+    print("| model | params | ranks | step s | tokens/s per rank | state GB / rank | peak GB / rank | "
+          "sent GB / rank / step | extra s vs 1 rank | effective GB/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    single = {r["size"]: r for r in rows if r["nproc"] == 1}
+    for r in rows:
+        base = single.get(r["size"])
+        extra = r["step_s"] - base["step_s"] if base and r["nproc"] > 1 else None
+        bandwidth = r["comm_gb_per_rank"] / extra if extra and extra > 0 else None
+        print(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['nproc']} | {r['step_s']:.2f} | "
+              f"{r['tokens_per_s_per_rank']:,.0f} | {r['state_gb']:.3f} | {r['peak_mem_gb']:.2f} | "
+              f"{r['comm_gb_per_rank']:.3f} | {'-' if extra is None else f'{extra:+.2f}'} | "
+              f"{'-' if bandwidth is None else f'{bandwidth:.2f}'} |")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "overrides": overrides, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
