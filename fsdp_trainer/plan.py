@@ -2,10 +2,11 @@
 
     python -m fsdp_trainer.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80] [--device cuda]
 
-Prints a table (training state, gathered parameters, activations, logits, runtime, total) and recommends the fastest
-configuration that fits. The terms, per rank, for P parameters, S ranks sharing one copy of the model (the world for
-FULL_SHARD and SHARD_GRAD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf16) or 4 (fp32),
-t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
+Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step) and
+recommends the fastest configuration that fits. The terms, per rank, for P parameters, S ranks sharing one copy of
+the model (the world for FULL_SHARD and SHARD_GRAD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2
+bytes (bf16) or 4 (fp32), t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward
+widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
@@ -25,6 +26,13 @@ t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-
 - runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
+Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of
+a buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and again in backward on
+every micro-step, in the compute dtype, and reduce-scatters fp32 gradients once: (2ka + 4)P(W-1)/W; ZeRO-2 gathers
+once per micro-step: (ka + 4)P(W-1)/W; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
+a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network. In one
+dtype ZeRO-3 sends 1.5x DDP; with bf16 compute and fp32 reduction the two are equal.
+
 Validated against peak memory measured on CPU (docs/benchmarks.md); treat GPU figures as a plan, not a promise:
 allocator fragmentation typically adds 5-10%.
 """
@@ -40,7 +48,7 @@ import torch
 from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
 from fsdp_trainer.model import Transformer
 
-SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")  # least to most communication
+SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")  # least to most memory
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
 
@@ -56,6 +64,8 @@ class Estimate:
     backward_gb: float
     grad_buffers_gb: float
     runtime_gb: float
+    sent_gb: float  # per rank per optimizer step
+    internode_gb: float  # of which between nodes
 
     @property
     def total_gb(self) -> float:
@@ -72,6 +82,20 @@ def param_counts(cfg: ModelConfig) -> tuple[int, int]:
         model = Transformer(cfg)
     block = next(iter(model.model.layers.values()))
     return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in block.parameters())
+
+
+def comm_bytes_per_rank(
+    sharding: str, n_params: int, compute_bytes: int, accum: int, nproc: int, nnodes: int
+) -> tuple[float, float]:
+    """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring."""
+    world, a, p = nproc * nnodes, compute_bytes, n_params
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    if sharding == "HYBRID_SHARD":
+        internode = 8 * (p / nproc) * ring(nnodes)
+        return (2 * accum * a + 4) * p * ring(nproc) + internode, internode
+    per_param = {"FULL_SHARD": 2 * accum * a + 4, "SHARD_GRAD_OP": accum * a + 4, "NO_SHARD": 8}[sharding]
+    sent = per_param * p * ring(world)
+    return sent, sent if nnodes > 1 else 0.0  # a ring over all ranks crosses the network at every hop's pace
 
 
 def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) -> tuple[float, float]:
@@ -113,10 +137,11 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
+    sent, internode = comm_bytes_per_rank(sharding, n_params, a, data.grad_accum_steps, nproc, nnodes)
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
-        RUNTIME_GB[device],
+        RUNTIME_GB[device], sent / gb, internode / gb,
     )  # fmt: skip
 
 
@@ -126,9 +151,11 @@ def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]
 
 
 def recommend(estimates: list[Estimate], device_mem_gb: float) -> Estimate | None:
-    """The fastest that fits: the least recomputation first (AC costs compute on every step), then the least
-    communication (ZeRO-3 moves 1.5x the bytes of DDP and ZeRO-2). The list is already in that order."""
-    return next((e for e in estimates if e.total_gb <= device_mem_gb), None)
+    """The fastest that fits: the least recomputation first (AC costs compute on every step), then the fewest bytes
+    over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
+    fits = [e for e in estimates if e.total_gb <= device_mem_gb]
+    key = lambda e: (AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)  # noqa: E731
+    return min(fits, key=key, default=None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,13 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | runtime "
-        "| total GB / rank | fits |"
+        "| total GB / rank | fits | sent GB / step (between nodes) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
         terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb)
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
-        print(f"| {e.sharding} | {e.ac} | {cells} | {'yes' if e.total_gb <= mem else 'no'} |")
+        fits = "yes" if e.total_gb <= mem else "no"
+        print(f"| {e.sharding} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) |")
     best = recommend(estimates, mem)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)

@@ -70,12 +70,33 @@ def test_state_follows_zero_formulas_and_sharding_order():
     assert by_key["FULL_SHARD", "none"].gathered_gb < by_key["SHARD_GRAD_OP", "none"].gathered_gb
     assert by_key["FULL_SHARD", "full"].activations_gb < by_key["FULL_SHARD", "selective"].activations_gb
     assert by_key["FULL_SHARD", "selective"].activations_gb < by_key["FULL_SHARD", "none"].activations_gb
-    # The recommendation is the least recomputation, then the least communication, that fits.
+    # The recommendation is the least recomputation, then the fewest bytes between nodes, then sent, that fits.
     estimates = plan(recipe, nproc=4, nnodes=2, device="cuda")
-    assert recommend(estimates, 1e9) is estimates[0] and estimates[0].sharding == "NO_SHARD"
+    best = recommend(estimates, 1e9)
+    assert (best.sharding, best.ac) == ("HYBRID_SHARD", "none") and best.internode_gb < best.sent_gb
     tight = by_key["FULL_SHARD", "none"].total_gb
-    assert recommend(estimates, tight).ac == "none"
+    assert (recommend(estimates, tight).sharding, recommend(estimates, tight).ac) == ("FULL_SHARD", "none")
     assert recommend(estimates, 0.0) is None
+
+
+@pytest.mark.parametrize(
+    "precision, accum, best",
+    # bf16 + fp32 reduction: ZeRO-2 sends (2 + 4)P, DDP and ZeRO-3 8P; fp32: ZeRO-2 and DDP 8P (the tie goes to the
+    # smaller), ZeRO-3 12P; accumulating 4 micro-steps re-gathers parameters 4 times, which DDP never does.
+    [("bf16", 1, "SHARD_GRAD_OP"), ("fp32", 1, "SHARD_GRAD_OP"), ("fp32", 4, "NO_SHARD")],
+)
+def test_communication_volume_orders_the_one_node_choice(precision, accum, best):
+    recipe = Recipe()
+    recipe.parallel.mixed_precision, recipe.data.grad_accum_steps = precision, accum
+    n_params, _ = param_counts(recipe.model)
+    estimates = {e.sharding: e for e in plan(recipe, nproc=8, nnodes=1, device="cuda") if e.ac == "none"}
+    a = 2 if precision == "bf16" else 4
+    assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)
+    assert estimates["FULL_SHARD"].sent_gb == pytest.approx((2 * accum * a + 4) * n_params * 7 / 8 / 1e9)
+    if precision == "fp32" and accum == 1:
+        assert estimates["FULL_SHARD"].sent_gb == pytest.approx(1.5 * estimates["NO_SHARD"].sent_gb)
+    assert all(e.internode_gb == 0 for e in estimates.values())
+    assert recommend(list(estimates.values()), 1e9).sharding == best
 
 
 def test_plan_cli_recommends_or_says_what_to_change():

@@ -5,9 +5,10 @@
 
 For each model size (dim x layers; heads of 64, half as many kv heads, ffn 3 x dim) and each world size, trains the
 recipe's shape of micro-batch per rank (weak scaling: the work per rank stays fixed) on random tokens under torchrun,
-one thread per rank, and reads the run's metrics.jsonl. Reports the median step time, tokens/s per rank, training
-state and peak memory per rank, and the bytes each rank sends per step by the ZeRO formulas, so that the extra step
-time of 2 ranks over 1 gives the effective collective bandwidth of this machine. Writes the rows to --out as JSON.
+one thread per rank, and reads the run's metrics.jsonl. Reports the mean step time after warmup, tokens/s per rank,
+training state and peak memory per rank, and the bytes each rank sends per step by the ZeRO formulas of
+fsdp_trainer.plan, so that the extra step time of 2 ranks over 1 gives the effective collective bandwidth of this
+machine. Writes the rows to --out as JSON.
 """
 
 from __future__ import annotations
@@ -25,20 +26,14 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from bench import run_ours, synthetic_data  # noqa: E402
 
-from fsdp_trainer.config import Recipe, parse_recipe, recipe_to_yaml  # noqa: E402
-from fsdp_trainer.plan import param_counts  # noqa: E402
+from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
+from fsdp_trainer.plan import comm_bytes_per_rank, param_counts  # noqa: E402
 
 
-def comm_bytes_per_rank(recipe: Recipe, n_params: int, world: int) -> float:
-    """Bytes one rank sends per optimizer step (ring collectives: each moves (W-1)/W of the buffer per rank).
-
-    ZeRO-3 (FULL_SHARD) all-gathers the parameters in forward and again in backward, in the compute dtype, and
-    reduce-scatters the gradients in fp32; ZeRO-2 (SHARD_GRAD_OP) gathers once; DDP (NO_SHARD) all-reduces the fp32
-    gradients, which is a reduce-scatter plus an all-gather. In one dtype, ZeRO-3 moves 1.5x the bytes of DDP.
-    """
+def sent(recipe, n_params: int, nproc: int) -> float:
+    """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.plan (one node)."""
     a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
-    per_param = {"FULL_SHARD": 2 * a + 4, "HYBRID_SHARD": 2 * a + 4, "SHARD_GRAD_OP": a + 4, "NO_SHARD": 8}
-    return per_param[recipe.parallel.sharding] * n_params * (world - 1) / world
+    return comm_bytes_per_rank(recipe.parallel.sharding, n_params, a, recipe.data.grad_accum_steps, nproc, 1)[0]
 
 
 def main() -> None:
@@ -78,7 +73,7 @@ def main() -> None:
                        "step_s": tokens_per_rank * nproc / result["tokens_per_s"],
                        "tokens_per_s_per_rank": result["tokens_per_s"] / nproc, "state_gb": result["state_gb"],
                        "peak_mem_gb": result["peak_mem_gb"],
-                       "comm_gb_per_rank": comm_bytes_per_rank(recipe, n_params, nproc) / 1e9}  # fmt: skip
+                       "comm_gb_per_rank": sent(recipe, n_params, nproc) / 1e9}  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
