@@ -147,7 +147,10 @@ def _use_expandable_segments() -> None:
     """Switch CUDA's caching allocator to expandable segments, through its documented environment variable: read when
     the allocator starts, which is why this runs before the first CUDA call that allocates."""
     if torch.cuda.is_initialized():
-        raise RuntimeError("parallel.expandable_segments must be set before CUDA is initialized")
+        raise RuntimeError(
+            "parallel.expandable_segments: CUDA was initialized before the trainer could set it; export "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching instead"
+        )
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))

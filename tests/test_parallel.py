@@ -51,3 +51,23 @@ def test_sharded_init_equals_single_process_init(sharding):
 
 def test_wrapped_blocks_keep_hf_names():
     run_distributed(_check_sharded_model, "FULL_SHARD", "selective")
+
+
+def test_expandable_segments_joins_the_users_allocator_settings(monkeypatch):
+    """The allocator reads PYTORCH_CUDA_ALLOC_CONF once, when CUDA starts: set it before, keeping the user's options,
+    and refuse once it is too late rather than silently do nothing."""
+    from fsdp_trainer import parallel
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    parallel._use_expandable_segments()
+    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's explicit choice wins
+    parallel._use_expandable_segments()
+    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    parallel._use_expandable_segments()
+    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA was initialized before the trainer could set it; export"):
+        parallel._use_expandable_segments()
