@@ -7,7 +7,6 @@ device, parallelized, then materialized shard by shard, so no rank ever holds th
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from dataclasses import dataclass
@@ -117,7 +116,6 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        keep_freed_memory_on_cpu()
 
     timeout = timedelta(seconds=cfg.timeout_s)
     if "RANK" in os.environ:
@@ -143,23 +141,6 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         # does the same).
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
     return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
-
-
-def keep_freed_memory_on_cpu() -> bool:
-    """Make glibc keep freed memory for reuse, as CUDA's caching allocator does; False where it was left alone.
-
-    By default glibc returns large freed blocks to the OS at once (mmap/munmap) and trims the top of its heap, so a
-    training step page-faults and zeroes its activation memory afresh every time: ~5% of an fp32 step on a 2-core CPU
-    (docs/benchmarks.md). Blocks up to 32 MB now come from the heap and stay there. A user's own MALLOC_* settings
-    win, and a libc without mallopt (macOS) is left as it is.
-    """
-    if any(name.startswith("MALLOC_") for name in os.environ):
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def _use_expandable_segments() -> None:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -15,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_trainer.config import ModelConfig, ParallelConfig
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.parallel import SHARDING, materialize, parallelize
-from tests.conftest import REPO, run_distributed
+from tests.conftest import run_distributed
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=77, max_seq_len=32)
 
@@ -75,13 +71,3 @@ def test_expandable_segments_joins_the_users_allocator_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA was initialized before the trainer could set it; export"):
         parallel._use_expandable_segments()
-
-
-def test_cpu_runs_keep_freed_memory_unless_the_user_set_malloc_options():
-    script = "from fsdp_trainer.parallel import keep_freed_memory_on_cpu as f; print(f())"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    applied = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
-    assert applied.stdout.strip() == "True", applied.stderr
-    env["MALLOC_ARENA_MAX"] = "2"
-    left = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=env)
-    assert left.stdout.strip() == "False", left.stderr

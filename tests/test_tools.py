@@ -31,8 +31,6 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
         report["summary"]["ours"]["tokens_per_s_median"] / report["summary"]["baseline"]["tokens_per_s_median"]
     )
     assert "ours / baseline = " in proc.stdout and "dim 32 x 2 layers" in proc.stdout
-    # MFU needs a known accelerator's peak: on CPU it is reported as unknown, never as a made-up number.
-    assert report["summary"]["ours"]["mfu"] is None and "| ours |" in proc.stdout and "| - |" in proc.stdout
 
 
 @pytest.mark.slow

@@ -22,14 +22,13 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
 from fsdp_trainer.data import write_token_file  # noqa: E402
-from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
+from fsdp_trainer.metrics import flops_per_token  # noqa: E402
 from fsdp_trainer.tokenizer import file_sha256  # noqa: E402
 
 
@@ -42,34 +41,28 @@ def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]
     return str(tmp / "train.bin"), str(tokenizer)
 
 
-def run_ours(
-    recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path, flags=()
-) -> dict:
-    """Train under torchrun (`flags` override the recipe) and read throughput, peak memory and the training state
-    per rank from the run's metrics.jsonl."""
+def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path) -> dict:
     out = tmp / "ours_run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
            "--data.val_path", "null", "--data.tokenizer_path", tokenizer_path, "--train.steps", str(log_every + steps),
            "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
-           "--checkpoint.resume", "none", "--train.out_dir", str(out), *flags]  # fmt: skip
+           "--checkpoint.resume", "none", "--train.out_dir", str(out)]  # fmt: skip
     _run(cmd)
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     lines = [r for r in records if "loss" in r]
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
     elapsed = last["elapsed_s"] - first["elapsed_s"]
-    state = next(r for r in records if "state_gb" in r)
+    state_gb = next(r["state_gb"] for r in records if "state_gb" in r)
     return {"tokens_per_s": (last["step"] - first["step"]) * tokens_per_step / elapsed,
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"],
-            **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")}}  # fmt: skip
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "state_gb": state_gb, "mfu": last["mfu"],
+            "loss": last["loss"]}  # fmt: skip
 
 
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(
-            f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-        )
+        sys.exit(f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
 def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
@@ -136,20 +129,14 @@ def main() -> None:
         }
     ratio = summary["ours"]["tokens_per_s_median"] / summary["baseline"]["tokens_per_s_median"]
     shape = recipe.model
-    # MFU of both from their tokens/s, against the device's dense bf16 peak (None on CPU and unknown devices).
-    peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
-    flops = flops_per_token(shape, data.seq_len)
-    for s in summary.values():
-        s["mfu"] = s["tokens_per_s_median"] * flops / (peak * args.nproc) if peak else None
     print(f"\n{recipe.model.family} dim {shape.dim} x {shape.n_layers} layers, seq {recipe.data.seq_len}, "
           f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, {args.nproc} ranks, "
           f"{flops_per_token(shape, recipe.data.seq_len) / 1e6:.0f} MFLOP/token")  # fmt: skip
-    print("| impl | tokens/s (median) | min - max over repeats | per device | MFU | peak mem / rank |")
-    print("|---|---|---|---|---|---|")
+    print("| impl | tokens/s (median) | min - max | per device | peak mem / rank |")
+    print("|---|---|---|---|---|")
     for impl, s in summary.items():
-        mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
         print(f"| {impl} | {s['tokens_per_s_median']:,.0f} | {s['tokens_per_s_min']:,.0f} - "
-              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | {mfu} | "
+              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | "
               f"{s['peak_mem_gb_max']:.2f} GB |")  # fmt: skip
     print(f"ours / baseline = {ratio:.3f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
