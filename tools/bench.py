@@ -41,22 +41,26 @@ def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]
     return str(tmp / "train.bin"), str(tokenizer)
 
 
-def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path) -> dict:
+def run_ours(
+    recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path, flags=()
+) -> dict:
+    """Train under torchrun (`flags` override the recipe) and read throughput, peak memory and the training state
+    per rank from the run's metrics.jsonl."""
     out = tmp / "ours_run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
            "--data.val_path", "null", "--data.tokenizer_path", tokenizer_path, "--train.steps", str(log_every + steps),
            "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
-           "--checkpoint.resume", "none", "--train.out_dir", str(out)]  # fmt: skip
+           "--checkpoint.resume", "none", "--train.out_dir", str(out), *flags]  # fmt: skip
     _run(cmd)
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     lines = [r for r in records if "loss" in r]
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
     elapsed = last["elapsed_s"] - first["elapsed_s"]
-    state_gb = next(r["state_gb"] for r in records if "state_gb" in r)
+    state = next(r for r in records if "state_gb" in r)
     return {"tokens_per_s": (last["step"] - first["step"]) * tokens_per_step / elapsed,
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "state_gb": state_gb, "mfu": last["mfu"],
-            "loss": last["loss"]}  # fmt: skip
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"],
+            **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")}}  # fmt: skip
 
 
 def _run(cmd: list[str]) -> None:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from bench import _run, synthetic_data  # noqa: E402
+from bench import run_ours, synthetic_data  # noqa: E402
 
 from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
 from fsdp_trainer.plan import estimate, param_counts  # noqa: E402
@@ -30,18 +30,12 @@ from fsdp_trainer.plan import estimate, param_counts  # noqa: E402
 
 def measure(recipe_path: str, train_path: str, tokenizer_path: str, nproc: int, steps: int, config: str, tmp: Path):
     sharding, precision, ac = config.split("/")
-    out = tmp / config.replace("/", "_")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "fsdp_trainer.train", "--recipe", recipe_path, "--data.train_path", train_path,
-           "--data.val_path", "null", "--data.tokenizer_path", tokenizer_path, "--train.steps", str(steps),
-           "--train.log_every", "1", "--train.eval_every", "0", "--checkpoint.every", "0", "--checkpoint.resume",
-           "none", "--train.out_dir", str(out), "--parallel.sharding", sharding, "--parallel.mixed_precision",
-           precision, "--parallel.activation_checkpointing", ac]  # fmt: skip
-    _run(cmd)
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    state = next(r for r in records if "state_gb" in r)
-    return {"config": config, **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")},
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in records if "peak_mem_gb" in r)}  # fmt: skip
+    flags = ["--parallel.sharding", sharding, "--parallel.mixed_precision", precision,
+             "--parallel.activation_checkpointing", ac]  # fmt: skip
+    result = run_ours(recipe_path, train_path, tokenizer_path, nproc, steps - 1, 1, 1, tmp / config.replace("/", "_"),
+                      flags)  # fmt: skip
+    return {"config": config, **{k: result[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb",
+                                                         "peak_mem_gb")}}  # fmt: skip
 
 
 def main() -> None:
@@ -52,6 +46,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["FULL_SHARD/bf16/none"])
     parser.add_argument("--out", default="bench_out/memory.json")
     args, overrides = parser.parse_known_args()
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step is the warmup)")
     recipe = parse_recipe(["--recipe", args.recipe, *overrides])
     n_params, _ = param_counts(recipe.model)
     rows = []
@@ -67,8 +63,8 @@ def main() -> None:
             recipe.parallel.mixed_precision = precision
             shard_group = 1 if sharding == "NO_SHARD" else args.nproc
             row["formula_state_gb"] = 16 * n_params / shard_group / 1e9
-            row["plan"] = vars(estimate(recipe, args.nproc, 1, sharding, ac, "cpu"))
-            row["plan_total_gb"] = estimate(recipe, args.nproc, 1, sharding, ac, "cpu").total_gb
+            planned = estimate(recipe, args.nproc, 1, sharding, ac, "cpu")
+            row["plan"], row["plan_total_gb"] = vars(planned), planned.total_gb
             rows.append(row)
             print(json.dumps(row), flush=True)
 
