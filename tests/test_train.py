@@ -137,6 +137,24 @@ def test_config_yaml_reproduces_the_run(tiny_data, tmp_path):
     assert again == first
 
 
+def test_a_finished_run_gives_back_sigterm_and_its_process_groups(tiny_data, tmp_path):
+    """Called from a user's program, main() leaves the program's SIGTERM handler and no process group behind. A group
+    the trainer's handler kept alive until interpreter exit made rank 1 abort there now and then ("terminate called
+    without an active exception"); see PreemptionFlag.close."""
+    script = f"""
+import signal, torch.distributed as dist
+from fsdp_trainer.train import main
+def users_handler(signum, frame): pass
+signal.signal(signal.SIGTERM, users_handler)
+main(["--recipe", {str(tiny_data)!r}, "--train.out_dir", {str(tmp_path)!r}, "--train.steps", "2"])
+assert signal.getsignal(signal.SIGTERM) is users_handler, signal.getsignal(signal.SIGTERM)
+assert not dist.is_initialized()
+print("clean")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("clean"), proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
