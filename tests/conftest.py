@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 import os
@@ -152,6 +153,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+        gc.collect()  # free groups held in cycles now, not at interpreter exit (see PreemptionFlag.close)
 
 
 def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = ()):

@@ -2,12 +2,13 @@
 
     python tools/bench.py --recipe recipes/debug.yaml --nproc 2 --steps 20 [--repeats 2] [--model.dim 512 ...]
 
-Runs, alternating and each as its own torchrun job (so peak memory is per job): the real trainer
-(`python -m fsdp_trainer.train`, logging every --log_every steps, no eval, no checkpoints) and tools/baseline_loop.py
-(the same model, init, batch and optimizer in a plain loop that never logs). Both read the same token file: random
-tokens by default (--data synthetic), or the recipe's train_path (--data recipe). Throughput is measured over
---steps steps after a warmup of --log_every steps. Prints a table and the headline ratio ours / baseline, and
-writes everything to --out as JSON. Flags it does not know are recipe overrides (`--model.dim 512`).
+Runs, in pairs that alternate which goes first, each as its own torchrun job (so peak memory is per job): the
+trainer (`python -m fsdp_trainer.train`, logging every --log_every steps, no eval, no checkpoints) and
+tools/baseline_loop.py (the same model, init, batch and optimizer in a plain loop that never logs). Both read the same
+token file: random tokens by default (--data synthetic), or the recipe's train_path (--data recipe). Throughput is
+measured over --steps steps after a warmup of --log_every steps. Prints a table (MFU on known GPUs), each pair's ratio
+ours / baseline and their median, the headline, and writes everything to --out as JSON. Flags it does not know are
+recipe overrides (`--model.dim 512`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
 from fsdp_trainer.data import write_token_file  # noqa: E402
-from fsdp_trainer.metrics import flops_per_token  # noqa: E402
+from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
 from fsdp_trainer.tokenizer import file_sha256  # noqa: E402
 
 
@@ -66,7 +68,9 @@ def run_ours(
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
-        sys.exit(f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        sys.exit(
+            f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
 
 
 def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
@@ -104,22 +108,15 @@ def main() -> None:
         else:
             train_path, tokenizer_path = recipe.data.train_path, recipe.data.tokenizer_path
         results = {"ours": [], "baseline": []}
-        for _ in range(args.repeats):
-            results["baseline"].append(
-                run_baseline(recipe_path, train_path, args.nproc, args.steps, args.log_every, tmp)
-            )
-            results["ours"].append(
-                run_ours(
-                    recipe_path,
-                    train_path,
-                    tokenizer_path,
-                    args.nproc,
-                    args.steps,
-                    args.log_every,
-                    tokens_per_step,
-                    tmp,
-                )
-            )
+        run = {
+            "baseline": lambda: run_baseline(recipe_path, train_path, args.nproc, args.steps, args.log_every, tmp),
+            "ours": lambda: run_ours(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, args.log_every,
+                                     tokens_per_step, tmp),
+        }  # fmt: skip
+        for i in range(args.repeats):
+            # Pairs alternate which runs first, so a machine that slows down or speeds up over the run favours neither.
+            for impl in ("baseline", "ours") if i % 2 == 0 else ("ours", "baseline"):
+                results[impl].append(run[impl]())
             print(f"baseline {results['baseline'][-1]['tokens_per_s']:,.0f} tok/s | "
                   f"ours {results['ours'][-1]['tokens_per_s']:,.0f} tok/s", flush=True)  # fmt: skip
 
@@ -131,22 +128,33 @@ def main() -> None:
             "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
             "peak_mem_gb_max": max(r["peak_mem_gb"] for r in runs),
         }
-    ratio = summary["ours"]["tokens_per_s_median"] / summary["baseline"]["tokens_per_s_median"]
+    # The headline is the median over pairs of ours / baseline: a pair ran back to back, so it shares the machine's
+    # state of the moment, which on a shared machine moves more than the difference being measured.
+    pairs = zip(results["ours"], results["baseline"], strict=True)
+    pair_ratios = [ours["tokens_per_s"] / baseline["tokens_per_s"] for ours, baseline in pairs]
+    ratio = statistics.median(pair_ratios)
     shape = recipe.model
+    # MFU of both from their tokens/s, against the device's dense bf16 peak (none on CPU and on unknown devices).
+    peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
+    flops = flops_per_token(shape, data.seq_len)
+    for s in summary.values():
+        s["mfu"] = s["tokens_per_s_median"] * flops / (peak * args.nproc) if peak else None
     print(f"\n{recipe.model.family} dim {shape.dim} x {shape.n_layers} layers, seq {recipe.data.seq_len}, "
           f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, {args.nproc} ranks, "
           f"{flops_per_token(shape, recipe.data.seq_len) / 1e6:.0f} MFLOP/token")  # fmt: skip
-    print("| impl | tokens/s (median) | min - max | per device | peak mem / rank |")
-    print("|---|---|---|---|---|")
+    print("| impl | tokens/s (median) | min - max | per device | MFU | peak mem / rank |")
+    print("|---|---|---|---|---|---|")
     for impl, s in summary.items():
+        mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
         print(f"| {impl} | {s['tokens_per_s_median']:,.0f} | {s['tokens_per_s_min']:,.0f} - "
-              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | "
+              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | {mfu} | "
               f"{s['peak_mem_gb_max']:.2f} GB |")  # fmt: skip
-    print(f"ours / baseline = {ratio:.3f}")
+    print(f"ours / baseline per pair: {', '.join(f'{r:.3f}' for r in pair_ratios)}")
+    print(f"ours / baseline = {ratio:.3f} (median over pairs)")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "overrides": overrides, "runs": results, "summary": summary,
-                   "ratio": ratio}, f, indent=2)  # fmt: skip
+                   "pair_ratios": pair_ratios, "ratio": ratio}, f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":
