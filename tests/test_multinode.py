@@ -73,7 +73,7 @@ exit $status
 
 FAKE_SCONTROL = """#!/bin/bash
 case "$1" in
-    show) for _ in $(seq "$SLURM_NNODES"); do echo localhost; done ;;
+    show) for _ in $(seq "$SLURM_NNODES"); do echo localhost; sleep 0.2; done ;;  # a node list longer than a pipe read
     requeue) echo "requeue $2" >> "$FAKE_SLURM/requeued"; kill -TERM "$(cat "$FAKE_SLURM/srun.pid")" ;;
 esac
 """
