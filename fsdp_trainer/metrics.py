@@ -116,6 +116,7 @@ class Metrics:
         self.peak = peak_flops(device)
         self.device = device
         self.start = self.last_time = time.perf_counter()
+        self.cpu_start = time.process_time()
         self.last_step: int | None = None
         self.file = self.tensorboard = self.bar = None
         if not is_main:
@@ -173,6 +174,8 @@ class Metrics:
             "peak_mem_gb": peak_mem_gb,
             "skipped_steps": skipped_steps,
             "elapsed_s": now - self.start,
+            # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
+            "cpu_s": time.process_time() - self.cpu_start,
         }
         if self.is_main:
             mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
@@ -197,7 +200,7 @@ class Metrics:
         self.file.flush()
         if self.tensorboard is not None:
             for key, value in record.items():
-                if key not in ("step", "elapsed_s") and isinstance(value, (int, float)):
+                if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
 
     def close(self) -> None:

@@ -33,6 +33,9 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
     pairs = [o["tokens_per_s"] / b["tokens_per_s"] for o, b in zip(runs["ours"], runs["baseline"], strict=True)]
     assert report["pair_ratios"] == pytest.approx(pairs)
     assert report["ratio"] == pytest.approx((pairs[0] + pairs[1]) / 2)
+    assert all(r["tokens_per_cpu_s"] > 0 for impl in ("ours", "baseline") for r in runs[impl])
+    cpu_pairs = [o["tokens_per_cpu_s"] / b["tokens_per_cpu_s"] for o, b in zip(*runs.values(), strict=True)]
+    assert report["cpu_ratio"] == pytest.approx((cpu_pairs[0] + cpu_pairs[1]) / 2)
     assert "ours / baseline = " in proc.stdout and "dim 32 x 2 layers" in proc.stdout
 
 

@@ -8,6 +8,7 @@ the `steps` after `warmup` and the largest peak memory of any rank.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -72,7 +73,7 @@ def sync():
 for step in range(args.warmup + args.steps):
     if step == args.warmup:
         sync()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
     for micro in range(data.grad_accum_steps):
         model.set_requires_gradient_sync(micro == data.grad_accum_steps - 1)
         x, y = get_batch()
@@ -82,13 +83,19 @@ for step in range(args.warmup + args.steps):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 sync()
-elapsed = time.perf_counter() - start
+elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
 mem = torch.tensor(peak_memory_gb(device), device=device)
 dist.all_reduce(mem, op=dist.ReduceOp.MAX)
 tokens_per_step = data.micro_batch_size * data.grad_accum_steps * data.seq_len * world
 if rank == 0:
-    result = {"tokens_per_s": tokens_per_step * args.steps / elapsed, "peak_mem_gb": mem.item(), "loss": loss.item()}
+    tokens = tokens_per_step * args.steps
+    result = {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu, "peak_mem_gb": mem.item(),
+              "loss": loss.item()}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f)
 dist.destroy_process_group()
+# Free the model, and the process groups its FSDP state holds, now: a gloo group freed at interpreter exit can abort
+# the process (see PreemptionFlag.close in fsdp_trainer/train.py).
+del model, optimizer
+gc.collect()
