@@ -129,14 +129,16 @@ def main() -> None:
             "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
             "peak_mem_gb_max": max(r["peak_mem_gb"] for r in runs),
         }
+
     # The headline is the median over pairs of ours / baseline: a pair ran back to back, so it shares the machine's
     # state of the moment, which on a shared machine moves more than the difference being measured.
-    pairs = zip(results["ours"], results["baseline"], strict=True)
-    pair_ratios = [ours["tokens_per_s"] / baseline["tokens_per_s"] for ours, baseline in pairs]
+    def ratios(key: str) -> list[float]:
+        return [o[key] / b[key] for o, b in zip(results["ours"], results["baseline"], strict=True)]
+
+    pair_ratios = ratios("tokens_per_s")
     ratio = statistics.median(pair_ratios)
     # The same per CPU second of rank 0: work done, blind to time other processes on a shared machine take.
-    cpu_ratios = [ours["tokens_per_cpu_s"] / baseline["tokens_per_cpu_s"]
-                  for ours, baseline in zip(results["ours"], results["baseline"], strict=True)]  # fmt: skip
+    cpu_ratios = ratios("tokens_per_cpu_s")
     shape = recipe.model
     # MFU of both from their tokens/s, against the device's dense bf16 peak (none on CPU and on unknown devices).
     peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
@@ -145,7 +147,7 @@ def main() -> None:
         s["mfu"] = s["tokens_per_s_median"] * flops / (peak * args.nproc) if peak else None
     print(f"\n{recipe.model.family} dim {shape.dim} x {shape.n_layers} layers, seq {recipe.data.seq_len}, "
           f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, {args.nproc} ranks, "
-          f"{flops_per_token(shape, recipe.data.seq_len) / 1e6:.0f} MFLOP/token")  # fmt: skip
+          f"{flops / 1e6:.0f} MFLOP/token")  # fmt: skip
     print("| impl | tokens/s (median) | min - max | per device | MFU | peak mem / rank |")
     print("|---|---|---|---|---|---|")
     for impl, s in summary.items():
