@@ -9,7 +9,6 @@ data, checkpoint -> loop. train_step() is one optimizer step with gradient accum
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import shutil
@@ -33,6 +32,7 @@ from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.parallel import (
     DistEnv,
+    close_distributed,
     init_distributed,
     materialize,
     parallelize,
@@ -218,10 +218,8 @@ class PreemptionFlag:
         return bool(flag.item())
 
     def close(self) -> None:
-        """Give SIGTERM back and free the group now. Left to the interpreter's exit (the handler keeps the group alive
-        until then), a gloo worker thread still releasing its last all-reduce's tensor needs the GIL the exiting
-        interpreter no longer gives out, and the process aborts: "terminate called without an active exception"
-        (rank 1 of 2, 2 of 45 runs on a loaded 2-core CPU, torch 2.13)."""
+        """Give SIGTERM back and free the group now: the handler would keep the group alive until interpreter exit,
+        where freeing it can abort the process (see close_distributed)."""
         signal.signal(signal.SIGTERM, self._previous_handler)
         dist.destroy_process_group(self.group)
         self.group = None
@@ -374,10 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: rank {env.rank}: {type(e).__name__}: {cause}{hint}", file=sys.stderr, flush=True)
         raise
     finally:
-        dist.destroy_process_group()
-        # Free now, not at interpreter exit, whatever still holds a process group in a reference cycle: see
-        # PreemptionFlag.close for the abort a group freed at exit can cause.
-        gc.collect()
+        close_distributed()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import gzip
 import json
 import os
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fsdp_trainer.data import BUNDLED_CORPUS
+from fsdp_trainer.parallel import close_distributed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,8 +152,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
-        gc.collect()  # free groups held in cycles now, not at interpreter exit (see PreemptionFlag.close)
+        close_distributed()
 
 
 def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = ()):

@@ -96,6 +96,6 @@ if rank == 0:
         json.dump(result, f)
 dist.destroy_process_group()
 # Free the model, and the process groups its FSDP state holds, now: a gloo group freed at interpreter exit can abort
-# the process (see PreemptionFlag.close in fsdp_trainer/train.py).
+# the process (see close_distributed in fsdp_trainer/parallel.py).
 del model, optimizer
 gc.collect()
