@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Iterable
@@ -92,6 +93,43 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+class StepTimer:
+    """How long each step of a log window took, measured without a host sync.
+
+    On CUDA an event is recorded on the compute stream after every step and read at the log step, which syncs anyway;
+    the host's clock would say when the CPU queued the step, not when the GPU finished it. Elsewhere the host's clock
+    is the device's.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def restart(self) -> None:
+        """Open a window here (after start-up, a log step or an evaluation, whose time is no step's)."""
+        self.marks = []
+        self.mark()
+
+    def mark(self) -> None:
+        """A step has just been queued: its end is the next mark on the device."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds each step since restart() took (host sync on CUDA: waits for the last step to finish)."""
+        if len(self.marks) < 2:
+            return []
+        pairs = zip(self.marks[:-1], self.marks[1:], strict=True)
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [start.elapsed_time(end) / 1e3 for start, end in pairs]
+        return [end - start for start, end in pairs]
+
+
 class Metrics:
     """Turns per-step tensors into numbers on log steps, on rank 0: a log line, a line of metrics.jsonl, TensorBoard
     scalars (when the `tensorboard` package is installed) and, on a terminal, a progress bar with ETA."""
@@ -118,6 +156,7 @@ class Metrics:
         self.start = self.last_time = time.perf_counter()
         self.cpu_start = time.process_time()
         self.last_step: int | None = None
+        self.step_timer = StepTimer(device)
         self.file = self.tensorboard = self.bar = None
         if not is_main:
             return
@@ -138,9 +177,11 @@ class Metrics:
     def reset_clock(self, step: int) -> None:
         """Start the throughput window at `step` (after start-up, a resume, or an evaluation)."""
         self.last_time, self.last_step = time.perf_counter(), step
+        self.step_timer.restart()
 
     def advance(self, step: int) -> None:
-        """Called after every step: moves the progress bar (host-side only, no sync)."""
+        """Called after every step: times it and moves the progress bar (no sync)."""
+        self.step_timer.mark()
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
@@ -159,6 +200,7 @@ class Metrics:
         now = time.perf_counter()
         steps = step - (self.last_step if self.last_step is not None else step - 1)
         tokens_per_s = steps * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        step_times = self.step_timer.durations()
         self.reset_clock(step)
         mfu = None
         if self.peak:
@@ -172,6 +214,9 @@ class Metrics:
             "tokens_per_s_per_device": tokens_per_s / self.world_size,
             "mfu": mfu,
             "peak_mem_gb": peak_mem_gb,
+            # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
+            "step_time_s": statistics.median(step_times) if step_times else None,
+            "step_time_max_s": max(step_times) if step_times else None,
             "skipped_steps": skipped_steps,
             "elapsed_s": now - self.start,
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
@@ -220,6 +265,8 @@ TENSORBOARD_TAGS = {
     "tokens_per_s": "speed/tokens_per_s",
     "tokens_per_s_per_device": "speed/tokens_per_s_per_device",
     "mfu": "speed/mfu",
+    "step_time_s": "speed/step_time_s",
+    "step_time_max_s": "speed/step_time_max_s",
     "peak_mem_gb": "memory/peak_gb",
     "params_gb": "memory/params_gb",
     "grads_gb": "memory/grads_gb",

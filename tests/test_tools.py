@@ -30,6 +30,12 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
         assert all(r["tokens_per_s"] > 0 and 0 < r["peak_mem_gb"] < 20 for r in runs[impl])
         assert report["summary"][impl]["mfu"] is None  # no GPU, no MFU
     assert all(r["tokens_per_cpu_s"] > 0 for impl in ("ours", "baseline") for r in runs[impl])
+    # The step-time spread: the median and the largest step of each run, and over the runs.
+    for impl in ("ours", "baseline"):
+        assert all(0 < r["step_time_s"] <= r["step_time_max_s"] for r in runs[impl])
+        summary = report["summary"][impl]
+        assert summary["step_time_max_s"] == max(r["step_time_max_s"] for r in runs[impl])
+        assert summary["step_time_s_median"] == pytest.approx(sum(r["step_time_s"] for r in runs[impl]) / 2)
     # The headline, and its CPU-time twin: the median over the pairs of ours / baseline.
     for key, ratio_key in (("tokens_per_s", "ratio"), ("tokens_per_cpu_s", "cpu_ratio")):
         pairs = [o[key] / b[key] for o, b in zip(runs["ours"], runs["baseline"], strict=True)]

@@ -120,9 +120,11 @@ def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in steps] == [3, 6] and [r["step"] for r in evals] == [3, 6]
     for r in steps:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb", "elapsed_s", "cpu_s"} <= set(r)
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb", "elapsed_s", "cpu_s",
+                "step_time_s", "step_time_max_s"} <= set(r)  # fmt: skip
         assert r["mfu"] is None  # CPU: no peak FLOP/s to compare against
         assert r["tokens_per_s"] > 0 and 0 < r["peak_mem_gb"] < 20 and math.isfinite(r["loss"])
+        assert 0 < r["step_time_s"] <= r["step_time_max_s"]
     assert 0 < steps[0]["cpu_s"] < steps[1]["cpu_s"]
     assert all(math.isfinite(r["val_loss"]) for r in evals)
     # config.yaml is the resolved recipe, including the command-line overrides.

@@ -4,13 +4,15 @@
 
 Same model (fsdp_trainer.model, same init), same data file, same global batch and optimizer as the recipe; nothing
 else: no config system, no checkpointing, no eval, no logging until the end. Writes one JSON object: tokens/s over
-the `steps` after `warmup` and the largest peak memory of any rank.
+the `steps` after `warmup`, the median and largest time of those steps (rank 0) and the largest peak memory of any
+rank.
 """
 
 import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -22,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_trainer.config import load_recipe_yaml  # noqa: E402
-from fsdp_trainer.metrics import peak_memory_gb  # noqa: E402
+from fsdp_trainer.metrics import StepTimer, peak_memory_gb  # noqa: E402
 from fsdp_trainer.model import Transformer  # noqa: E402
 from fsdp_trainer.parallel import materialize  # noqa: E402
 
@@ -70,10 +72,12 @@ def sync():
     dist.barrier()
 
 
+step_timer = StepTimer(device)  # the trainer's per-step clock (CUDA events on a GPU), so the spreads compare
 for step in range(args.warmup + args.steps):
     if step == args.warmup:
         sync()
         start, cpu_start = time.perf_counter(), time.process_time()
+        step_timer.restart()
     for micro in range(data.grad_accum_steps):
         model.set_requires_gradient_sync(micro == data.grad_accum_steps - 1)
         x, y = get_batch()
@@ -82,6 +86,8 @@ for step in range(args.warmup + args.steps):
     torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    step_timer.mark()
+step_times = step_timer.durations()
 sync()
 elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
@@ -91,6 +97,7 @@ tokens_per_step = data.micro_batch_size * data.grad_accum_steps * data.seq_len *
 if rank == 0:
     tokens = tokens_per_step * args.steps
     result = {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / cpu, "peak_mem_gb": mem.item(),
+              "step_time_s": statistics.median(step_times), "step_time_max_s": max(step_times),
               "loss": loss.item()}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f)

@@ -6,9 +6,9 @@ Runs, in pairs that alternate which goes first, each as its own torchrun job (so
 trainer (`python -m fsdp_trainer.train`, logging every --log_every steps, no eval, no checkpoints) and
 tools/baseline_loop.py (the same model, init, batch and optimizer in a plain loop that never logs). Both read the same
 token file: random tokens by default (--data synthetic), or the recipe's train_path (--data recipe). Throughput is
-measured over --steps steps after a warmup of --log_every steps. Prints a table (MFU on known GPUs), each pair's ratio
-ours / baseline and their median, the headline, and writes everything to --out as JSON. Flags it does not know are
-recipe overrides (`--model.dim 512`).
+measured over --steps steps after a warmup of --log_every steps. Prints a table (MFU on known GPUs; the median and
+largest step time, for the spread), each pair's ratio ours / baseline and their median, the headline, and writes
+everything to --out as JSON. Flags it does not know are recipe overrides (`--model.dim 512`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,12 @@ def run_ours(
     elapsed = last["elapsed_s"] - first["elapsed_s"]
     state = next(r for r in records if "state_gb" in r)
     tokens = (last["step"] - first["step"]) * tokens_per_step
+    measured = lines[1:]  # the log windows after the warmup's
     return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / (last["cpu_s"] - first["cpu_s"]),
             "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"],
+            # A window logs its median step time; the median of those is the run's within a step or two.
+            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
+            "step_time_max_s": max(r["step_time_max_s"] for r in measured),
             **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")}}  # fmt: skip
 
 
@@ -128,6 +132,8 @@ def main() -> None:
             "tokens_per_s_min": min(r["tokens_per_s"] for r in runs),
             "tokens_per_s_max": max(r["tokens_per_s"] for r in runs),
             "peak_mem_gb_max": max(r["peak_mem_gb"] for r in runs),
+            "step_time_s_median": statistics.median(r["step_time_s"] for r in runs),
+            "step_time_max_s": max(r["step_time_max_s"] for r in runs),
         }
 
     # The headline is the median over pairs of ours / baseline: a pair ran back to back, so it shares the machine's
@@ -148,12 +154,13 @@ def main() -> None:
     print(f"\n{recipe.model.family} dim {shape.dim} x {shape.n_layers} layers, seq {recipe.data.seq_len}, "
           f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision}, {args.nproc} ranks, "
           f"{flops / 1e6:.0f} MFLOP/token")  # fmt: skip
-    print("| impl | tokens/s (median) | min - max | per device | MFU | peak mem / rank |")
-    print("|---|---|---|---|---|---|")
+    print("| impl | tokens/s (median) | min - max | per device | MFU | step s: median (max) | peak mem / rank |")
+    print("|---|---|---|---|---|---|---|")
     for impl, s in summary.items():
         mfu = "-" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        step_time = f"{s['step_time_s_median']:.3f} ({s['step_time_max_s']:.3f})"
         print(f"| {impl} | {s['tokens_per_s_median']:,.0f} | {s['tokens_per_s_min']:,.0f} - "
-              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | {mfu} | "
+              f"{s['tokens_per_s_max']:,.0f} | {s['tokens_per_s_median'] / args.nproc:,.0f} | {mfu} | {step_time} | "
               f"{s['peak_mem_gb_max']:.2f} GB |")  # fmt: skip
     print(f"ours / baseline per pair: {', '.join(f'{r:.3f}' for r in pair_ratios)}")
     print(f"ours / baseline = {ratio:.3f} (median over pairs)")
