@@ -111,7 +111,7 @@ class StepTimer:
         self.mark()
 
     def mark(self) -> None:
-        """A step has just been queued: its end is the next mark on the device."""
+        """Call when a step has been queued: on the device, the time between two marks is one step's."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
