@@ -9,7 +9,6 @@ rank.
 """
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_trainer.config import load_recipe_yaml  # noqa: E402
 from fsdp_trainer.metrics import StepTimer, peak_memory_gb  # noqa: E402
 from fsdp_trainer.model import Transformer  # noqa: E402
-from fsdp_trainer.parallel import materialize  # noqa: E402
+from fsdp_trainer.parallel import close_distributed, materialize  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--recipe", required=True)
@@ -101,8 +100,7 @@ if rank == 0:
               "loss": loss.item()}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(result, f)
-dist.destroy_process_group()
-# Free the model, and the process groups its FSDP state holds, now: a gloo group freed at interpreter exit can abort
-# the process (see close_distributed in fsdp_trainer/parallel.py).
+# Drop the model (its FSDP state holds the process group) and free the groups now: a gloo group freed at interpreter
+# exit can abort the process (see close_distributed).
 del model, optimizer
-gc.collect()
+close_distributed()
