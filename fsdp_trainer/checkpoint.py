@@ -6,12 +6,15 @@ Layout (this module is the only one that knows it):
                                          attachments (recipe.yaml, tokenizer.model) that make it self-describing
     OUT_DIR/checkpoints/latest           text: the name of the newest complete step directory
 
-A weights-only checkpoint (tools/import_hf.py) holds just the `model` entry; loading it starts a fresh optimizer,
+A weights-only checkpoint (`import_hf`) holds just the `model` entry; loading it starts a fresh optimizer,
 data stream and step count.
 
 A step directory counts only once `.metadata` exists and `latest` names it; `latest` is replaced atomically
 (temp file + os.replace) after every rank has finished writing, so a crash at any instant leaves `latest` naming a
 complete checkpoint. Retention deletes only published steps older than the newest `keep_last`.
+
+The Checkpointer decides when to save: every `checkpoint.every` steps, after the last step, and at once when SIGTERM
+reaches any rank (preemption), whatever `every` says.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.config import CheckpointConfig
+from fsdp_trainer.config import Recipe, recipe_to_yaml
+from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, write_atomic
+from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
+from fsdp_trainer.parallel import DistEnv, PreemptionFlag
+from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
 logger = logging.getLogger("fsdp_trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+RECIPE_FILE = "recipe.yaml"
+"""The recipe a checkpoint was saved with, inside its step directory (beside the tokenizer it was trained with)."""
 
 
 class CheckpointError(ValueError):
@@ -78,23 +86,6 @@ class OptimState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
-class TrainState(Stateful):
-    """The optimizer step count and how many steps were skipped as non-finite. Nothing else in training draws random
-    numbers, so there is no RNG to restore: the data order is a function of (seed, sample index) and the weight init
-    of (seed, parameter name)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.skipped_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.skipped_steps = int(state_dict["skipped_steps"])
-
-
 def is_complete(path: str | os.PathLike) -> bool:
     """A DCP directory is complete once its coordinator wrote `.metadata`, which it does last."""
     return os.path.isfile(os.path.join(path, ".metadata"))
@@ -103,7 +94,7 @@ def is_complete(path: str | os.PathLike) -> bool:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A step directory, or a run / checkpoints directory whose `latest` names one; raises with what is wrong."""
     path = Path(path)
-    for candidate in (path / "latest", path / "checkpoints" / "latest"):
+    for candidate in (path / "latest", path / CHECKPOINTS_DIR / "latest"):
         if candidate.is_file():
             target = candidate.parent / candidate.read_text().strip()
             if not is_complete(target):
@@ -133,17 +124,36 @@ def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
 
 def checkpoint_recipe(path: Path) -> Path:
     """The recipe a checkpoint was saved with: its own recipe.yaml, else its run's config.yaml."""
-    for candidate in (path / "recipe.yaml", path.parent.parent / "config.yaml"):
+    for candidate in (path / RECIPE_FILE, path.parent.parent / CONFIG_FILE):
         if candidate.is_file():
             return candidate
-    raise FileNotFoundError(f"{path} has no recipe.yaml and no run config.yaml two levels up")
+    raise FileNotFoundError(f"{path} has no {RECIPE_FILE} and no run {CONFIG_FILE} two levels up")
+
+
+def checkpoint_tokenizer(path: Path, tokenizer_path: str) -> Path | None:
+    """The tokenizer a checkpoint was trained with: its own copy, else the recipe's data.tokenizer_path, if either
+    exists."""
+    for candidate in (path / TOKENIZER_FILE, Path(tokenizer_path)):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def check_disk_room(out_dir: str, n_params: int) -> None:
+    """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the model: fp32
+    weights and AdamW moments (gradients are not saved)."""
+    need = (MASTER_WEIGHT_BYTES + OPTIMIZER_STATE_BYTES) * n_params
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise ValueError(
+            f"train.out_dir={out_dir} has {free / 1e9:.1f} GB free, and one checkpoint of this model takes "
+            f"{need / 1e9:.1f} GB; free space or choose another directory"
+        )
 
 
 def publish_latest(ckpt_dir: Path, name: str) -> None:
     """Point `latest` at step directory `name` atomically: readers see the old name or the new one, never half."""
-    tmp = ckpt_dir / "latest.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, ckpt_dir / "latest")
+    write_atomic(ckpt_dir / "latest", name + "\n")
 
 
 def saved_entries(path: Path) -> set[str]:
@@ -168,7 +178,7 @@ def save_model_weights(
 ) -> Path:
     """Write full weights as a weights-only checkpoint `out_dir/checkpoints/step_00000000` and publish it, so that
     `--checkpoint.resume out_dir` starts training from them. Needs no process group."""
-    ckpt_dir = Path(out_dir) / "checkpoints"
+    ckpt_dir = Path(out_dir) / CHECKPOINTS_DIR
     path = ckpt_dir / "step_00000000"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
@@ -180,32 +190,30 @@ def save_model_weights(
 
 
 class Checkpointer:
-    """Saves and restores a dict of Stateful objects under `out_dir/checkpoints`.
+    """Saves and restores a dict of Stateful objects under `train.out_dir/checkpoints`, when due.
 
-    With `async_save`, save() returns once the state is copied off the training tensors, and the files are written
-    by a background thread; `latest` moves to that step once the write has finished (checked without blocking at
-    each later step, and waited for by the next save and by close()).
+    Each checkpoint carries the recipe and the tokenizer of the run, so tools/consolidate.py can turn it into an HF
+    model on its own. With `async_save`, save() returns once the state is copied off the training tensors, and the
+    files are written by a background thread; `latest` moves to that step once the write has finished (checked
+    without blocking at each later step, and waited for by the next save and by close()).
     """
 
-    def __init__(
-        self,
-        cfg: CheckpointConfig,
-        out_dir: str,
-        states: dict[str, Stateful],
-        is_main: bool,
-        attachments: dict[str, bytes] | None = None,
-        timeout: timedelta | None = None,
-    ):
-        self.cfg = cfg
-        self.dir = Path(out_dir) / "checkpoints"
+    def __init__(self, recipe: Recipe, env: DistEnv, states: dict[str, Stateful]):
+        self.cfg = recipe.checkpoint
+        self.dir = Path(recipe.train.out_dir) / CHECKPOINTS_DIR
         self.states = states
-        self.is_main = is_main
-        self.attachments = attachments or {}
+        self.is_main = env.is_main
+        self.attachments = {
+            RECIPE_FILE: recipe_to_yaml(recipe).encode(),
+            TOKENIZER_FILE: Path(recipe.data.tokenizer_path).read_bytes(),
+        }
         self.last_saved: int | None = None
+        self.preempted = False
+        self._preemption: PreemptionFlag | None = PreemptionFlag(env.timeout)
         self._pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
-        self._async_group = dist.new_group(backend="gloo", timeout=timeout) if cfg.async_save else None
+        self._async_group = dist.new_group(backend="gloo", timeout=env.timeout) if self.cfg.async_save else None
 
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
@@ -228,15 +236,19 @@ class Checkpointer:
         logger.info(f"resumed from {path} at step {step}")
         return step
 
-    def is_due(self, step: int) -> bool:
-        """Whether `step` is a checkpoint.every step; also publishes a background write that has finished."""
+    def save_if_due(self, step: int, last: bool = False) -> None:
+        """Save `step` if it is a `checkpoint.every` step, or the `last` of the run (unless saved already), or if
+        SIGTERM reached any rank; then `preempted` says the run must stop. Also publishes a background write that has
+        finished since the last call."""
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
-        return bool(self.cfg.every) and step % self.cfg.every == 0
-
-    def final_save_due(self, step: int) -> bool:
-        """At the end of a run: the last step needs saving unless it is saved already (or checkpoints are off)."""
-        return bool(self.cfg.every) and self.last_saved != step
+        self.preempted = self._preemption.agreed()  # one tiny CPU all-reduce per step; see PreemptionFlag
+        if self.preempted:  # every rank saves this step, then the run exits 0; a restart resumes here
+            logger.info(f"SIGTERM: saving step {step} and stopping")
+        every = self.cfg.every
+        due = self.preempted or (bool(every) and (step % every == 0 or last))
+        if due and self.last_saved != step:
+            self.save(step)
 
     def save(self, step: int) -> None:
         self.last_saved = step
@@ -296,7 +308,12 @@ class Checkpointer:
         for name in published[: -self.cfg.keep_last]:
             shutil.rmtree(self.dir / name, ignore_errors=True)
 
-    def close(self) -> None:
-        """Wait for a background write and publish it."""
-        if self._pending is not None:
+    def close(self, publish: bool = True) -> None:
+        """Wait for a background write and publish it (unless `publish` is False, after a failure that may have
+        broken its collectives), and give SIGTERM back. Calling it again does nothing."""
+        if self._pending is not None and publish:
             self._finish_pending()
+        self._pending = None
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None

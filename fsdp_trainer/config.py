@@ -7,23 +7,20 @@ be overridden on the command line as `--section.key value`. Every check that can
 
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from typing import Literal, NoReturn
 
-__all__ = [
-    "CheckpointConfig",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "ParallelConfig",
-    "Recipe",
-    "TrainConfig",
-    "load_recipe_sections",
-    "load_recipe_yaml",
-    "parse_recipe",
-    "recipe_to_yaml",
-]
+import torch
+
+from fsdp_trainer.files import CONFIG_FILE, write_atomic
+
+Precision = Literal["bf16", "fp32"]
+COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The one table of compute dtypes: parallel.mixed_precision and the HF export's --dtype name them, and
+`.itemsize` gives the bytes per element the planner counts."""
 
 
 def _require(ok: bool, message: str) -> None:
@@ -94,7 +91,7 @@ class ParallelConfig:
     sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
     """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), DDP (replicated), or ZeRO-3
     within a node and replicas across nodes."""
-    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    mixed_precision: Precision = "bf16"
     """Compute dtype. bf16 keeps fp32 master weights, optimizer state and gradient reductions."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: never, whole blocks, or everything but matmuls and attention."""
@@ -244,13 +241,21 @@ class Recipe:
 SECTIONS = {f.name: globals()[f.type] for f in fields(Recipe)}
 
 
-def _build_parser():
+class RecipeError(ValueError):
+    """A recipe that does not parse or validate; the message names the key (or file) and what is wrong."""
+
+
+def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = None):
+    """The one parser of recipes: `--recipe FILE` (repeatable, later files and flags override earlier ones) and a
+    `--section.key value` flag for every key. Tools add their own arguments to it, so every tool reads a recipe the
+    way the trainer does."""
     from jsonargparse import ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(
-        prog="fsdp_trainer.train",
-        description="Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
+        prog=prog,
+        description=description
+        or "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
         print_config="--print_config",
         exit_on_error=False,
     )
@@ -260,26 +265,57 @@ def _build_parser():
     return parser
 
 
+def _parse_sections(parser, argv: list[str] | None):
+    """(section dataclasses by name, the whole namespace); raises RecipeError."""
+    from jsonargparse import ArgumentError
+
+    try:
+        namespace = parser.instantiate(parser.parse_args(argv))  # runs each section's __post_init__
+    except (ArgumentError, ValueError, TypeError) as e:
+        raise RecipeError(" ".join(str(e).split())) from e
+    return {name: namespace[name] for name in SECTIONS}, namespace
+
+
+def read_recipe(parser, argv: list[str] | None = None):
+    """(Recipe, namespace with the tool's own arguments) from a command line; raises RecipeError."""
+    sections, namespace = _parse_sections(parser, argv)
+    try:
+        return Recipe(**sections), namespace
+    except ValueError as e:
+        raise RecipeError(str(e)) from e
+
+
+def parse_args(parser, argv: list[str] | None = None):
+    """read_recipe for a command line: any error exits 1 with one `error: ...` line (see fail)."""
+    try:
+        return read_recipe(parser, argv)
+    except RecipeError as e:
+        fail(e)
+
+
 def parse_recipe(argv: list[str] | None = None) -> Recipe:
     """Parse `--recipe FILE` and `--section.key value` flags into a validated Recipe.
 
     Any error (unknown key, wrong type, bad choice, impossible combination) exits with status 1 and exactly one
     `error: ...` line on stderr. `--help` and `--print_config` print and exit 0.
     """
-    from jsonargparse import ArgumentError
-
-    parser = _build_parser()
-    try:
-        ns = parser.parse_args(argv)
-        sections = parser.instantiate(ns)  # runs each section's __post_init__
-        return Recipe(**{name: sections[name] for name in SECTIONS})
-    except (ArgumentError, ValueError, TypeError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        sys.exit(1)
+    return parse_args(recipe_parser(), argv)[0]
 
 
-def recipe_to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe as YAML that `--recipe` reads back."""
+def load_recipe(path: str | os.PathLike) -> Recipe:
+    """A whole recipe file (e.g. a run's config.yaml), read exactly as `--recipe path` is; raises RecipeError."""
+    return read_recipe(recipe_parser(), ["--recipe", str(path)])[0]
+
+
+def load_sections(path: str | os.PathLike) -> dict:
+    """The sections of a recipe file ({name: dataclass}; a run's config.yaml, a checkpoint's recipe.yaml, an imported
+    model.yaml), read as `--recipe path` is but without the checks that involve several sections, so a model section
+    alone reads too; raises RecipeError."""
+    return _parse_sections(recipe_parser(), ["--recipe", str(path)])[0]
+
+
+def sections_to_yaml(sections: dict) -> str:
+    """Recipe sections ({name: dataclass}) as YAML that `--recipe` reads back."""
     import yaml
 
     def plain(x):
@@ -289,28 +325,32 @@ def recipe_to_yaml(recipe: Recipe) -> str:
             return [plain(v) for v in x]
         return x
 
-    return yaml.safe_dump(plain(asdict(recipe)), sort_keys=False)
+    return yaml.safe_dump({name: plain(asdict(section)) for name, section in sections.items()}, sort_keys=False)
 
 
-def load_recipe_sections(path: str) -> dict:
-    """The sections of a recipe YAML (e.g. a run's config.yaml or a model.yaml fragment) as dataclasses, without a
-    command line and without the cross-section checks; sections the file lacks get their defaults."""
-    import yaml
-
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    unknown = set(raw) - set(SECTIONS)
-    if unknown:
-        raise ValueError(f"{path}: unknown recipe section(s) {sorted(unknown)}")
-    sections = {}
-    for name, cls in SECTIONS.items():
-        try:
-            sections[name] = cls(**(raw.get(name) or {}))
-        except TypeError as e:
-            raise ValueError(f"{path}: section {name}: {e}") from e
-    return sections
+def recipe_to_yaml(recipe: Recipe) -> str:
+    """The fully resolved recipe as YAML that `--recipe` reads back."""
+    return sections_to_yaml({name: getattr(recipe, name) for name in SECTIONS})
 
 
-def load_recipe_yaml(path: str) -> Recipe:
-    """Read a whole recipe YAML without a command line; raises ValueError on bad content."""
-    return Recipe(**load_recipe_sections(path))
+def write_config(recipe: Recipe) -> None:
+    """Write the resolved recipe to train.out_dir/config.yaml, which `--recipe` reads back to reproduce the run."""
+    os.makedirs(recipe.train.out_dir, exist_ok=True)
+    write_atomic(os.path.join(recipe.train.out_dir, CONFIG_FILE), recipe_to_yaml(recipe))
+
+
+def fail(error: object) -> NoReturn:
+    """Exit 1 with one `error: ...` line. Under torchrun every rank of a node fails the same way before any process
+    group exists, so only the first process of each node prints it."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print("error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+@contextmanager
+def one_line_errors():
+    """The error boundary of a command-line tool: whatever goes wrong ends it with one `error:` line and exit 1."""
+    try:
+        yield
+    except Exception as e:
+        fail(e)

@@ -19,17 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fsdp_trainer.config import Recipe
+from fsdp_trainer.files import file_sha256, write_atomic
+
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
 
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    os.replace(tmp, path)
 
 
 def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer_sha256: str) -> None:
@@ -40,14 +36,14 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: in
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    _write_atomic(path, lambda f: f.write(tokens.astype(_DTYPES[dtype]).tobytes()))
+    write_atomic(path, tokens.astype(_DTYPES[dtype]).tobytes())
     meta = {
         "dtype": dtype,
         "n_tokens": int(tokens.size),
         "vocab_size": vocab_size,
         "tokenizer_sha256": tokenizer_sha256,
     }
-    _write_atomic(Path(f"{path}.meta.json"), lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    write_atomic(f"{path}.meta.json", json.dumps(meta, indent=2))
 
 
 class TokenFile:
@@ -83,6 +79,26 @@ class TokenFile:
     def fingerprint(self) -> str:
         m = self.meta
         return f"{m['n_tokens']}:{m['dtype']}:{m['vocab_size']}:{m.get('tokenizer_sha256', '')}"
+
+
+def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
+    """Open the recipe's token files (the validation file only when the run evaluates) and check them against the
+    tokenizer and the model; raises ValueError / FileNotFoundError naming the file."""
+    data = recipe.data
+    train_file = TokenFile(data.train_path)
+    val_file = TokenFile(data.val_path) if data.val_path and recipe.train.eval_every else None
+    if not os.path.isfile(data.tokenizer_path):
+        raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
+    tokenizer_sha = file_sha256(data.tokenizer_path)
+    for f in filter(None, (train_file, val_file)):
+        if f.vocab_size > recipe.model.vocab_size:
+            raise ValueError(
+                f"{f.path} was tokenized with vocab_size={f.vocab_size}, more than model.vocab_size="
+                f"{recipe.model.vocab_size}"
+            )
+        if f.tokenizer_sha256 != tokenizer_sha:
+            raise ValueError(f"{f.path} was not made with data.tokenizer_path={data.tokenizer_path}; prepare it again")
+    return train_file, val_file
 
 
 class TokenLoader:

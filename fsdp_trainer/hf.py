@@ -1,4 +1,5 @@
-"""Hugging Face interop: config.json <-> ModelConfig, safetensors shards, and tokenizer files from sentencepiece.
+"""Hugging Face formats: config.json <-> ModelConfig, safetensors shards (written, read and checked), tokenizer files
+from sentencepiece, and the check that transformers loads what we wrote.
 
 Our parameter names are HF's and RoPE uses HF's rotate-half layout (model.py), so weights move between the two
 formats by name, unchanged; only the tied `lm_head.weight` is left out of HF files, as HF does.
@@ -13,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig
+from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
@@ -42,7 +43,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        "torch_dtype": str(COMPUTE_DTYPES[dtype]).removeprefix("torch."),
         "initializer_range": cfg.init_std,
         "use_cache": True,
     }
@@ -94,7 +95,7 @@ def save_safetensors(
     Only one shard's tensors are converted to `dtype` at a time, so the memory beyond `state` is one shard.
     """
     out_dir = Path(out_dir)
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = COMPUTE_DTYPES[dtype]
     shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in state.items():
@@ -136,6 +137,56 @@ def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return state
 
 
+def read_safetensors_one_by_one(path: Path):
+    """Yield (name, tensor) from a safetensors file, reading one tensor at a time with plain reads: memory-mapping
+    the file (safe_open) would count the whole file in the process's resident memory."""
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            f.seek(8 + header_size + start)
+            data = bytearray(f.read(end - start))
+            yield name, torch.frombuffer(data, dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+
+
+def check_safetensors(out_dir: Path, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Every expected tensor is in the directory's files, with its shape and (cast) value; nothing else is."""
+    found = set()
+    for file in sorted(out_dir.glob("*.safetensors")):
+        for name, tensor in read_safetensors_one_by_one(file):
+            if name not in expected:
+                raise ValueError(f"{file.name} holds {name}, which the model does not have")
+            if tensor.shape != expected[name].shape or not torch.equal(tensor, expected[name].to(dtype)):
+                raise ValueError(f"{name} in {file.name} differs from the checkpoint")
+            found.add(name)
+    if found != set(expected):
+        raise ValueError(f"the written files lack {sorted(set(expected) - found)[:3]}")
+
+
+def check_with_transformers(out_dir: Path, model: torch.nn.Module | None, dtype: torch.dtype) -> float | None:
+    """Load with transformers and fail on any loading problem (transformers only warns, and fills missing weights
+    with random values); with our `model`, return the largest logit difference on random tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf, info = AutoModelForCausalLM.from_pretrained(str(out_dir), output_loading_info=True, dtype=dtype)
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
+        {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
+    )
+    if problems:
+        raise ValueError(f"transformers loaded {out_dir} with {problems}")
+    if model is None:
+        return None
+    tokens = torch.randint(
+        0, model.cfg.vocab_size, (2, min(32, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        return (hf.eval()(tokens).logits.float() - model(tokens).float()).abs().max().item()
+
+
 def write_tokenizer_files(sp_model_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """tokenizer.model (the sentencepiece file), tokenizer.json and tokenizer_config.json for PreTrainedTokenizerFast,
     giving the same ids as sentencepiece.
@@ -173,7 +224,7 @@ def write_tokenizer_files(sp_model_path: str | os.PathLike, out_dir: str | os.Pa
 
     out_dir = Path(out_dir)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer.model").write_bytes(Path(sp_model_path).read_bytes())
+    (out_dir / TOKENIZER_FILE).write_bytes(Path(sp_model_path).read_bytes())
     by_id = {i: p for i, (p, _, _) in enumerate(pieces)}
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -1,4 +1,9 @@
-"""What a run reports: tokens/s, MFU, memory; one JSON line per logged step, and a log line on rank 0."""
+"""What a run reports, and where: tokens/s, MFU, memory and step times, on rank 0, to small writers (sinks).
+
+Read top to bottom: FLOP accounting -> memory probes -> step timing -> the sinks (a log line, metrics.jsonl,
+TensorBoard, a progress bar) -> Metrics, which turns the loop's device tensors into one record per log step and hands
+it to every sink. A new sink (W&B, say) is a class with write(record) and close(), added in Metrics.__init__.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +15,19 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.config import ModelConfig, Recipe
+from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR, write_atomic
+from fsdp_trainer.model import count_params
+from fsdp_trainer.parallel import DistEnv, max_over_ranks
 
 logger = logging.getLogger("fsdp_trainer")
 
-
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO; the others only warn, each line tagged with its rank."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stdout,
-        force=True,
-    )
+# --- FLOP accounting --------------------------------------------------------------------------------------------------
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -69,6 +68,9 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+# --- memory probes ----------------------------------------------------------------------------------------------------
+
+
 def local_gb(tensors: Iterable[torch.Tensor | None]) -> float:
     """GB this rank holds of these tensors: its local shard of a DTensor, all of a plain tensor."""
     total = 0
@@ -93,6 +95,9 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+# --- step timing ------------------------------------------------------------------------------------------------------
+
+
 class StepTimer:
     """How long each step of a log window took, measured without a host sync.
 
@@ -101,8 +106,9 @@ class StepTimer:
     is the device's.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter):
         self.cuda = device.type == "cuda"
+        self.clock = clock
         self.marks: list = []
 
     def restart(self) -> None:
@@ -117,7 +123,7 @@ class StepTimer:
             event.record()
             self.marks.append(event)
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append(self.clock())
 
     def durations(self) -> list[float]:
         """Seconds each step since restart() took (host sync on CUDA: waits for the last step to finish)."""
@@ -130,132 +136,53 @@ class StepTimer:
         return [end - start for start, end in pairs]
 
 
-class Metrics:
-    """Turns per-step tensors into numbers on log steps, on rank 0: a log line, a line of metrics.jsonl, TensorBoard
-    scalars (when the `tensorboard` package is installed) and, on a terminal, a progress bar with ETA."""
+# --- sinks: where a record goes (rank 0 only) -------------------------------------------------------------------------
 
-    def __init__(
-        self,
-        out_dir: str,
-        model_cfg: ModelConfig,
-        seq_len: int,
-        tokens_per_step: int,
-        world_size: int,
-        device: torch.device,
-        is_main: bool,
-        total_steps: int,
-        start_step: int = 0,
-        progress_bar: bool = True,
-    ):
-        self.is_main = is_main
-        self.tokens_per_step = tokens_per_step
-        self.world_size = world_size
-        self.flops_per_token = flops_per_token(model_cfg, seq_len)
-        self.peak = peak_flops(device)
-        self.device = device
-        self.start = self.last_time = time.perf_counter()
-        self.cpu_start = time.process_time()
-        self.last_step: int | None = None
-        self.step_timer = StepTimer(device)
-        self.file = self.tensorboard = self.bar = None
-        if not is_main:
-            return
-        path = os.path.join(out_dir, "metrics.jsonl")
-        if start_step:
-            _drop_records_after(path, start_step)
-        self.file = open(path, "a" if start_step else "w")
-        self.tensorboard = _tensorboard_writer(os.path.join(out_dir, "tensorboard"), start_step)
-        if progress_bar and sys.stdout.isatty():
-            from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            # Log lines go through tqdm.write while the bar is up, so the two never interleave mid-line.
-            self._redirect = logging_redirect_tqdm()  # the root logger, where setup_logging put the handler
-            self._redirect.__enter__()
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
+STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")  # the training state each rank holds, logged once
 
-    def reset_clock(self, step: int) -> None:
-        """Start the throughput window at `step` (after start-up, a resume, or an evaluation)."""
-        self.last_time, self.last_step = time.perf_counter(), step
-        self.step_timer.restart()
 
-    def advance(self, step: int) -> None:
-        """Called after every step: times it and moves the progress bar (no sync)."""
-        self.step_timer.mark()
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
+class LogLine:
+    """A line on stdout per record, through the `fsdp_trainer` logger."""
 
-    def log_state_memory(self, step: int, state_gb: dict[str, float]) -> None:
-        """One record of the per-rank (largest rank) sizes of parameters, gradients and optimizer state."""
-        if self.is_main:
-            state_gb = {k: state_gb[k] for k in ("params_gb", "grads_gb", "optimizer_gb")}
-            total = sum(state_gb.values())
-            parts = ", ".join(f"{k.removesuffix('_gb')} {v:.3f}" for k, v in state_gb.items())
-            logger.info(f"training state per rank: {total:.3f} GB ({parts})")
-            self._write({"step": step, **state_gb, "state_gb": total})
-
-    def log(
-        self, step: int, loss: float, lr: float, grad_norm: float, peak_mem_gb: float, skipped_steps: int = 0
-    ) -> dict:
-        now = time.perf_counter()
-        steps = step - (self.last_step if self.last_step is not None else step - 1)
-        tokens_per_s = steps * self.tokens_per_step / max(now - self.last_time, 1e-9)
-        step_times = self.step_timer.durations()
-        self.reset_clock(step)
-        mfu = None
-        if self.peak:
-            mfu = tokens_per_s * self.flops_per_token / (self.peak * self.world_size)
-        record = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world_size,
-            "mfu": mfu,
-            "peak_mem_gb": peak_mem_gb,
-            # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
-            "step_time_s": statistics.median(step_times) if step_times else None,
-            "step_time_max_s": max(step_times) if step_times else None,
-            "skipped_steps": skipped_steps,
-            "elapsed_s": now - self.start,
-            # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
-            "cpu_s": time.process_time() - self.cpu_start,
-        }
-        if self.is_main:
-            mfu_text = f" | mfu {100 * mfu:.1f}%" if mfu is not None else ""
+    def write(self, record: dict) -> None:
+        if "loss" in record:
+            mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
             logger.info(
-                f"step {step:>6} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
-                f"{tokens_per_s:,.0f} tok/s{mfu_text} | mem {peak_mem_gb:.2f} GB"
+                f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad_norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
+                f"mem {record['peak_mem_gb']:.2f} GB"
             )
-            if self.bar is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-            self._write(record)
-        return record
+        elif "val_loss" in record:
+            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}")
+        elif "state_gb" in record:
+            parts = ", ".join(f"{k.removesuffix('_gb')} {record[k]:.3f}" for k in STATE_KEYS)
+            logger.info(f"training state per rank: {record['state_gb']:.3f} GB ({parts})")
 
-    def log_eval(self, step: int, val_loss: float) -> None:
-        if self.is_main:
-            logger.info(f"step {step:>6} | val_loss {val_loss:.4f}")
-            self._write({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.start})
+    def close(self) -> None:
+        pass
 
-    def _write(self, record: dict) -> None:
+
+class JsonlFile:
+    """OUT_DIR/metrics.jsonl, a JSON object per line. On resume, the records the interrupted attempt wrote after the
+    checkpoint are dropped first, so each step appears once."""
+
+    def __init__(self, path: str, start_step: int):
+        if start_step and os.path.exists(path):
+            with open(path) as f:
+                # A line cut short by a kill has no newline and no value.
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step]
+            write_atomic(path, "".join(kept))
+        self.file = open(path, "a" if start_step else "w")
+
+    def write(self, record: dict) -> None:
         # NaN and inf are not JSON; null keeps the file readable by strict parsers (jq, JavaScript).
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self._redirect.__exit__(None, None, None)
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.file:
-            self.file.close()
+        self.file.close()
 
 
 # TensorBoard groups scalars by the part before the slash.
@@ -275,23 +202,158 @@ TENSORBOARD_TAGS = {
 }
 
 
-def _tensorboard_writer(log_dir: str, start_step: int):
-    """A SummaryWriter when the optional `tensorboard` package is installed, else None (metrics.jsonl has it all)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    # purge_step drops events a previous attempt wrote past the step this run resumes from.
-    return SummaryWriter(log_dir, purge_step=start_step or None)
+class TensorBoard:
+    """OUT_DIR/tensorboard/: the records' numbers as scalars. Made by `open` only when the optional `tensorboard`
+    package is installed (metrics.jsonl has it all anyway)."""
+
+    @classmethod
+    def open(cls, log_dir: str, start_step: int) -> TensorBoard | None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        # purge_step drops events a previous attempt wrote past the step this run resumes from.
+        return cls(SummaryWriter(log_dir, purge_step=start_step or None))
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
 
 
-def _drop_records_after(path: str, step: int) -> None:
-    """On resume, forget what the interrupted attempt logged after the checkpoint, so each step appears once."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        # A line cut short by a kill has no newline and no value.
-        kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+class ProgressBar:
+    """On a terminal, a tqdm bar with ETA, moved every step; log lines print above it, never through it."""
+
+    def __init__(self, total_steps: int, start_step: int):
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # Log lines go through tqdm.write while the bar is up, so the two never interleave mid-line.
+        self._redirect = logging_redirect_tqdm()  # the root logger, where setup_logging put the handler
+        self._redirect.__enter__()
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def update(self, step: int) -> None:
+        self.bar.update(step - self.bar.n)
+
+    def write(self, record: dict) -> None:
+        if "loss" in record:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+        self._redirect.__exit__(None, None, None)
+
+
+# --- Metrics: the loop's numbers -> records -> sinks ------------------------------------------------------------------
+
+
+class Metrics:
+    """Measures the run and turns the loop's device tensors into numbers on log steps only (the host syncs of a
+    step), as one record per log step that every sink on rank 0 receives. Every rank calls it alike: the cross-rank
+    maxima are collectives."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        env: DistEnv,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        start_step: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        data = recipe.data
+        self.env, self.model, self.optimizer, self.clock = env, model, optimizer, clock
+        self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
+        self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
+        self.peak = peak_flops(env.device)
+        self.start = self.clock()
+        self.cpu_start = time.process_time()
+        self.first_step = start_step + 1
+        self.step_timer = StepTimer(env.device, clock)
+        self.sinks: list = []
+        self.bar: ProgressBar | None = None
+        self.restart_clock(start_step)
+        if not env.is_main:
+            return
+        out_dir = recipe.train.out_dir
+        tensorboard = TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
+        if recipe.train.progress_bar and sys.stdout.isatty():
+            self.bar = ProgressBar(recipe.train.steps, start_step)
+        self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.bar]
+        self.sinks = [sink for sink in self.sinks if sink is not None]
+        n_params = count_params(recipe.model)
+        logger.info(
+            f"{recipe.model.family} model, {n_params / 1e6:.1f}M params | {env.world_size} rank(s), "
+            f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision} | global batch "
+            f"{self.tokens_per_step // data.seq_len} x {data.seq_len} tokens | {recipe.train.steps} steps -> {out_dir}"
+        )
+
+    def restart_clock(self, step: int) -> None:
+        """Start the throughput window at `step` (after start-up, a resume, a log step or an evaluation)."""
+        self.last_time, self.last_step = self.clock(), step
+        self.step_timer.restart()
+
+    def step_done(self, step: int) -> None:
+        """Called after every step: times it and moves the progress bar (no sync). After this process's first step,
+        while the gradients are alive (train_step frees them at its start), records the training state each rank
+        holds."""
+        self.step_timer.mark()
+        if self.bar is not None:
+            self.bar.update(step)
+        if step == self.first_step:
+            local = [
+                local_gb(self.model.parameters()),
+                local_gb(p.grad for p in self.model.parameters()),
+                optimizer_state_gb(self.optimizer),
+            ]
+            state = dict(zip(STATE_KEYS, max_over_ranks(local, self.env.device), strict=True))  # host sync, once
+            self._write({"step": step, **state, "state_gb": sum(state.values())})
+
+    def log(self, step: int, stats: dict[str, torch.Tensor], lr: float, skipped_steps: int = 0) -> dict:
+        """One record of the steps since the last: loss, gradient norm (host syncs), throughput, peak memory (the
+        largest rank's) and the median and largest step time."""
+        (peak_mem_gb,) = max_over_ranks([peak_memory_gb(self.env.device)], self.env.device)
+        now = self.clock()
+        tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        step_times = self.step_timer.durations()
+        self.restart_clock(step)
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size) if self.peak else None
+        record = {
+            "step": step,
+            "loss": stats["loss"].item(),
+            "lr": lr,
+            "grad_norm": stats["grad_norm"].item(),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.env.world_size,
+            "mfu": mfu,
+            "peak_mem_gb": peak_mem_gb,
+            # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
+            "step_time_s": statistics.median(step_times) if step_times else None,
+            "step_time_max_s": max(step_times) if step_times else None,
+            "skipped_steps": skipped_steps,
+            "elapsed_s": now - self.start,
+            # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
+            "cpu_s": time.process_time() - self.cpu_start,
+        }
+        self._write(record)
+        return record
+
+    def log_eval(self, step: int, val_loss: torch.Tensor) -> None:
+        """One record of an evaluation; its time counts toward no step's."""
+        self._write({"step": step, "val_loss": val_loss.item(), "elapsed_s": self.clock() - self.start})
+        self.restart_clock(step)
+
+    def _write(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

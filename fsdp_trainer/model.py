@@ -182,14 +182,11 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
 
-def count_params(cfg: ModelConfig, exclude_embedding: bool = False) -> int:
-    """Parameter count from the config alone (tied weights counted once)."""
+def count_params(cfg: ModelConfig, one_block: bool = False) -> int:
+    """Parameters of the model (tied weights counted once), or of one of its blocks, from the config alone."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    if exclude_embedding:
-        n -= model.model.embed_tokens.weight.numel()
-    return n
+        module = Block(cfg) if one_block else Transformer(cfg)
+    return sum(p.numel() for p in module.parameters())
 
 
 @torch.no_grad()

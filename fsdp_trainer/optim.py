@@ -10,6 +10,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import OptimConfig
 
+# Bytes of training state per parameter, whatever the compute dtype: the fp32 master weight, its fp32 gradient and
+# AdamW's two fp32 moments. The ZeRO formulas of the planner and the size of a checkpoint are read off these.
+MASTER_WEIGHT_BYTES = 4
+GRADIENT_BYTES = 4
+OPTIMIZER_STATE_BYTES = 8
+
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over two groups: matrices (embeddings, projections) decay, vectors (norm gains) do not.

@@ -8,7 +8,10 @@ device, parallelized, then materialized shard by shard, so no rank ever holds th
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,8 +26,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import ParallelConfig
+from fsdp_trainer.config import COMPUTE_DTYPES, ParallelConfig
 from fsdp_trainer.model import Transformer
+
+logger = logging.getLogger("fsdp_trainer")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,11 @@ class ShardingPlan:
     ranks, shard over none) or `per_node` (shard within a node, replicate across nodes)."""
     reshard_after_forward: bool
     """Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+
+    def mesh_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
+        """(replicas, shard group): how many copies of the model the world holds, and how many ranks share one."""
+        replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // ranks_per_node}[self.replicas]
+        return replicas, world_size // replicas
 
 
 # The only place the user's sharding names are spelled out. Data parallelism always spans the whole world; the plan
@@ -66,6 +76,17 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs at INFO; the others only warn, each line tagged with its rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
 
 
 def _env_int(name: str, default: int) -> int:
@@ -101,6 +122,7 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     """
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world_size)
+    setup_logging(rank)
     use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
     backend = {"auto": "nccl" if use_cuda else "gloo"}.get(cfg.backend, cfg.backend)
     if backend == "nccl" and not torch.cuda.is_available():
@@ -112,6 +134,8 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         )
     if use_cuda and cfg.expandable_segments:
         _use_expandable_segments()
+    elif cfg.expandable_segments:
+        logger.info("parallel.expandable_segments: CUDA's allocator only, nothing to do on cpu")
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -128,8 +152,7 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     else:  # plain `python -m fsdp_trainer.train`: a 1-rank group keeps FSDP and DCP on the same code path
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
-    replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // local_world_size}
-    n_replicas = replicas[SHARDING[cfg.sharding].replicas]
+    n_replicas, _ = SHARDING[cfg.sharding].mesh_shape(world_size, local_world_size)
     if n_replicas == 1:
         mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
     else:
@@ -165,6 +188,48 @@ def close_distributed() -> None:
     torch 2.13)."""
     dist.destroy_process_group()
     gc.collect()
+
+
+def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over all ranks, queued on the device (no host sync)."""
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)  # gloo has no AVG
+    return x / dist.get_world_size()
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """The largest of each number over all ranks, in one all-reduce (a host sync: call it on log steps only)."""
+    x = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.tolist()
+
+
+class PreemptionFlag:
+    """SIGTERM (what Slurm, Kubernetes and torchrun send before killing) asks the run to stop after the current step.
+
+    Ranks can receive the signal steps apart, so they agree once per step with a MAX all-reduce of one integer on a
+    gloo group of its own: a CPU round trip that never waits on the GPU, unlike reading a device tensor would.
+    """
+
+    def __init__(self, timeout: timedelta) -> None:
+        self.received = False
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([int(self.received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        """Give SIGTERM back and free the group now: the handler would keep the group alive until interpreter exit,
+        where freeing it can abort the process (see close_distributed)."""
+        signal.signal(signal.SIGTERM, self._previous_handler)
+        dist.destroy_process_group(self.group)
+        self.group = None
 
 
 def silent_ranks(rank: int, world_size: int, wait_s: float = 5.0) -> list[int]:
@@ -234,11 +299,9 @@ def apply_fsdp(
     """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
     prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward)."""
     plan = SHARDING[sharding]
-    if mixed_precision == "bf16":
-        # bf16 for compute and the parameter all-gather; fp32 master weights, optimizer state and grad reduction.
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp_policy = MixedPrecisionPolicy()
+    # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
+    # gradient reduction stay fp32 whatever it is.
+    mp_policy = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
     blocks = list(model.model.layers.values())
     if not blocks:

@@ -39,16 +39,18 @@ allocator fragmentation typically adds 5-10%.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, Recipe, parse_args, recipe_parser
+from fsdp_trainer.model import count_params
+from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
+from fsdp_trainer.parallel import SHARDING
 
-SHARDINGS = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")  # least to most memory
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
 
@@ -76,26 +78,30 @@ class Estimate:
         return self.state_gb + self.gathered_gb + transient + self.runtime_gb
 
 
-def param_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(all parameters, parameters of one block), counted on the meta device."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    block = next(iter(model.model.layers.values()))
-    return sum(p.numel() for p in model.parameters()), sum(p.numel() for p in block.parameters())
-
-
 def comm_bytes_per_rank(
     sharding: str, n_params: int, compute_bytes: int, accum: int, nproc: int, nnodes: int
 ) -> tuple[float, float]:
-    """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring."""
-    world, a, p = nproc * nnodes, compute_bytes, n_params
-    ring = lambda n: (n - 1) / n  # noqa: E731
-    if sharding == "HYBRID_SHARD":
-        internode = 8 * (p / nproc) * ring(nnodes)
-        return (2 * accum * a + 4) * p * ring(nproc) + internode, internode
-    per_param = {"FULL_SHARD": 2 * accum * a + 4, "SHARD_GRAD_OP": accum * a + 4, "NO_SHARD": 8}[sharding]
-    sent = per_param * p * ring(world)
-    return sent, sent if nnodes > 1 else 0.0  # a ring over all ranks crosses the network at every hop's pace
+    """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
+
+    Within a shard group of S ranks, parameters are all-gathered in the compute dtype on every micro-step (in
+    forward, and again in backward when they were freed after forward) and fp32 gradients reduce-scattered once;
+    across R replicas, each rank all-reduces its fp32 gradient shard. A ring collective sends (n-1)/n of its buffer.
+    """
+    plan = SHARDING[sharding]
+    replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
+    gathers = 2 if plan.reshard_after_forward else 1
+    sent = replicas_sent = 0.0
+    if shard_group > 1:
+        per_param = gathers * accum * compute_bytes + GRADIENT_BYTES
+        sent += per_param * n_params * (shard_group - 1) / shard_group
+    if replicas > 1:
+        replicas_sent = 2 * GRADIENT_BYTES * (n_params / shard_group) * (replicas - 1) / replicas  # all-reduce
+        sent += replicas_sent
+    if nnodes == 1:
+        return sent, 0.0
+    # Replicas one per node: only their all-reduce crosses the network. A ring over all ranks crosses it at every
+    # hop's pace.
+    return sent, replicas_sent if plan.replicas == "per_node" else sent
 
 
 def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) -> tuple[float, float]:
@@ -117,20 +123,20 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
 
 def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str) -> Estimate:
     cfg, data = recipe.model, recipe.data
-    world = nproc * nnodes
-    shard_group = {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "NO_SHARD": 1, "HYBRID_SHARD": nproc}[sharding]
-    a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
-    n_params, n_block = param_counts(cfg)
+    _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
+    a = COMPUTE_DTYPES[recipe.parallel.mixed_precision].itemsize
+    n_params, n_block = count_params(cfg), count_params(cfg, one_block=True)
     n_root = n_params - cfg.n_layers * n_block
     prefetch = recipe.parallel.prefetch_blocks
     tokens = data.micro_batch_size * data.seq_len
 
-    state = 16 * n_params / shard_group
-    kept_blocks = cfg.n_layers if sharding in ("SHARD_GRAD_OP", "NO_SHARD") else min(1 + prefetch, cfg.n_layers)
+    state = (MASTER_WEIGHT_BYTES + GRADIENT_BYTES + OPTIMIZER_STATE_BYTES) * n_params / shard_group
+    # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
+    kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     gathered = a * (kept_blocks * n_block + n_root)
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
-    gradient_buffers = (a + (4 if a < 4 else 0)) * (n_block + n_root)
+    gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root)
     saved, full = activation_bytes_per_token(cfg, a, ac)
     activations = tokens * cfg.n_layers * saved
     logits = tokens * cfg.vocab_size * 12
@@ -146,7 +152,7 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
 
 
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
-    shardings = [s for s in SHARDINGS if nnodes > 1 or s != "HYBRID_SHARD"]
+    shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
     return [estimate(recipe, nproc, nnodes, s, ac, device) for ac in AC_MODES for s in shardings]
 
 
@@ -159,29 +165,25 @@ def recommend(estimates: list[Estimate], device_mem_gb: float) -> Estimate | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fsdp_trainer.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True)
+    parser = recipe_parser("fsdp_trainer.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument(
-        "--device_mem_gb", "--device-mem-gb", type=float, help="memory per device (default: this GPU's, or RAM / nproc)"
+        "--device_mem_gb", type=float | None, help="memory per device (default: the GPU's, or RAM / nproc)"
     )
-    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if a GPU is visible")
-    args, overrides = parser.parse_known_args(argv)
+    parser.add_argument("--device", type=Literal["cuda", "cpu"] | None, help="default: cuda if a GPU is visible")
+    recipe, args = parse_args(parser, argv)
     if args.nproc < 1 or args.nnodes < 1:
-        parser.error("--nproc and --nnodes must be >= 1")
-    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
+        sys.exit("error: --nproc and --nnodes must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     mem = args.device_mem_gb
     if mem is None:
         if device == "cuda" and torch.cuda.is_available():
             mem = torch.cuda.get_device_properties(0).total_memory / 1e9
         else:
-            import os
-
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     estimates = plan(recipe, args.nproc, args.nnodes, device)
-    n_params, _ = param_counts(recipe.model)
+    n_params = count_params(recipe.model)
     data = recipe.data
     print(
         f"{recipe.model.family} {n_params / 1e6:,.1f}M params, {recipe.parallel.mixed_precision}, micro-batch "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from collections.abc import Iterable
@@ -10,13 +9,10 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from fsdp_trainer.files import file_sha256
 
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+FILE_NAME = "tokenizer.model"
+"""What a sentencepiece model is called inside a checkpoint and an HF directory."""
 
 
 def train_tokenizer(text_files: list[str], model_path: str, vocab_size: int, max_sentences: int = 400_000) -> None:

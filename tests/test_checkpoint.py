@@ -8,31 +8,31 @@ import signal
 
 import pytest
 
-from tests.conftest import train_cli, train_losses, train_popen, wait_for_step, worker_pids
+from tests.helpers import run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
-CONSTANT_LR = ["--optim.warmup_steps", "0", "--optim.min_lr", "3e-3", "--optim.lr", "3e-3", "--train.steps"]
+CONSTANT_LR = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}
 
 
-def _args(tiny_data, out, steps, *extra):
-    return ["--recipe", str(tiny_data), "--train.out_dir", str(out), *CONSTANT_LR, str(steps), *extra]
+def _args(tiny_data, out, steps, **overrides):
+    return run_args(tiny_data, out, steps, optim=CONSTANT_LR, **overrides)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
     """6 steps on 2 ranks, FULL_SHARD, fp32, checkpointing every 3 steps."""
     out = tmp_path_factory.mktemp("full")
-    train_cli(_args(tiny_data, out, 6, "--checkpoint.every", "3"), nproc=2)
+    train_cli(_args(tiny_data, out, 6, checkpoint={"every": 3}), nproc=2)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("async_save", ["false", "true"])
+@pytest.mark.parametrize("async_save", [False, True])
 def test_resume_is_bitwise_exact(tiny_data, tmp_path, uninterrupted, async_save):
-    flags = ("--checkpoint.every", "3", "--checkpoint.async_save", async_save)
-    train_cli(_args(tiny_data, tmp_path, 3, *flags), nproc=2)
+    flags = {"every": 3, "async_save": async_save}
+    train_cli(_args(tiny_data, tmp_path, 3, checkpoint=flags), nproc=2)
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    proc = train_cli(_args(tiny_data, tmp_path, 6, *flags), nproc=2)
+    proc = train_cli(_args(tiny_data, tmp_path, 6, checkpoint=flags), nproc=2)
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
     expected, resumed = train_losses(uninterrupted), train_losses(tmp_path)
     assert resumed == expected  # steps 1-3 from the first run, 4-6 after the resume: bitwise equal
@@ -41,16 +41,16 @@ def test_resume_is_bitwise_exact(tiny_data, tmp_path, uninterrupted, async_save)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc, flags",
+    "nproc, overrides",
     [
-        (1, ["--data.grad_accum_steps", "2"]),  # 2 ranks -> 1 rank, accumulation doubled: same global batch
-        (2, ["--parallel.sharding", "NO_SHARD"]),  # FULL_SHARD -> NO_SHARD
+        (1, {"data": {"grad_accum_steps": 2}}),  # 2 ranks -> 1 rank, accumulation doubled: same global batch
+        (2, {"parallel": {"sharding": "NO_SHARD"}}),  # FULL_SHARD -> NO_SHARD
     ],
 )
-def test_resume_on_another_world_size_or_sharding(tiny_data, tmp_path, uninterrupted, nproc, flags):
+def test_resume_on_another_world_size_or_sharding(tiny_data, tmp_path, uninterrupted, nproc, overrides):
     shutil.copytree(uninterrupted / "checkpoints" / "step_00000003", tmp_path / "step3")
     out = tmp_path / "run"
-    train_cli(_args(tiny_data, out, 6, "--checkpoint.resume", str(tmp_path / "step3"), *flags), nproc=nproc)
+    train_cli(_args(tiny_data, out, 6, checkpoint={"resume": tmp_path / "step3"}, **overrides), nproc=nproc)
     expected, resumed = train_losses(uninterrupted), train_losses(out)
     assert sorted(resumed) == [4, 5, 6]
     for step in resumed:
@@ -58,20 +58,20 @@ def test_resume_on_another_world_size_or_sharding(tiny_data, tmp_path, uninterru
 
 
 def test_latest_and_keep_last(tiny_data, tmp_path):
-    train_cli(_args(tiny_data, tmp_path, 4, "--checkpoint.every", "1", "--checkpoint.keep_last", "2"))
+    train_cli(_args(tiny_data, tmp_path, 4, checkpoint={"every": 1, "keep_last": 2}))
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000003", "step_00000004"]
     assert (ckpts / "latest").read_text().strip() == "step_00000004"
     assert (ckpts / "step_00000004" / ".metadata").is_file()
     # A run resumed at its last step has nothing left to do and changes nothing.
-    train_cli(_args(tiny_data, tmp_path, 4, "--checkpoint.every", "1"))
+    train_cli(_args(tiny_data, tmp_path, 4, checkpoint={"every": 1}))
     assert (ckpts / "latest").read_text().strip() == "step_00000004"
 
 
 @pytest.fixture(scope="module")
 def one_step_checkpoint(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    train_cli(_args(tiny_data, out, 1, "--checkpoint.every", "1"))
+    train_cli(_args(tiny_data, out, 1, checkpoint={"every": 1}))
     return out / "checkpoints" / "step_00000001"
 
 
@@ -80,12 +80,12 @@ def one_step_checkpoint(tiny_data, tmp_path_factory):
     [
         (
             "shape",
-            ["--model.ffn_dim", "96"],
+            {"ffn_dim": 96},
             "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64)",
         ),
-        ("missing", [], "does not exist"),
-        ("truncated", [], "not a complete DCP checkpoint (no .metadata)"),
-        ("latest_dangling", [], "step_00000009, which is missing or incomplete (no .metadata)"),
+        ("missing", {}, "does not exist"),
+        ("truncated", {}, "not a complete DCP checkpoint (no .metadata)"),
+        ("latest_dangling", {}, "step_00000009, which is missing or incomplete (no .metadata)"),
     ],
 )
 def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpoint, case, flags, message):
@@ -97,7 +97,8 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
     if case == "latest_dangling":  # a run directory whose `latest` names a step that is gone
         (target / "checkpoints").mkdir()
         (target / "checkpoints" / "latest").write_text("step_00000009\n")
-    proc = train_cli(_args(tiny_data, tmp_path / "run", 2, "--checkpoint.resume", str(target), *flags), check=False)
+    args = _args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": target}, model=flags)
+    proc = train_cli(args, check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: rank 0: ") and message in proc.stderr, proc.stderr
 
@@ -105,7 +106,7 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_resume_continues_exactly(tiny_data, tmp_path):
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    proc = train_popen(_args(tiny_data, out, 100_000, "--checkpoint.every", "0"), log)
+    proc = train_popen(_args(tiny_data, out, 100_000, checkpoint={"every": 0}), log)
     wait_for_step(out, 5, proc, log)
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
     proc.wait(timeout=60)
@@ -123,7 +124,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_exactly(tiny_data, 
 @pytest.mark.slow
 def test_killed_rank_is_restarted_by_torchrun_and_resumes(tiny_data, tmp_path):
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    args = _args(tiny_data, out, 150, "--checkpoint.every", "10")
+    args = _args(tiny_data, out, 150, checkpoint={"every": 10})
     proc = train_popen(args, log, torchrun_flags=("--max-restarts=1",))
     wait_for_step(out, 12, proc, log)
     victim = worker_pids(proc.pid)[-1]
@@ -133,6 +134,6 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes(tiny_data, tmp_path):
     assert "resumed from" in text
 
     reference = tmp_path / "reference"
-    train_cli(_args(tiny_data, reference, 150, "--checkpoint.every", "10"), nproc=2)
+    train_cli(_args(tiny_data, reference, 150, checkpoint={"every": 10}), nproc=2)
     # metrics.jsonl holds the steps between the last checkpoint and the kill twice; the later lines are the resumed run.
     assert train_losses(out) == train_losses(reference)

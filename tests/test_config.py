@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.config import SECTIONS, load_recipe_yaml, parse_recipe, recipe_to_yaml
+from fsdp_trainer.config import SECTIONS, load_recipe, parse_recipe, recipe_to_yaml
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -23,7 +23,7 @@ def test_overrides_and_types():
 def test_resolved_yaml_round_trips(tmp_path):
     recipe = parse_recipe(["--model.family", "qwen3", "--model.head_dim", "64", "--train.steps", "7"])
     (tmp_path / "c.yaml").write_text(recipe_to_yaml(recipe))
-    assert load_recipe_yaml(str(tmp_path / "c.yaml")) == recipe
+    assert load_recipe(tmp_path / "c.yaml") == recipe
     assert parse_recipe(["--recipe", str(tmp_path / "c.yaml")]) == recipe
 
 

@@ -9,38 +9,35 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.runner import torchrun_command, train_command
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.parallel import materialize, parallelize
 from fsdp_trainer.train import train_step
-from tests.conftest import REPO, read_metrics, run_distributed, train_cli, train_popen, wait_for_step, worker_pids
+from tests.helpers import (
+    REPO,
+    read_metrics,
+    run_args,
+    run_distributed,
+    train_cli,
+    train_popen,
+    wait_for_step,
+    worker_pids,
+)
 
-DIVERGE = ["--optim.lr", "1e30", "--optim.min_lr", "0", "--optim.warmup_steps", "0"]  # weights ~1e30 after step 1
+DIVERGE = {"lr": 1e30, "min_lr": 0, "warmup_steps": 0}  # weights ~1e30 after step 1
 
 
 def test_nonfinite_step_stops_the_run_naming_it(tiny_data, tmp_path):
-    proc = train_cli(
-        [
-            "--recipe",
-            str(tiny_data),
-            "--train.out_dir",
-            str(tmp_path),
-            *DIVERGE,
-            "--checkpoint.every",
-            "1",
-            "--train.log_every",
-            "5",
-        ],  # fmt: skip
-        check=False,
-    )
+    args = run_args(tiny_data, tmp_path, optim=DIVERGE, checkpoint={"every": 1}, train={"log_every": 5})
+    proc = train_cli(args, check=False)
     assert proc.returncode == 1
     assert "error: rank 0: non-finite loss or gradient norm at step 2" in proc.stderr, proc.stderr
     # Step 1 was finite and saved; nothing from step 2 on was.
@@ -49,19 +46,7 @@ def test_nonfinite_step_stops_the_run_naming_it(tiny_data, tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_and_counted(tiny_data, tmp_path):
-    train_cli(
-        [
-            "--recipe",
-            str(tiny_data),
-            "--train.out_dir",
-            str(tmp_path),
-            *DIVERGE,
-            "--train.on_nonfinite",
-            "skip",
-            "--train.log_every",
-            "5",
-        ],  # fmt: skip
-    )
+    train_cli(run_args(tiny_data, tmp_path, optim=DIVERGE, train={"on_nonfinite": "skip", "log_every": 5}))
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(5, 4), (10, 9)]
     assert records[-1]["grad_norm"] is None  # NaN is written as JSON null
@@ -109,29 +94,26 @@ def test_skipped_step_leaves_weights_and_adamw_state_untouched():
 
 def test_unwritable_out_dir_fails_before_training(tiny_data, tmp_path):
     (tmp_path / "a_file").write_text("")
-    proc = train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path / "a_file" / "run")], check=False)
+    proc = train_cli(run_args(tiny_data, tmp_path / "a_file" / "run"), check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"error: train.out_dir={tmp_path}/a_file/run is not writable (Not a directory); " \
                                   "choose another directory"  # fmt: skip
 
 
 def test_out_dir_without_room_for_a_checkpoint_fails_before_training(tiny_data, tmp_path):
-    huge = ["--model.dim", "16384", "--model.n_layers", "400", "--model.ffn_dim", "65536", "--model.n_heads", "128"]
-    proc = train_cli(
-        ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--checkpoint.every", "5", *huge], check=False
-    )
+    huge = {"dim": 16384, "n_layers": 400, "ffn_dim": 65536, "n_heads": 128}
+    proc = train_cli(run_args(tiny_data, tmp_path, checkpoint={"every": 5}, model=huge), check=False)
     assert proc.returncode == 1
     assert "GB free, and one checkpoint of this model takes" in proc.stderr and proc.stderr.count("\n") == 1
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("async_save", ["false", "true"])
+@pytest.mark.parametrize("async_save", [False, True])
 def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_data, tmp_path, async_save):
-    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--checkpoint.every", "4",
-            "--checkpoint.async_save", async_save]  # fmt: skip
+    args = run_args(tiny_data, tmp_path, checkpoint={"every": 4, "async_save": async_save})
     train_cli([*args, "--train.steps", "4"])
     # Resume with files capped at 256 KiB: run files fit, the step-8 shards do not (EFBIG, as ENOSPC would).
-    cmd = [sys.executable, "-m", "fsdp_trainer.train", *args, "--train.steps", "8"]
+    cmd = train_command([*args, "--train.steps", "8"])
     proc = subprocess.run(
         cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY)),
@@ -151,9 +133,8 @@ def _error_lines(log: str) -> list[str]:
 
 @pytest.mark.slow
 def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "helpers" / "exit_early.py"), "--recipe", str(tiny_data), "--train.out_dir",
-           str(tmp_path), "--parallel.timeout_s", "60"]  # fmt: skip
+    script = str(REPO / "tests" / "helpers" / "exit_early.py")
+    cmd = torchrun_command([script, *run_args(tiny_data, tmp_path, parallel={"timeout_s": 60})], nproc=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_STEP": "3", "EXIT_RANK": "1"}
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
@@ -168,8 +149,7 @@ def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
     log = tmp_path / "log.txt"
-    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--train.steps", "100000",
-            "--parallel.timeout_s", "10"]  # fmt: skip
+    args = run_args(tiny_data, tmp_path, 100000, parallel={"timeout_s": 10})
     proc = train_popen(args, log)
     stopped = []
     try:

@@ -17,7 +17,7 @@ from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.tokenizer import Tokenizer
-from tests.conftest import REPO, train_cli
+from tests.helpers import REPO, train_cli
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
-"""The import graph points one way (config <- model, data, ... <- parallel <- train <- tools), and model.py stays
-free of torch.distributed."""
+"""The import graph points one way (files, config <- model, data, ... <- parallel <- checkpoint, metrics <- train
+<- tools), and model.py stays free of torch.distributed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_trainer"
 
 # Which package modules each module may import.
 ALLOWED = {
-    "config": set(),
+    "files": set(),
+    "config": {"files"},
     "model": {"config"},
-    "data": {"config"},
-    "tokenizer": {"config"},
+    "tokenizer": {"files"},
+    "data": {"config", "files"},
     "optim": {"config"},
-    "metrics": {"config"},
-    "checkpoint": {"config"},
-    "hf": {"config"},
+    "hf": {"config", "tokenizer"},
     "parallel": {"config", "model"},
-    "train": {"config", "model", "data", "tokenizer", "optim", "metrics", "checkpoint", "parallel"},
-    "plan": {"config", "model"},
+    "checkpoint": {"config", "files", "optim", "parallel", "tokenizer"},
+    "metrics": {"config", "files", "model", "parallel"},
+    "plan": {"config", "model", "optim", "parallel"},
+    "prepare": {"config", "data", "files", "tokenizer"},
+    "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
+    "train": {"checkpoint", "config", "data", "files", "metrics", "model", "optim", "parallel"},
     "__main__": {"train"},
     "__init__": set(),
 }
@@ -42,9 +45,16 @@ def test_package_imports_point_one_way():
     for name in modules:
         internal = {m.split(".")[1] for m in imports_of(PACKAGE / f"{name}.py") if m.startswith("fsdp_trainer.")}
         assert internal <= ALLOWED[name], f"{name} imports {internal - ALLOWED[name]}"
-        assert not any(m.startswith("tools") for m in imports_of(PACKAGE / f"{name}.py"))
+        assert not any(m.startswith(("tools", "benchmarks")) for m in imports_of(PACKAGE / f"{name}.py"))
 
 
 def test_model_has_no_distributed_code():
     assert not any("distributed" in m for m in imports_of(PACKAGE / "model.py"))
     assert "torch.distributed" not in (PACKAGE / "model.py").read_text()
+
+
+def test_tools_and_benchmarks_import_the_installed_package():
+    """No sys.path edits: both quick-start commands install the package."""
+    repo = PACKAGE.parent
+    for script in [*repo.glob("tools/*.py"), *repo.glob("benchmarks/*.py")]:
+        assert "sys.path" not in script.read_text(), script

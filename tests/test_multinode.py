@@ -12,22 +12,11 @@ import pytest
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import count_params
-from tests.conftest import REPO, TINY_MODEL, free_port, read_metrics, train_multinode, wait_for_step
+from tests.helpers import REPO, TINY_MODEL, free_port, read_metrics, run_args, train_multinode, wait_for_step
 
 
 def _run(tiny_data, out_dir, sharding):
-    outputs = train_multinode(
-        [
-            "--recipe",
-            str(tiny_data),
-            "--train.out_dir",
-            str(out_dir),
-            "--parallel.sharding",
-            sharding,
-            "--checkpoint.every",
-            "10",
-        ],  # fmt: skip
-    )
+    outputs = train_multinode(run_args(tiny_data, out_dir, parallel={"sharding": sharding}, checkpoint={"every": 10}))
     records = read_metrics(out_dir)
     return outputs, {r["step"]: r["loss"] for r in records if "loss" in r}, next(r for r in records if "state_gb" in r)
 

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_trainer.config import ModelConfig, ParallelConfig
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.parallel import SHARDING, materialize, parallelize
-from tests.conftest import run_distributed
+from tests.helpers import run_distributed
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=77, max_seq_len=32)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig, Recipe
-from fsdp_trainer.model import Transformer
-from fsdp_trainer.plan import activation_bytes_per_token, estimate, param_counts, plan, recommend
-from tests.conftest import REPO
+from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.plan import activation_bytes_per_token, estimate, plan, recommend
+from tests.helpers import REPO
 
 
 def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tuple[int, int]) -> int:
@@ -54,7 +54,7 @@ def test_activation_formula_counts_what_a_block_saves(dtype, shape):
 
 def test_state_follows_zero_formulas_and_sharding_order():
     recipe = Recipe()
-    n_params, n_block = param_counts(recipe.model)
+    n_params, n_block = count_params(recipe.model), count_params(recipe.model, one_block=True)
     assert 0 < n_block < n_params
     for sharding, group in (("FULL_SHARD", 8), ("SHARD_GRAD_OP", 8), ("NO_SHARD", 1), ("HYBRID_SHARD", 4)):
         e = estimate(recipe, nproc=4, nnodes=2, sharding=sharding, ac="none", device="cuda")
@@ -88,7 +88,7 @@ def test_state_follows_zero_formulas_and_sharding_order():
 def test_communication_volume_orders_the_one_node_choice(precision, accum, best):
     recipe = Recipe()
     recipe.parallel.mixed_precision, recipe.data.grad_accum_steps = precision, accum
-    n_params, _ = param_counts(recipe.model)
+    n_params = count_params(recipe.model)
     estimates = {e.sharding: e for e in plan(recipe, nproc=8, nnodes=1, device="cuda") if e.ac == "none"}
     a = 2 if precision == "bf16" else 4
     assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)

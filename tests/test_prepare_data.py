@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import numpy as np
+import yaml
 
 from fsdp_trainer.data import TokenFile
 from fsdp_trainer.tokenizer import Tokenizer
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
 
@@ -38,3 +39,19 @@ def test_missing_input_is_one_error_line(tiny_data, tmp_path):
         [*TOOL, "--recipe", str(tiny_data), "--input", str(tmp_path / "nope.txt")], capture_output=True, text=True
     )
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: --input file {tmp_path / 'nope.txt'} does not exist"
+
+
+def test_the_recipe_is_read_as_the_trainer_reads_it(tiny_data, tmp_path):
+    """Any key can be overridden on the command line, and `lr: 3e-4` (a string to PyYAML) is a float here too."""
+    sections = json.loads(tiny_data.read_text())
+    del sections["optim"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(sections) + "optim:\n  lr: 3e-4\n  min_lr: 3e-5\n")
+    out = tmp_path / "other"
+    overrides = ["--data.train_path", out / "train.bin", "--data.val_path", "null", "--data.tokenizer_path",
+                 out / "tok.model", "--vocab_size", "400"]  # fmt: skip
+    cmd = [*TOOL, "--recipe", recipe, "--input", tiny_data.parent / "corpus.txt", *overrides]
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert TokenFile(out / "train.bin").vocab_size == Tokenizer(out / "tok.model").vocab_size == 400
+    assert not (out / "val.bin").exists()

@@ -1,4 +1,5 @@
-"""tools/bench*.py, generate.py and plot.py on tiny shapes: they run and report what they claim (no timing asserts)."""
+"""benchmarks/*.py, tools/generate.py and tools/plot.py on tiny shapes: they run and report what they claim (no timing
+asserts)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig
-from fsdp_trainer.model import Transformer, generate
-from tests.conftest import REPO, TINY_MODEL, train_cli, train_losses
+from fsdp_trainer.model import Transformer, count_params, generate
+from tests.helpers import REPO, TINY_MODEL, run_args, train_cli, train_losses
+
+BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.mark.slow
 def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench.py"), "--recipe", str(tiny_data), "--nproc", "2",
+        [sys.executable, str(BENCHMARKS / "bench.py"), "--recipe", str(tiny_data), "--nproc", "2",
          "--steps", "4", "--log_every", "2", "--repeats", "2", "--out", str(out), "--model.dim", "32"],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -50,13 +53,13 @@ def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
     """Per rank: FULL_SHARD holds 16 bytes x P / 2 of parameters, gradients and AdamW state, NO_SHARD all 16 x P."""
     out = tmp_path / "memory.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
+        [sys.executable, str(BENCHMARKS / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
          "--steps", "2", "--configs", "FULL_SHARD/fp32/none", "NO_SHARD/bf16/full", "--out", str(out)],
         capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    n_params = sum(p.numel() for p in Transformer(ModelConfig(**TINY_MODEL)).parameters())
+    n_params = count_params(ModelConfig(**TINY_MODEL))
     assert rows["FULL_SHARD/fp32/none"]["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
     assert rows["NO_SHARD/bf16/full"]["state_gb"] == pytest.approx(16 * n_params / 1e9, rel=1e-3)
     for row in rows.values():
@@ -71,7 +74,7 @@ def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
 def test_bench_scaling_reports_each_size_and_world_size(tiny_data, tmp_path):
     out = tmp_path / "scaling.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_scaling.py"), "--recipe", str(tiny_data), "--sizes", "32x1",
+        [sys.executable, str(BENCHMARKS / "bench_scaling.py"), "--recipe", str(tiny_data), "--sizes", "32x1",
          "64x2", "--nproc", "1", "2", "--steps", "2", "--log_every", "1", "--parallel.mixed_precision", "fp32",
          "--out", str(out)],
         capture_output=True, text=True,
@@ -102,8 +105,7 @@ def test_greedy_generation_follows_the_argmax():
 
 
 def test_generate_cli_reads_our_checkpoint_and_the_hf_export(tiny_data, tmp_path):
-    train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path / "run"), "--train.steps", "2",
-               "--checkpoint.every", "2"])  # fmt: skip
+    train_cli(run_args(tiny_data, tmp_path / "run", 2, checkpoint={"every": 2}))
     subprocess.run([sys.executable, str(REPO / "tools" / "consolidate.py"), str(tmp_path / "run"),
                     str(tmp_path / "hf"), "--verify", "files"], check=True, capture_output=True)  # fmt: skip
     texts = []
@@ -118,8 +120,7 @@ def test_generate_cli_reads_our_checkpoint_and_the_hf_export(tiny_data, tmp_path
 
 def test_plot_draws_several_runs(tiny_data, tmp_path):
     for name, lr in (("a", "3e-3"), ("b", "1e-3")):
-        train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path / name), "--train.steps", "4",
-                   "--train.eval_every", "2", "--optim.lr", lr])  # fmt: skip
+        train_cli(run_args(tiny_data, tmp_path / name, 4, train={"eval_every": 2}, optim={"lr": lr}))
     from tools.plot import plot, read_run
 
     runs = {name: read_run(tmp_path / name) for name in ("a", "b")}

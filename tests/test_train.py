@@ -14,24 +14,24 @@ import termios
 import pytest
 import yaml
 
-from tests.conftest import REPO, read_metrics, train_cli, train_losses
+from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 
-def _run(tiny_data, out_dir, *extra, nproc=1):
-    train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(out_dir), *extra], nproc=nproc)
+def _run(tiny_data, out_dir, steps=None, nproc=1, **overrides):
+    train_cli(run_args(tiny_data, out_dir, steps, **overrides), nproc=nproc)
     return train_losses(out_dir)
 
 
 @pytest.fixture(scope="module")
 def reference_losses(tiny_data, tmp_path_factory):
     """1 process, micro-batch 2 x 2 accumulation steps: the global batch of 4 sequences that 2 ranks x 2 split."""
-    return _run(tiny_data, tmp_path_factory.mktemp("ref"), "--data.grad_accum_steps", "2")
+    return _run(tiny_data, tmp_path_factory.mktemp("ref"), data={"grad_accum_steps": 2})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, sharding):
-    losses = _run(tiny_data, tmp_path, "--parallel.sharding", sharding, nproc=2)
+    losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": sharding})
     assert sorted(losses) == list(range(1, 11))
     for step, ref in reference_losses.items():
         assert losses[step] == pytest.approx(ref, rel=1e-5), f"step {step}: {losses[step]} vs {ref}"
@@ -44,10 +44,8 @@ def test_fast_path_flags_run_on_cpu_and_change_no_number(tiny_data, tmp_path, re
     """GPU fast-path flags must run on CPU too: explicit prefetching of 2 blocks ahead changes only when all-gathers
     start; expandable segments are CUDA's and are said to be skipped."""
     proc = train_cli(
-        ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--parallel.prefetch_blocks", "2",
-         "--parallel.expandable_segments", "true"],
-        nproc=2,
-    )  # fmt: skip
+        run_args(tiny_data, tmp_path, parallel={"prefetch_blocks": 2, "expandable_segments": True}), nproc=2
+    )
     assert "parallel.expandable_segments: CUDA's allocator only, nothing to do on cpu" in proc.stdout + proc.stderr
     losses = train_losses(tmp_path)
     for step, ref in reference_losses.items():
@@ -56,7 +54,7 @@ def test_fast_path_flags_run_on_cpu_and_change_no_number(tiny_data, tmp_path, re
 
 @pytest.mark.slow
 def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, reference_losses):
-    losses = _run(tiny_data, tmp_path, "--parallel.sharding", "HYBRID_SHARD", nproc=2)
+    losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "HYBRID_SHARD"})
     for step, ref in reference_losses.items():
         assert losses[step] == pytest.approx(ref, rel=1e-5)
 
@@ -64,33 +62,20 @@ def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, refer
 def test_activation_checkpointing_leaves_losses_unchanged(tiny_data, tmp_path):
     """Recomputation must reproduce the forward exactly: same fp32 losses for none, full, selective, every 2nd."""
     runs = {
-        "none": (),
-        "full": ("--parallel.activation_checkpointing", "full"),
-        "selective": ("--parallel.activation_checkpointing", "selective"),
-        "full_every_2": ("--parallel.activation_checkpointing", "full", "--parallel.ac_every", "2"),
+        "none": {},
+        "full": {"activation_checkpointing": "full"},
+        "selective": {"activation_checkpointing": "selective"},
+        "full_every_2": {"activation_checkpointing": "full", "ac_every": 2},
     }
-    losses = {name: _run(tiny_data, tmp_path / name, "--train.steps", "4", *flags) for name, flags in runs.items()}
+    losses = {name: _run(tiny_data, tmp_path / name, 4, parallel=flags) for name, flags in runs.items()}
     for name in runs:
         assert losses[name] == losses["none"], name
 
 
 @pytest.mark.slow
 def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
-    losses = _run(
-        tiny_data,
-        tmp_path,
-        "--parallel.mixed_precision",
-        "bf16",
-        "--train.steps",
-        "40",
-        "--train.log_every",
-        "5",
-        "--optim.warmup_steps",
-        "5",
-        "--data.micro_batch_size",
-        "4",
-        nproc=2,
-    )
+    losses = _run(tiny_data, tmp_path, 40, nproc=2, parallel={"mixed_precision": "bf16"}, train={"log_every": 5},
+                  optim={"warmup_steps": 5}, data={"micro_batch_size": 4})  # fmt: skip
     assert losses[5] > losses[40] + 1.0, losses  # from ~uniform over 512 ids (6.2) well into the corpus' statistics
     assert losses[40] < 5.0
 
@@ -98,23 +83,8 @@ def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     out = tmp_path / "run"
-    proc = train_cli(
-        [
-            "--recipe",
-            str(tiny_data),
-            "--train.out_dir",
-            str(out),
-            "--train.steps",
-            "6",
-            "--train.log_every",
-            "3",
-            "--train.eval_every",
-            "3",
-            "--parallel.mixed_precision",
-            "bf16",
-        ],
-        nproc=2,
-    )
+    overrides = {"train": {"log_every": 3, "eval_every": 3}, "parallel": {"mixed_precision": "bf16"}}
+    proc = train_cli(run_args(tiny_data, out, 6, **overrides), nproc=2)
     records = read_metrics(out)
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
@@ -135,7 +105,7 @@ def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
 
 
 def test_config_yaml_reproduces_the_run(tiny_data, tmp_path):
-    first = _run(tiny_data, tmp_path / "a", "--train.steps", "3", "--optim.lr", "1e-3")
+    first = _run(tiny_data, tmp_path / "a", 3, optim={"lr": 1e-3})
     again = _run(tmp_path / "a" / "config.yaml", tmp_path / "b")
     assert again == first
 
@@ -171,28 +141,34 @@ print("clean")
     ],
 )
 def test_bad_input_gives_one_error_line(tiny_data, tmp_path, flags, message):
-    proc = train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), *flags], check=False)
+    proc = train_cli([*run_args(tiny_data, tmp_path), *flags], check=False)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.n_kv_heads", "3"], "error: model.n_kv_heads=3 must divide model.n_heads=4"),
+        (["--data.train_path", "/nonexistent/train.bin"], "error: token file /nonexistent/train.bin"),
+    ],
+)
+def test_bad_input_under_torchrun_is_one_line_per_node(tiny_data, tmp_path, flags, message):
+    """Every rank parses the recipe and opens the data, and every rank exits 1, but only a node's first prints."""
+    proc = train_cli([*run_args(tiny_data, tmp_path), *flags], nproc=2, check=False)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_compile_with_selective_ac_matches_eager(tiny_data, tmp_path):
     """The per-block torch.compile path (after AC, before FSDP) trains to the same losses as eager, up to fusion."""
-    eager = _run(
-        tiny_data, tmp_path / "eager", "--train.steps", "3", "--parallel.activation_checkpointing", "selective"
-    )
+    eager = _run(tiny_data, tmp_path / "eager", 3, parallel={"activation_checkpointing": "selective"})
     compiled = _run(
-        tiny_data,
-        tmp_path / "compiled",
-        "--train.steps",
-        "3",
-        "--parallel.activation_checkpointing",
-        "selective",
-        "--parallel.compile",
-        "true",
+        tiny_data, tmp_path / "compiled", 3, parallel={"activation_checkpointing": "selective", "compile": True}
     )
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-4)
@@ -222,8 +198,7 @@ def _run_on_terminal(args: list[str]) -> str:
 
 
 def test_progress_bar_on_a_terminal_and_tensorboard_scalars(tiny_data, tmp_path):
-    args = ["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--train.steps", "20",
-            "--train.log_every", "10"]  # fmt: skip
+    args = run_args(tiny_data, tmp_path, 20, train={"log_every": 10})
     shown = _run_on_terminal(args)
     assert "20/20 [" in shown and "step/s" in shown and "loss=" in shown  # tqdm: count, ETA/elapsed, rate
     assert shown.count("step     10 | loss") == 1  # each log line once, above the bar

@@ -9,10 +9,13 @@ first run). Needs matplotlib: pip install 'fsdp_trainer[plot]'.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
+
+from jsonargparse import ArgumentParser
+
+from fsdp_trainer.config import one_line_errors
+from fsdp_trainer.files import METRICS_FILE
 
 PANELS = [  # (metrics.jsonl key, title)
     ("loss", "loss (train solid, val dashed)"),
@@ -23,7 +26,7 @@ PANELS = [  # (metrics.jsonl key, title)
 
 
 def read_run(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass the train.out_dir of a run")
     with open(path) as f:
@@ -75,21 +78,19 @@ def plot(runs: dict[str, list[dict]], out: Path, smooth: int = 1) -> dict[tuple[
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="tools/plot.py", description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (train.out_dir)")
-    parser.add_argument("--out", type=Path, help="PNG to write (default: FIRST_RUN/metrics.png)")
+    parser.add_argument("--out", type=Path | None, help="PNG to write (default: FIRST_RUN/metrics.png)")
     parser.add_argument("--smooth", type=int, default=1, help="moving average over this many logged train losses")
-    args = parser.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        sys.exit("error: tools/plot.py needs matplotlib: pip install 'fsdp_trainer[plot]'")
-    try:
+    with one_line_errors():
+        args = parser.parse_args(argv)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("tools/plot.py needs matplotlib: pip install 'fsdp_trainer[plot]'") from None
         runs = {str(run): read_run(run) for run in args.runs}
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        sys.exit(f"error: {e}")
-    out = args.out or args.runs[0] / "metrics.png"
-    plot(runs, out, args.smooth)
+        out = args.out or args.runs[0] / "metrics.png"
+        plot(runs, out, args.smooth)
     print(f"wrote {out}")
 
 

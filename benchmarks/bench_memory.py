@@ -1,31 +1,27 @@
 """Memory per rank, measured against the ZeRO formulas and fsdp_trainer.plan, one training job per configuration.
 
-    python tools/bench_memory.py --recipe recipes/debug.yaml --nproc 2 --steps 3 \
+    python benchmarks/bench_memory.py --recipe recipes/debug.yaml --nproc 2 --steps 3 \
         --configs FULL_SHARD/bf16/none SHARD_GRAD_OP/bf16/none NO_SHARD/fp32/full ... [--model.dim 512 ...]
 
 Each config is SHARDING/PRECISION/AC. For each, trains --steps steps on random tokens under torchrun and reads the
 run's metrics.jsonl: the training state each rank holds (parameters, gradients, AdamW state, measured from the local
-shards) against 16 bytes x P / shard group, and the peak memory of the largest rank against the planner's total.
-Prints a markdown table and writes the numbers to --out as JSON. Flags it does not know are recipe overrides.
+shards) against the planner's ZeRO formula (16 bytes x P / shard group), and the peak memory of the largest rank
+against the planner's total. Prints a markdown table and writes the numbers to --out as JSON. Any recipe key can be
+overridden as in training.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+from runner import report_header, run_ours, synthetic_data
 
-from bench import run_ours, synthetic_data  # noqa: E402
-
-from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
-from fsdp_trainer.plan import estimate, param_counts  # noqa: E402
+from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
+from fsdp_trainer.model import count_params
+from fsdp_trainer.plan import estimate
 
 
 def measure(recipe_path: str, train_path: str, tokenizer_path: str, nproc: int, steps: int, config: str, tmp: Path):
@@ -38,18 +34,16 @@ def measure(recipe_path: str, train_path: str, tokenizer_path: str, nproc: int, 
                                                          "peak_mem_gb")}}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True)
+def main(argv: list[str] | None = None) -> None:
+    parser = recipe_parser("benchmarks/bench_memory.py", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--configs", nargs="+", default=["FULL_SHARD/bf16/none"])
+    parser.add_argument("--configs", nargs="+", default=["FULL_SHARD/bf16/none"], help="SHARDING/PRECISION/AC")
     parser.add_argument("--out", default="bench_out/memory.json")
-    args, overrides = parser.parse_known_args()
+    recipe, args = parse_args(parser, argv)
     if args.steps < 2:
-        parser.error("--steps must be >= 2 (the first step is the warmup)")
-    recipe = parse_recipe(["--recipe", args.recipe, *overrides])
-    n_params, _ = param_counts(recipe.model)
+        fail("--steps must be >= 2 (the first step is the warmup)")
+    n_params = count_params(recipe.model)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -61,9 +55,8 @@ def main() -> None:
             row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, tmp)
             sharding, precision, ac = config.split("/")
             recipe.parallel.mixed_precision = precision
-            shard_group = 1 if sharding == "NO_SHARD" else args.nproc
-            row["formula_state_gb"] = 16 * n_params / shard_group / 1e9
             planned = estimate(recipe, args.nproc, 1, sharding, ac, "cpu")
+            row["formula_state_gb"] = planned.state_gb
             row["plan"], row["plan_total_gb"] = vars(planned), planned.total_gb
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -81,7 +74,8 @@ def main() -> None:
               f"| {100 * err:+.0f}% |")  # fmt: skip
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "overrides": overrides, "n_params": n_params, "rows": rows}, f, indent=2)
+        header = report_header(recipe, args, ("nproc", "steps", "configs"))
+        json.dump({**header, "n_params": n_params, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
-"""The yardstick for tools/bench.py: a plain FSDP2 training loop, written the way a user would without a framework.
+"""The yardstick for benchmarks/bench.py: a plain FSDP2 training loop, written the way one does without a framework.
 
-    torchrun --standalone --nproc_per_node=2 tools/baseline_loop.py --recipe R --steps 20 --warmup 5 --out result.json
+    torchrun --standalone --nproc_per_node=2 benchmarks/baseline_loop.py --recipe R --steps 20 --warmup 5 --out r.json
 
-Same model (fsdp_trainer.model, same init), same data file, same global batch and optimizer as the recipe; nothing
-else: no config system, no checkpointing, no eval, no logging until the end. Writes one JSON object: tokens/s over
-the `steps` after `warmup`, the median and largest time of those steps (rank 0) and the largest peak memory of any
-rank.
+Same model (fsdp_trainer.model, same init), same data file (the recipe's data.train_path), same global batch and
+optimizer as the recipe; nothing else: no config system beyond reading the recipe, no checkpointing, no eval, no
+logging until the end. Writes one JSON object: tokens/s over the `steps` after `warmup`, the median and largest time
+of those steps (rank 0) and the largest peak memory of any rank.
 """
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -21,20 +19,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_trainer.config import load_recipe_yaml  # noqa: E402
-from fsdp_trainer.metrics import StepTimer, peak_memory_gb  # noqa: E402
-from fsdp_trainer.model import Transformer  # noqa: E402
-from fsdp_trainer.parallel import close_distributed, materialize  # noqa: E402
+from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.metrics import StepTimer, peak_memory_gb
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.parallel import close_distributed, materialize
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--recipe", required=True)
-parser.add_argument("--train_path", required=True)
+parser = recipe_parser("benchmarks/baseline_loop.py", __doc__.split("\n\n")[0])
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--warmup", type=int, default=5)
 parser.add_argument("--out", required=True)
-args = parser.parse_args()
-recipe = load_recipe_yaml(args.recipe)
+recipe, args = parse_args(parser)
 data, mcfg = recipe.data, recipe.model
 
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -54,7 +48,7 @@ materialize(model, device, seed=0)  # the trainer's init, so both start from the
 optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.optim.lr, betas=recipe.optim.betas,
                               weight_decay=recipe.optim.weight_decay, fused=True)  # fmt: skip
 
-tokens = np.memmap(args.train_path, dtype=np.uint16 if mcfg.vocab_size <= 65536 else np.uint32, mode="r")
+tokens = np.memmap(data.train_path, dtype=np.uint16 if mcfg.vocab_size <= 65536 else np.uint32, mode="r")
 rng = np.random.default_rng(rank)
 
 

@@ -1,6 +1,6 @@
 """How step time and memory grow with model size and world size, measured, with the ZeRO communication volume beside.
 
-    python tools/bench_scaling.py --recipe recipes/debug.yaml --sizes 256x4 512x8 768x12 --nproc 1 2 \
+    python benchmarks/bench_scaling.py --recipe recipes/debug.yaml --sizes 256x4 512x8 768x12 --nproc 1 2 \
         [--steps 6 --log_every 3] [--parallel.sharding FULL_SHARD ...]
 
 For each model size (dim x layers; heads of 64, half as many kv heads, ffn 3 x dim) and each world size, trains the
@@ -13,40 +13,34 @@ machine. Writes the rows to --out as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
+from runner import report_header, run_ours, synthetic_data
 
-from bench import run_ours, synthetic_data  # noqa: E402
-
-from fsdp_trainer.config import parse_recipe, recipe_to_yaml  # noqa: E402
-from fsdp_trainer.plan import comm_bytes_per_rank, param_counts  # noqa: E402
+from fsdp_trainer.config import COMPUTE_DTYPES, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
+from fsdp_trainer.model import count_params
+from fsdp_trainer.plan import comm_bytes_per_rank
 
 
 def sent(recipe, n_params: int, nproc: int) -> float:
     """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.plan (one node)."""
-    a = 2 if recipe.parallel.mixed_precision == "bf16" else 4
+    a = COMPUTE_DTYPES[recipe.parallel.mixed_precision].itemsize
     return comm_bytes_per_rank(recipe.parallel.sharding, n_params, a, recipe.data.grad_accum_steps, nproc, 1)[0]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipe", required=True)
+def main(argv: list[str] | None = None) -> None:
+    parser = recipe_parser("benchmarks/bench_scaling.py", __doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["256x4", "512x8", "768x12"], help="DIMxLAYERS")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=6, help="measured steps (a multiple of --log_every)")
     parser.add_argument("--log_every", type=int, default=3, help="also the warmup length")
     parser.add_argument("--out", default="bench_out/scaling.json")
-    args, overrides = parser.parse_known_args()
+    base, args = parse_args(parser, argv)
     if args.steps % args.log_every:
-        parser.error(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
+        fail(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank at every world size: the per-device work is equal
 
     rows = []
@@ -57,10 +51,12 @@ def main() -> None:
             heads = max(1, dim // 64)
             shape = ["--model.dim", str(dim), "--model.n_layers", str(layers), "--model.n_heads", str(heads),
                      "--model.n_kv_heads", str(max(1, heads // 2)), "--model.ffn_dim", str(3 * dim)]  # fmt: skip
-            recipe = parse_recipe(["--recipe", args.recipe, *overrides, *shape])
+            base_path = tmp / "base.yaml"
+            base_path.write_text(recipe_to_yaml(base))
+            recipe, _ = read_recipe(recipe_parser(), ["--recipe", str(base_path), *shape])
             recipe_path = tmp / f"recipe_{size}.yaml"
             recipe_path.write_text(recipe_to_yaml(recipe))
-            n_params, _ = param_counts(recipe.model)
+            n_params = count_params(recipe.model)
             data = recipe.data
             tokens_per_rank = data.micro_batch_size * data.grad_accum_steps * data.seq_len
             train_path, tokenizer_path = synthetic_data(
@@ -93,7 +89,8 @@ def main() -> None:
               f"{r['comm_gb_per_rank']:.3f} | {'-' if extra is None else f'{extra:+.2f}'} | "
               f"{'-' if bandwidth is None else f'{bandwidth:.2f}'} |")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "overrides": overrides, "rows": rows}, indent=1))
+    header = report_header(base, args, ("sizes", "nproc", "steps", "log_every"))
+    Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""What the benchmark scripts share: the torchrun command line (the tests build theirs here too), a token file of
+random ids, and one trainer run under torchrun, read back from its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fsdp_trainer.config import recipe_to_yaml
+from fsdp_trainer.data import write_token_file
+from fsdp_trainer.files import METRICS_FILE, file_sha256
+
+TRAINER = ["-m", "fsdp_trainer.train"]
+BASELINE = [str(Path(__file__).with_name("baseline_loop.py"))]
+
+
+def torchrun_command(
+    target: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None, flags: tuple[str, ...] = ()
+) -> list[str]:
+    """Run `target` (`-m module args` or `script args`) on `nproc` processes: one standalone node, or with
+    `rdzv_endpoint` one of `nnodes` agents that meet through c10d rendezvous there, as a cluster's nodes do."""
+    if rdzv_endpoint is None:
+        launch = ["--standalone"]
+    else:
+        launch = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}",
+                  f"--rdzv_id=run{rdzv_endpoint.rsplit(':', 1)[-1]}"]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", *flags, *target]
+
+
+def train_command(args: list[str], nproc: int = 1) -> list[str]:
+    """fsdp_trainer.train with `args`: a plain `python -m` process for one, torchrun for more."""
+    if nproc == 1:
+        return [sys.executable, *TRAINER, *args]
+    return torchrun_command([*TRAINER, *args], nproc)
+
+
+def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]:
+    """A token file of uniform random ids, and a stand-in tokenizer file whose hash the token file's meta names."""
+    tokenizer = tmp / "synthetic.tokenizer"
+    tokenizer.write_bytes(b"synthetic tokens: no tokenizer\n")
+    tokens = np.random.default_rng(0).integers(0, vocab_size, n_tokens)
+    write_token_file(tmp / "train.bin", tokens, vocab_size, file_sha256(tokenizer))
+    return str(tmp / "train.bin"), str(tokenizer)
+
+
+def report_header(recipe, args, names: tuple[str, ...]) -> dict:
+    """What a benchmark's JSON output opens with: its own arguments and the resolved recipe it ran."""
+    return {"args": {name: args[name] for name in names}, "recipe": recipe_to_yaml(recipe)}
+
+
+def run(cmd: list[str]) -> None:
+    """Run a benchmark job; if it fails, exit naming it, with the end of its output."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(
+            f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
+
+
+def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path,
+             flags=()) -> dict:  # fmt: skip
+    """Train under torchrun (`flags` override the recipe) for a warmup of `log_every` steps and `steps` measured
+    ones, and read throughput, peak memory and the training state per rank from the run's metrics.jsonl."""
+    out = tmp / "ours_run"
+    args = ["--recipe", recipe_path, "--data.train_path", train_path, "--data.val_path", "null",
+            "--data.tokenizer_path", tokenizer_path, "--train.steps", str(log_every + steps),
+            "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
+            "--checkpoint.resume", "none", "--train.out_dir", str(out), *flags]  # fmt: skip
+    run(torchrun_command([*TRAINER, *args], nproc))
+    records = [json.loads(line) for line in open(out / METRICS_FILE)]
+    lines = [r for r in records if "loss" in r]
+    first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
+    elapsed = last["elapsed_s"] - first["elapsed_s"]
+    state = next(r for r in records if "state_gb" in r)
+    tokens = (last["step"] - first["step"]) * tokens_per_step
+    measured = lines[1:]  # the log windows after the warmup's
+    return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / (last["cpu_s"] - first["cpu_s"]),
+            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"],
+            # A window logs its median step time; the median of those is the run's within a step or two.
+            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
+            "step_time_max_s": max(r["step_time_max_s"] for r in measured),
+            **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")}}  # fmt: skip
+
+
+def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
+    """The hand-written loop (baseline_loop.py) under torchrun on the same recipe and data; its JSON result."""
+    out = tmp / "baseline.json"
+    args = ["--recipe", recipe_path, "--data.train_path", train_path, "--steps", str(steps), "--warmup", str(warmup),
+            "--out", str(out)]  # fmt: skip
+    run(torchrun_command([*BASELINE, *args], nproc))
+    return json.loads(out.read_text())

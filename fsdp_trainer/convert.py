@@ -1,0 +1,168 @@
+"""Models in and out: our checkpoint -> an HF directory (consolidate), an HF directory -> a checkpoint a recipe can
+start from (import_hf), and either -> a model and its tokenizer in this process (load_model).
+
+Our parameter names are HF's and RoPE uses HF's layout, so weights cross by name, unchanged (see hf.py). Nothing here
+needs a process group: checkpoints of any world size are read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fsdp_trainer.checkpoint import (
+    CHECKPOINTS_DIR,
+    RECIPE_FILE,
+    checkpoint_recipe,
+    checkpoint_tokenizer,
+    load_model_weights,
+    resolve_checkpoint,
+    save_model_weights,
+)
+from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, load_sections, sections_to_yaml
+from fsdp_trainer.hf import (
+    check_safetensors,
+    check_with_transformers,
+    hf_config,
+    load_safetensors,
+    model_config_from_hf,
+    save_safetensors,
+    write_tokenizer_files,
+)
+from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from fsdp_trainer.tokenizer import Tokenizer
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
+
+
+def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path | None]:
+    """(step directory, model config, tokenizer file or None) of a checkpoint, checkpoints/ or run directory."""
+    ckpt = resolve_checkpoint(path)
+    sections = load_sections(checkpoint_recipe(ckpt))
+    return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / CHECKPOINTS_DIR).exists()
+
+
+def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
+    """A model in eval mode (fp32, CPU) and its tokenizer, from a run directory, a checkpoint (any world size) or a
+    consolidated HF directory."""
+    path = Path(path)
+    if is_hf_dir(path):
+        cfg = model_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        state = {k: v.float() for k, v in load_safetensors(path).items()}
+        tokenizer_path = path / TOKENIZER_FILE
+    else:
+        ckpt, cfg, tokenizer_path = _read_checkpoint(path)
+        state = load_model_weights(ckpt, _shapes(cfg))
+        if tokenizer_path is None:
+            raise FileNotFoundError(f"{ckpt} carries no {TOKENIZER_FILE}, and its recipe's data.tokenizer_path is gone")
+    model = Transformer(cfg)
+    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    return model.eval(), Tokenizer(tokenizer_path)
+
+
+def consolidate(
+    ckpt_dir: str,
+    out_dir: str,
+    dtype: str = "fp32",
+    max_shard_gb: float = 5.0,
+    verify: str = "auto",
+    check_logits: bool = False,
+) -> Path:
+    """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py)."""
+    ckpt, cfg, tokenizer_path = _read_checkpoint(ckpt_dir)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
+    shapes = _shapes(cfg)
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    state = load_model_weights(ckpt, shapes)
+    tokenizer = Tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    torch_dtype = COMPUTE_DTYPES[dtype]
+
+    if verify == "auto":
+        try:
+            import transformers  # noqa: F401
+
+            verify = "hf"
+        except ImportError:
+            verify = "files"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_safetensors(state, tmp, dtype, int(max_shard_gb * 1e9))
+        config = hf_config(cfg, dtype, tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            write_tokenizer_files(tokenizer.path, tmp)
+        check_safetensors(tmp, state, torch_dtype)
+        if verify == "hf":
+            model = None
+            if check_logits:
+                model = Transformer(cfg)
+                model.load_state_dict(state, strict=not cfg.tie_embeddings)
+                model.to(torch_dtype)
+            diff = check_with_transformers(tmp, model, torch_dtype)
+            if diff is not None:
+                print(f"max |logits(transformers) - logits(ours)| = {diff:.2e}")
+                if diff > (1e-4 if dtype == "fp32" else 5e-2):
+                    raise ValueError(f"transformers' logits differ from ours by {diff:.2e}")
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.iterdir()]:  # mkdtemp made it private; give it the user's usual permissions
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n_params = sum(t.numel() for t in state.values())
+    print(f"{ckpt} -> {out} ({n_params / 1e6:.1f}M parameters, {dtype}, verified: {verify})")
+    return out
+
+
+def import_hf(hf_dir: str, out_dir: str) -> Path:
+    """An HF Llama / Qwen3 directory -> a weights-only checkpoint under out_dir and out_dir/model.yaml, the recipe's
+    model section for it (see tools/import_hf.py)."""
+    hf, out = Path(hf_dir), Path(out_dir)
+    config_path = hf / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist")
+    if (out / CHECKPOINTS_DIR).exists():
+        raise FileExistsError(f"{out}/{CHECKPOINTS_DIR} exists; remove it or choose another OUT_DIR")
+    cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path))
+    expected = _shapes(cfg)
+    state = {name: t.float() for name, t in load_safetensors(hf).items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # some exporters write the tied copy; ours is the embedding
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise ValueError(f"{hf}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]} for {cfg.family}")
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise ValueError(f"{hf}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
+
+    model_yaml = sections_to_yaml({"model": cfg})
+    attachments = {RECIPE_FILE: model_yaml.encode()}
+    if (hf / TOKENIZER_FILE).is_file():
+        attachments[TOKENIZER_FILE] = (hf / TOKENIZER_FILE).read_bytes()
+    out.mkdir(parents=True, exist_ok=True)
+    path = save_model_weights(state, out, attachments)
+    (out / "model.yaml").write_text(model_yaml)
+    print(f"{hf} -> {path} ({count_params(cfg) / 1e6:.1f}M parameters) and {out / 'model.yaml'}")
+    return path

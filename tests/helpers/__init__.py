@@ -1,0 +1,157 @@
+"""What the tests share: the tiny model, run arguments from keyword overrides, launchers for 1- and 2-rank runs
+(through the benchmarks' torchrun command builder) and readers of what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.runner import torchrun_command, train_command
+from fsdp_trainer.files import METRICS_FILE
+from fsdp_trainer.parallel import close_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_MODEL = {
+    "family": "llama",
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 128,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
+
+
+def run_args(recipe: str | Path, out_dir: str | Path, steps: int | None = None, **sections: dict) -> list[str]:
+    """The trainer's arguments: the recipe, the out_dir, optionally train.steps, and `--section.key value` for each
+    override, given per section: run_args(r, out, 6, train={"log_every": 3}, parallel={"sharding": "NO_SHARD"})."""
+    args = ["--recipe", str(recipe), "--train.out_dir", str(out_dir)]
+    if steps is not None:
+        args += ["--train.steps", str(steps)]
+    for section, overrides in sections.items():
+        for key, value in overrides.items():
+            args += [f"--{section}.{key}", _flag_value(value)]
+    return args
+
+
+def _flag_value(value) -> str:
+    """A Python value as the command line (YAML) spells it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def train_cli(args: list[str], nproc: int = 1, check: bool = True, env: dict | None = None, timeout: float = 300):
+    """Run fsdp_trainer.train in a subprocess: `python -m` for one process, torchrun for more."""
+    cmd = train_command(args, nproc)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 300) -> list[str]:
+    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine that meet through c10d rendezvous, the
+    way the nodes of a cluster do; returns each agent's output."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = torchrun_command(["-m", "fsdp_trainer.train", *args], nproc_per_node, nnodes, rdzv_endpoint=endpoint)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        for _ in range(nnodes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n{out[-5000:]}")
+    return outputs
+
+
+def read_metrics(out_dir: str | Path) -> list[dict]:
+    with open(Path(out_dir) / METRICS_FILE) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir: str | Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def run_distributed(fn, *args, world_size: int = 2) -> None:
+    """Run fn(rank, world_size, *args) in world_size gloo processes; any rank's exception fails the test."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(world_size, os.path.join(d, "pg"), fn, args), nprocs=world_size, join=True)
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        close_distributed()
+
+
+def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = ()):
+    """Start torchrun in the background, its output going to log_path."""
+    cmd = torchrun_command(["-m", "fsdp_trainer.train", *args], nproc, flags=torchrun_flags)
+    log = open(log_path, "w")
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+
+
+def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 180) -> int:
+    """Block until metrics.jsonl has logged `step` (returns the newest logged step); fail if the run dies first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited {proc.returncode} early:\n{Path(log_path).read_text()[-4000:]}")
+        try:
+            steps = [json.loads(line)["step"] for line in open(out_dir / METRICS_FILE) if line.endswith("\n")]
+        except (FileNotFoundError, json.JSONDecodeError):
+            steps = []
+        if steps and steps[-1] >= step:
+            return steps[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The training processes torchrun started (its children running fsdp_trainer.train)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher_pid and b"fsdp_trainer.train" in cmdline:
+            pids.append(int(entry))
+    return pids
