@@ -27,8 +27,12 @@ def torchrun_command(
     if rdzv_endpoint is None:
         launch = ["--standalone"]
     else:
-        launch = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={rdzv_endpoint}",
-                  f"--rdzv_id=run{rdzv_endpoint.rsplit(':', 1)[-1]}"]  # fmt: skip
+        launch = [
+            f"--nnodes={nnodes}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rdzv_endpoint}",
+            f"--rdzv_id=run{rdzv_endpoint.rsplit(':', 1)[-1]}",
+        ]
     return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}", *flags, *target]
 
 
@@ -62,15 +66,35 @@ def run(cmd: list[str]) -> None:
         )
 
 
-def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path,
-             flags=()) -> dict:  # fmt: skip
+def run_ours(
+    recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path, flags=()
+) -> dict:
     """Train under torchrun (`flags` override the recipe) for a warmup of `log_every` steps and `steps` measured
     ones, and read throughput, peak memory and the training state per rank from the run's metrics.jsonl."""
     out = tmp / "ours_run"
-    args = ["--recipe", recipe_path, "--data.train_path", train_path, "--data.val_path", "null",
-            "--data.tokenizer_path", tokenizer_path, "--train.steps", str(log_every + steps),
-            "--train.log_every", str(log_every), "--train.eval_every", "0", "--checkpoint.every", "0",
-            "--checkpoint.resume", "none", "--train.out_dir", str(out), *flags]  # fmt: skip
+    args = [
+        "--recipe",
+        recipe_path,
+        "--data.train_path",
+        train_path,
+        "--data.val_path",
+        "null",
+        "--data.tokenizer_path",
+        tokenizer_path,
+        "--train.steps",
+        str(log_every + steps),
+        "--train.log_every",
+        str(log_every),
+        "--train.eval_every",
+        "0",
+        "--checkpoint.every",
+        "0",
+        "--checkpoint.resume",
+        "none",
+        "--train.out_dir",
+        str(out),
+        *flags,
+    ]
     run(torchrun_command([*TRAINER, *args], nproc))
     records = [json.loads(line) for line in open(out / METRICS_FILE)]
     lines = [r for r in records if "loss" in r]
@@ -79,18 +103,33 @@ def run_ours(recipe_path, train_path, tokenizer_path, nproc, steps, log_every, t
     state = next(r for r in records if "state_gb" in r)
     tokens = (last["step"] - first["step"]) * tokens_per_step
     measured = lines[1:]  # the log windows after the warmup's
-    return {"tokens_per_s": tokens / elapsed, "tokens_per_cpu_s": tokens / (last["cpu_s"] - first["cpu_s"]),
-            "peak_mem_gb": max(r["peak_mem_gb"] for r in lines), "mfu": last["mfu"], "loss": last["loss"],
-            # A window logs its median step time; the median of those is the run's within a step or two.
-            "step_time_s": statistics.median(r["step_time_s"] for r in measured),
-            "step_time_max_s": max(r["step_time_max_s"] for r in measured),
-            **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")}}  # fmt: skip
+    return {
+        "tokens_per_s": tokens / elapsed,
+        "tokens_per_cpu_s": tokens / (last["cpu_s"] - first["cpu_s"]),
+        "peak_mem_gb": max(r["peak_mem_gb"] for r in lines),
+        "mfu": last["mfu"],
+        "loss": last["loss"],
+        # A window logs its median step time; the median of those is the run's within a step or two.
+        "step_time_s": statistics.median(r["step_time_s"] for r in measured),
+        "step_time_max_s": max(r["step_time_max_s"] for r in measured),
+        **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")},
+    }
 
 
 def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> dict:
     """The hand-written loop (baseline_loop.py) under torchrun on the same recipe and data; its JSON result."""
     out = tmp / "baseline.json"
-    args = ["--recipe", recipe_path, "--data.train_path", train_path, "--steps", str(steps), "--warmup", str(warmup),
-            "--out", str(out)]  # fmt: skip
+    args = [
+        "--recipe",
+        recipe_path,
+        "--data.train_path",
+        train_path,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--out",
+        str(out),
+    ]
     run(torchrun_command([*BASELINE, *args], nproc))
     return json.loads(out.read_text())

@@ -164,8 +164,16 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
     optimizer = build_optimizer(model, recipe.optim)
 
     # Data, training state and where they are saved; resume from a checkpoint (auto | none | PATH).
-    loader = TokenLoader(train_file, data.seq_len, data.micro_batch_size, data.grad_accum_steps, env.rank,
-                         env.world_size, seed=cfg.seed, device=env.device)  # fmt: skip
+    loader = TokenLoader(
+        train_file,
+        data.seq_len,
+        data.micro_batch_size,
+        data.grad_accum_steps,
+        env.rank,
+        env.world_size,
+        seed=cfg.seed,
+        device=env.device,
+    )
     state = TrainState(cfg.on_nonfinite, env.device)
     states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
     ckpt = Checkpointer(recipe, env, states)

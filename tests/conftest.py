@@ -41,6 +41,10 @@ def tiny_data(tmp_path_factory) -> Path:
         )
     )
     tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe)]
-    subprocess.run([*tool, "--input", str(root / "corpus.txt"), "--val_fraction", "0.1"], check=True,
-                   capture_output=True, text=True)  # fmt: skip
+    subprocess.run(
+        [*tool, "--input", str(root / "corpus.txt"), "--val_fraction", "0.1"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return recipe

@@ -96,8 +96,10 @@ def test_unwritable_out_dir_fails_before_training(tiny_data, tmp_path):
     (tmp_path / "a_file").write_text("")
     proc = train_cli(run_args(tiny_data, tmp_path / "a_file" / "run"), check=False)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == f"error: train.out_dir={tmp_path}/a_file/run is not writable (Not a directory); " \
-                                  "choose another directory"  # fmt: skip
+    assert (
+        proc.stderr.strip() == f"error: train.out_dir={tmp_path}/a_file/run is not writable (Not a directory); "
+        "choose another directory"
+    )
 
 
 def test_out_dir_without_room_for_a_checkpoint_fails_before_training(tiny_data, tmp_path):
@@ -115,9 +117,13 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_data, tmp_path
     # Resume with files capped at 256 KiB: run files fit, the step-8 shards do not (EFBIG, as ENOSPC would).
     cmd = train_command([*args, "--train.steps", "8"])
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY)),
-    )  # fmt: skip
+    )
     assert proc.returncode == 1
     ckpts = tmp_path / "checkpoints"
     assert proc.stderr.strip().splitlines()[-1] == (

@@ -78,9 +78,19 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     out = tmp_path / "run"
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "FAKE_SLURM": str(fake), "PYTHON": sys.executable,
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "test", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
-           "NPROC_PER_NODE": "2", "OUT_DIR": str(out), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "FAKE_SLURM": str(fake),
+        "PYTHON": sys.executable,
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "test",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "NPROC_PER_NODE": "2",
+        "OUT_DIR": str(out),
+        "OMP_NUM_THREADS": "1",
+    }
     script = [str(REPO / "tools" / "slurm" / "train.sbatch"), str(tiny_data), "--train.log_every", "1"]
 
     log = tmp_path / "job1.log"
@@ -102,8 +112,9 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
 
     # The requeued job: same job id, so same out_dir; it resumes from latest and finishes.
     env["PORT"] = str(free_port())
-    proc = subprocess.run([*script, "--train.steps", str(saved + 2)], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [*script, "--train.steps", str(saved + 2)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_{saved:08d} at step {saved}" in proc.stdout
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]

@@ -48,8 +48,16 @@ def test_the_recipe_is_read_as_the_trainer_reads_it(tiny_data, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(sections) + "optim:\n  lr: 3e-4\n  min_lr: 3e-5\n")
     out = tmp_path / "other"
-    overrides = ["--data.train_path", out / "train.bin", "--data.val_path", "null", "--data.tokenizer_path",
-                 out / "tok.model", "--vocab_size", "400"]  # fmt: skip
+    overrides = [
+        "--data.train_path",
+        out / "train.bin",
+        "--data.val_path",
+        "null",
+        "--data.tokenizer_path",
+        out / "tok.model",
+        "--vocab_size",
+        "400",
+    ]
     cmd = [*TOOL, "--recipe", recipe, "--input", tiny_data.parent / "corpus.txt", *overrides]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

@@ -74,8 +74,16 @@ def test_activation_checkpointing_leaves_losses_unchanged(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
-    losses = _run(tiny_data, tmp_path, 40, nproc=2, parallel={"mixed_precision": "bf16"}, train={"log_every": 5},
-                  optim={"warmup_steps": 5}, data={"micro_batch_size": 4})  # fmt: skip
+    losses = _run(
+        tiny_data,
+        tmp_path,
+        40,
+        nproc=2,
+        parallel={"mixed_precision": "bf16"},
+        train={"log_every": 5},
+        optim={"warmup_steps": 5},
+        data={"micro_batch_size": 4},
+    )
     assert losses[5] > losses[40] + 1.0, losses  # from ~uniform over 512 ids (6.2) well into the corpus' statistics
     assert losses[40] < 5.0
 
@@ -90,8 +98,19 @@ def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in steps] == [3, 6] and [r["step"] for r in evals] == [3, 6]
     for r in steps:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb", "elapsed_s", "cpu_s",
-                "step_time_s", "step_time_max_s"} <= set(r)  # fmt: skip
+        assert {
+            "step",
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_per_s",
+            "mfu",
+            "peak_mem_gb",
+            "elapsed_s",
+            "cpu_s",
+            "step_time_s",
+            "step_time_max_s",
+        } <= set(r)
         assert r["mfu"] is None  # CPU: no peak FLOP/s to compare against
         assert r["tokens_per_s"] > 0 and 0 < r["peak_mem_gb"] < 20 and math.isfinite(r["loss"])
         assert 0 < r["step_time_s"] <= r["step_time_max_s"]
@@ -180,8 +199,11 @@ def _run_on_terminal(args: list[str]) -> str:
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_trainer.train", *args],
-        stdout=slave, stderr=slave, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        stdout=slave,
+        stderr=slave,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     os.close(slave)
     chunks = []
     while True:

@@ -30,8 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", help="where the HF model goes (must not exist or be empty)")
     parser.add_argument("--dtype", type=Literal["fp32", "bf16"], default="fp32", help="dtype of the written weights")
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="split the weights above this size")
-    parser.add_argument("--verify", type=Literal["auto", "hf", "files"], default="auto",
-                        help="hf: load with transformers too; files: check the written tensors only")  # fmt: skip
+    parser.add_argument(
+        "--verify",
+        type=Literal["auto", "hf", "files"],
+        default="auto",
+        help="hf: load with transformers too; files: check the written tensors only",
+    )
     parser.add_argument("--check_logits", type=bool, default=False, help="compare transformers' logits with ours")
     with one_line_errors():
         args = parser.parse_args(argv)
