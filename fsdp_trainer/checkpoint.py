@@ -243,11 +243,11 @@ class Checkpointer:
         if self._pending is not None and self._pending[0].done():
             self._finish_pending()
         self.preempted = self._preemption.agreed()  # one tiny CPU all-reduce per step; see PreemptionFlag
-        if self.preempted:  # every rank saves this step, then the run exits 0; a restart resumes here
-            logger.info(f"SIGTERM: saving step {step} and stopping")
         every = self.cfg.every
         due = self.preempted or (bool(every) and (step % every == 0 or last))
         if due and self.last_saved != step:
+            if self.preempted:  # every rank saves this step, then the run exits 0; a restart resumes here
+                logger.info(f"SIGTERM: saving step {step} and stopping")
             self.save(step)
 
     def save(self, step: int) -> None:
