@@ -310,7 +310,7 @@ class Checkpointer:
 
     def close(self, publish: bool = True) -> None:
         """Wait for a background write and publish it (unless `publish` is False, after a failure that may have
-        broken its collectives), and give SIGTERM back. Calling it again does nothing."""
+        broken its collectives), and give SIGTERM back."""
         if self._pending is not None and publish:
             self._finish_pending()
         self._pending = None

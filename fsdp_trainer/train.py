@@ -197,12 +197,12 @@ def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFi
             if ckpt.preempted:
                 break
         ckpt.save_if_due(state.step, last=True)
-        ckpt.close()
-    except NonFiniteError:
-        ckpt.close()  # publish a background save of an earlier, good step before failing
+    except BaseException as e:
+        # A background save of an earlier, good step is published before a non-finite step fails the run; after
+        # other failures the collectives it needs may be broken, so it is not waited for.
+        ckpt.close(publish=isinstance(e, NonFiniteError))
         raise
-    finally:
-        ckpt.close(publish=False)
+    ckpt.close()
     metrics.close()
     logger.info(f"done: run written to {cfg.out_dir}")
 
