@@ -29,6 +29,34 @@ def _require(ok: bool, message: str) -> None:
 
 
 @dataclass
+class RopeScaling:
+    """Llama 3.1 / 3.2 rotary scaling (HF rope_type `llama3`): rotary wavelengths longer than the pretraining context
+    are stretched by `factor`, short ones kept, and those in between interpolated."""
+
+    factor: float = 8.0
+    """How much the long wavelengths are stretched (Llama 3.1: 8, Llama 3.2: 32)."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are stretched by the whole factor."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are left as they are."""
+    original_max_position_embeddings: int = 8192
+    """The context length the model was pretrained with before scaling."""
+
+    def __post_init__(self) -> None:
+        _require(self.factor >= 1, f"model.rope_scaling.factor={self.factor} must be >= 1")
+        _require(
+            0 < self.low_freq_factor < self.high_freq_factor,
+            f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
+            f"({self.high_freq_factor})",
+        )
+        _require(
+            self.original_max_position_embeddings > 0,
+            f"model.rope_scaling.original_max_position_embeddings={self.original_max_position_embeddings} must be "
+            "positive",
+        )
+
+
+@dataclass
 class ModelConfig:
     """Shape of the decoder-only Transformer (Llama 3 / Qwen3 vocabulary)."""
 
@@ -52,6 +80,9 @@ class ModelConfig:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1 / 3.2 rotary scaling (`factor`, `low_freq_factor`, `high_freq_factor`,
+    `original_max_position_embeddings`); null means none (Llama 3, Qwen3)."""
     max_seq_len: int = 2048
     """Longest sequence the rotary tables are built for."""
     tie_embeddings: bool = False

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig
+from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -23,6 +24,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
     """config.json for LlamaForCausalLM / Qwen3ForCausalLM. Every field HF would otherwise default is spelled out:
     a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error and gives wrong logits."""
+    scaling = {"rope_type": "llama3", **asdict(cfg.rope_scaling)} if cfg.rope_scaling else {}
     config = {
         "architectures": [ARCHITECTURES[cfg.family]],
         "model_type": cfg.family,
@@ -37,8 +39,9 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # where transformers>=5 reads it
-        "rope_scaling": None,
+        # transformers >= 5 reads `rope_parameters`, 4.x `rope_scaling` and `rope_theta`: both are written.
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling},
+        "rope_scaling": scaling or None,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -61,9 +64,20 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
     family = config.get("model_type")
     if family not in ARCHITECTURES:
         raise ValueError(f"{source}: model_type {family!r} is not supported (only {sorted(ARCHITECTURES)})")
+    # transformers 4.x writes `rope_scaling` (rope_type, or `type` before 4.45) and `rope_theta`; 5.x writes
+    # `rope_parameters`, with the theta inside.
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{source}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported yet")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(
+            f"{source}: rope_scaling.rope_type={rope_type!r} is not supported (only llama3 scaling, or none)"
+        )
+    scaling = None
+    if rope_type == "llama3":
+        try:
+            scaling = RopeScaling(**{f.name: rope[f.name] for f in fields(RopeScaling)})
+        except KeyError as e:
+            raise ValueError(f"{source}: llama3 rope scaling lacks {e.args[0]}") from None
     for key, unsupported in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
         if config.get(key) == unsupported:
             raise ValueError(f"{source}: {key}={unsupported} is not supported")
@@ -82,6 +96,7 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -35,13 +35,30 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (max_seq_len, head_dim), frequencies repeated for the two halves."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (T, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim): HF's rotate-half layout, not interleaved pairs
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: a rotation whose wavelength exceeds the pretraining context (in tokens) turns
+    `factor` times slower, one much shorter keeps its speed, and those in between are interpolated, smoothly in
+    original_max_position_embeddings / wavelength."""
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    medium = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
+    return torch.where(medium, interpolated, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,7 +151,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
-        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -177,7 +194,9 @@ class Transformer(nn.Module):
             values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=gen)
             fill(param, values.to(param.dtype))
-        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(
+            cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, device=self.rope_cos.device
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

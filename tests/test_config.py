@@ -22,6 +22,11 @@ def test_overrides_and_types():
 
 def test_resolved_yaml_round_trips(tmp_path):
     recipe = parse_recipe(["--model.family", "qwen3", "--model.head_dim", "64", "--train.steps", "7"])
+    scaled = parse_recipe(["--model.rope_scaling.factor", "32", "--model.rope_scaling.original_max_position_embeddings",
+                           "8192"])  # fmt: skip
+    assert scaled.model.rope_scaling.factor == 32.0 and scaled.model.rope_scaling.high_freq_factor == 4.0
+    (tmp_path / "s.yaml").write_text(recipe_to_yaml(scaled))
+    assert load_recipe(tmp_path / "s.yaml") == scaled
     (tmp_path / "c.yaml").write_text(recipe_to_yaml(recipe))
     assert load_recipe(tmp_path / "c.yaml") == recipe
     assert parse_recipe(["--recipe", str(tmp_path / "c.yaml")]) == recipe
@@ -37,6 +42,7 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["--parallel.ac_every", "2"], "parallel.ac_every=2 needs parallel.activation_checkpointing full or selective"),
         (["--parallel.activation_checkpointing", "some"], 'Parser key "parallel.activation_checkpointing"'),
         (["--data.micro_batch_size", "0"], "data.micro_batch_size=0 must be positive"),
+        (["--model.rope_scaling.factor", "0.5"], "model.rope_scaling.factor=0.5 must be >= 1"),
         (["--recipe", "/no/such.yaml"], 'Parser key "recipe": File does not exist'),
     ],
 )

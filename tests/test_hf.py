@@ -83,16 +83,28 @@ def _flags_to_model(flags: list[str]) -> dict:
     return out
 
 
+# Llama 3.1's and 3.2's rope scaling over a pretraining context short enough to reach this tiny model's wavelengths.
+LLAMA3_SCALING = {
+    "llama3.1": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 32},
+    "llama3.2": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 48},
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama3.1", "llama3.2", "qwen3"])
 def test_hf_import_train_zero_steps_consolidate_is_identity(tiny_data, tmp_path, family):
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
-                  rope_theta=20000.0, tie_word_embeddings=family == "qwen3")  # fmt: skip
-    config_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
+                  rope_theta=20000.0, tie_word_embeddings=family in ("qwen3", "llama3.2"))  # fmt: skip
+    if family in LLAMA3_SCALING:
+        common["rope_scaling"] = dict(LLAMA3_SCALING[family])  # transformers adds rope_theta to the dict it gets
+    config_cls = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(config_cls(**common))
-    original.save_pretrained(tmp_path / "hf_in")
+    original.save_pretrained(tmp_path / "hf_in", max_shard_size="100KB")  # sharded, with an index, as published
+    assert (tmp_path / "hf_in" / "model.safetensors.index.json").is_file()
 
     tool("import_hf.py", tmp_path / "hf_in", tmp_path / "imported")
     run = tmp_path / "run"
@@ -107,6 +119,13 @@ def test_hf_import_train_zero_steps_consolidate_is_identity(tiny_data, tmp_path,
     assert set(before) == set(after)
     for name in before:
         assert torch.equal(before[name], after[name]), name
+    # The same weights under the same config (rope scaling included) compute the same logits.
+    tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(original.eval()(tokens).logits, again.eval()(tokens).logits)
+    scaling = yaml.safe_load((tmp_path / "imported" / "model.yaml").read_text())["model"]["rope_scaling"]
+    expected = {k: v for k, v in LLAMA3_SCALING.get(family, {}).items() if k != "rope_type"} or None
+    assert scaling == expected
 
 
 def test_large_models_are_sharded_with_an_index(tmp_path):
@@ -130,8 +149,12 @@ def test_tool_errors_are_one_line(tiny_data, tmp_path):
     proc = tool("consolidate.py", tmp_path / "nope", tmp_path / "out", check=False)
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: checkpoint {tmp_path / 'nope'} does not exist"
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}))  # fmt: skip
-    proc = tool("import_hf.py", tmp_path / "hf", tmp_path / "imp", check=False)
-    assert proc.returncode == 1 and "rope scaling 'llama3' is not supported yet" in proc.stderr
+    for rope, message in (
+        ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn' is not supported"),
+        ({"type": "dynamic", "factor": 2.0}, "rope_scaling.rope_type='dynamic' is not supported"),
+        ({"rope_type": "llama3", "factor": 32.0}, "llama3 rope scaling lacks low_freq_factor"),
+    ):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama", "rope_scaling": rope}))
+        proc = tool("import_hf.py", tmp_path / "hf", tmp_path / "imp", check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert (tmp_path / "full" / "x").read_text() == "keep me"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from fsdp_trainer.config import ModelConfig
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.config import ModelConfig, RopeScaling
+from fsdp_trainer.model import Transformer, rope_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,9 +27,39 @@ def hf_model(cfg: ModelConfig):
         max_position_embeddings=cfg.max_seq_len,
         tie_word_embeddings=cfg.tie_embeddings,
     )
+    if cfg.rope_scaling is not None:
+        common["rope_scaling"] = {"rope_type": "llama3", **asdict(cfg.rope_scaling)}  # 4.x's spelling; 5.x reads it
     if cfg.family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).eval()
+
+
+# Llama 3.1's and 3.2's factors over a pretraining context short enough that this tiny model's wavelengths fall into
+# all three bands: kept, interpolated, stretched.
+SCALINGS = {
+    "3.1": RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32),
+    "3.2": RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=48),
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_rope_scaling_equals_transformers_llama3_init(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = ModelConfig(
+        dim=256, n_heads=4, n_kv_heads=4, max_seq_len=128, rope_theta=500000.0, rope_scaling=SCALINGS[scaling]
+    )
+    hf_config = hf_model(ModelConfig(**{**asdict(cfg), "rope_scaling": SCALINGS[scaling], "n_layers": 1})).config
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float32), inv_freq)
+    cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
+    assert attention_factor == 1.0
+    assert torch.equal(cos, torch.cat([angles, angles], -1).cos()) and torch.equal(
+        sin, torch.cat([angles, angles], -1).sin()
+    )
+    plain_cos, _ = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta)
+    stretched = (cos != plain_cos).any(0)[: cfg.resolved_head_dim // 2]
+    assert stretched.any() and not stretched.all()  # the short wavelengths are kept, the long ones are not
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -60,6 +92,23 @@ def test_logits_match_transformers(family, tie):
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_rope_scaled_logits_match_transformers(scaling):
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=101, max_seq_len=64,
+                      rope_theta=500000.0, rope_scaling=SCALINGS[scaling])  # fmt: skip
+    ours = Transformer(cfg)
+    ours.init_weights(seed=3)
+    hf = hf_model(cfg)
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    unscaled = hf_model(ModelConfig(**{**asdict(cfg), "rope_scaling": None}))
+    unscaled.load_state_dict(ours.state_dict(), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens), logits, rtol=1e-5, atol=1e-5)
+        assert (logits - unscaled(tokens).logits).abs().max() > 1e-3  # the scaling changes what the model computes
 
 
 def test_init_weights_is_deterministic_and_follows_its_table():
