@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps (a multiple of --log_every)")
     parser.add_argument("--log_every", type=int, default=3, help="also the warmup length")
     parser.add_argument("--out", default="bench_out/scaling.json")
-    base, args = parse_args(parser, argv)
+    base_recipe, args = parse_args(parser, argv)
     if args.steps % args.log_every:
         fail(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank at every world size: the per-device work is equal
@@ -46,13 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        base_path = tmp / "base.yaml"  # the recipe and its overrides, which each size's shape flags then override
+        base_path.write_text(recipe_to_yaml(base_recipe))
         for size in args.sizes:
             dim, layers = (int(x) for x in size.split("x"))
             heads = max(1, dim // 64)
             shape = ["--model.dim", str(dim), "--model.n_layers", str(layers), "--model.n_heads", str(heads),
                      "--model.n_kv_heads", str(max(1, heads // 2)), "--model.ffn_dim", str(3 * dim)]  # fmt: skip
-            base_path = tmp / "base.yaml"
-            base_path.write_text(recipe_to_yaml(base))
             recipe, _ = read_recipe(recipe_parser(), ["--recipe", str(base_path), *shape])
             recipe_path = tmp / f"recipe_{size}.yaml"
             recipe_path.write_text(recipe_to_yaml(recipe))
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['comm_gb_per_rank']:.3f} | {'-' if extra is None else f'{extra:+.2f}'} | "
               f"{'-' if bandwidth is None else f'{bandwidth:.2f}'} |")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    header = report_header(base, args, ("sizes", "nproc", "steps", "log_every"))
+    header = report_header(base_recipe, args, ("sizes", "nproc", "steps", "log_every"))
     Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
 
 
