@@ -3,7 +3,8 @@
 Layout (this module is the only one that knows it):
 
     OUT_DIR/checkpoints/step_00000100/   a DCP directory: one file per rank plus `.metadata`, written last, and the
-                                         attachments (recipe.yaml, tokenizer.model) that make it self-describing
+                                         attachments (recipe.yaml, the tokenizer's files: tokenizer.model or
+                                         tokenizer.json + tokenizer_config.json) that make it self-describing
     OUT_DIR/checkpoints/latest           text: the name of the newest complete step directory
 
 A weights-only checkpoint (`import_hf`) holds just the `model` entry; loading it starts a fresh optimizer,
@@ -47,7 +48,7 @@ from fsdp_trainer.config import Recipe, recipe_to_yaml
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, write_atomic
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
 from fsdp_trainer.parallel import DistEnv, PreemptionFlag
-from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from fsdp_trainer.tokenizer import tokenizer_files
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -131,11 +132,14 @@ def checkpoint_recipe(path: Path) -> Path:
 
 
 def checkpoint_tokenizer(path: Path, tokenizer_path: str) -> Path | None:
-    """The tokenizer a checkpoint was trained with: its own copy, else the recipe's data.tokenizer_path, if either
-    exists."""
-    for candidate in (path / TOKENIZER_FILE, Path(tokenizer_path)):
-        if candidate.is_file():
+    """Where the tokenizer a checkpoint was trained with is: its own copy (the step directory), else the recipe's
+    data.tokenizer_path, if either exists."""
+    for candidate in (path, Path(tokenizer_path)):
+        try:
+            tokenizer_files(candidate)
             return candidate
+        except FileNotFoundError:
+            continue
     return None
 
 
@@ -205,7 +209,7 @@ class Checkpointer:
         self.is_main = env.is_main
         self.attachments = {
             RECIPE_FILE: recipe_to_yaml(recipe).encode(),
-            TOKENIZER_FILE: Path(recipe.data.tokenizer_path).read_bytes(),
+            **{name: path.read_bytes() for name, path in tokenizer_files(recipe.data.tokenizer_path).items()},
         }
         self.last_saved: int | None = None
         self.preempted = False
@@ -218,15 +222,22 @@ class Checkpointer:
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
         resume = self.cfg.resume
-        if resume == "none" or (resume == "auto" and not (self.dir / "latest").is_file()):
+        has_own = (self.dir / "latest").is_file()
+        if resume == "none" or (resume == "auto" and not has_own):
             return None
         path = resolve_checkpoint(self.dir if resume == "auto" else resume)
+        if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
+            if not has_own:  # fresh optimizer, data stream and step
+                check_model_shapes(path, self.states["model"].state_dict())
+                dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+                logger.info(f"loaded weights from {path}; starting at step 0")
+                return None
+            # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
+            # instead of starting over from the weights (and losing every step since).
+            logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
+            path = resolve_checkpoint(self.dir)
         check_model_shapes(path, self.states["model"].state_dict())
         saved = saved_entries(path)
-        if saved == {"model"}:  # weights only (an imported model): fresh optimizer, data stream and step
-            dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
-            logger.info(f"loaded weights from {path}; starting at step 0")
-            return None
         missing = set(self.states) - saved
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")

@@ -156,7 +156,9 @@ class DataConfig:
     val_path: str | None = "data/shakespeare/val.bin"
     """Validation token file; null disables evaluation."""
     tokenizer_path: str = "data/shakespeare/tokenizer.model"
-    """sentencepiece model the token files were made with."""
+    """The tokenizer the token files are made with: a sentencepiece `.model`, an HF `tokenizer.json`, or a directory
+    holding either (an HF checkpoint, an imported model); tools/prepare_data.py trains a sentencepiece one here only
+    when nothing exists yet."""
     seq_len: int = 256
     """Tokens per training sequence."""
     micro_batch_size: int = 8

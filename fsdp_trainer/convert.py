@@ -35,8 +35,7 @@ from fsdp_trainer.hf import (
     write_tokenizer_files,
 )
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
-from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_files
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -62,16 +61,26 @@ def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
     path = Path(path)
     if is_hf_dir(path):
         cfg = model_config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
-        state = {k: v.float() for k, v in load_safetensors(path).items()}
-        tokenizer_path = path / TOKENIZER_FILE
+        state = load_safetensors(path)
+        tokenizer_path = path
     else:
         ckpt, cfg, tokenizer_path = _read_checkpoint(path)
         state = load_model_weights(ckpt, _shapes(cfg))
         if tokenizer_path is None:
-            raise FileNotFoundError(f"{ckpt} carries no {TOKENIZER_FILE}, and its recipe's data.tokenizer_path is gone")
+            raise FileNotFoundError(f"{ckpt} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
     model = Transformer(cfg)
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
-    return model.eval(), Tokenizer(tokenizer_path)
+    return model.eval(), load_tokenizer(tokenizer_path)
+
+
+def write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+    """The tokenizer's files for transformers' AutoTokenizer: an HF tokenizer's own (chat template included), or for
+    a sentencepiece model the model plus a tokenizer.json built from it that gives the same ids."""
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        write_tokenizer_files(tokenizer.path, out_dir)
+        return
+    for name, path in tokenizer_files(tokenizer.path).items():
+        shutil.copyfile(path, out_dir / name)
 
 
 def consolidate(
@@ -91,7 +100,7 @@ def consolidate(
     if cfg.tie_embeddings:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
     state = load_model_weights(ckpt, shapes)
-    tokenizer = Tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = COMPUTE_DTYPES[dtype]
 
     if verify == "auto":
@@ -108,7 +117,7 @@ def consolidate(
         config = hf_config(cfg, dtype, tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
-            write_tokenizer_files(tokenizer.path, tmp)
+            write_tokenizer(tokenizer, tmp)
         check_safetensors(tmp, state, torch_dtype)
         if verify == "hf":
             model = None
@@ -146,7 +155,7 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
         raise FileExistsError(f"{out}/{CHECKPOINTS_DIR} exists; remove it or choose another OUT_DIR")
     cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path))
     expected = _shapes(cfg)
-    state = {name: t.float() for name, t in load_safetensors(hf).items()}
+    state = load_safetensors(hf)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # some exporters write the tied copy; ours is the embedding
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
@@ -158,11 +167,14 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
             raise ValueError(f"{hf}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
 
     model_yaml = sections_to_yaml({"model": cfg})
-    attachments = {RECIPE_FILE: model_yaml.encode()}
-    if (hf / TOKENIZER_FILE).is_file():
-        attachments[TOKENIZER_FILE] = (hf / TOKENIZER_FILE).read_bytes()
+    try:  # the tokenizer comes along, so that OUT_DIR serves as data.tokenizer_path
+        tokenizer = {name: path.read_bytes() for name, path in tokenizer_files(hf).items()}
+    except FileNotFoundError:
+        tokenizer = {}
     out.mkdir(parents=True, exist_ok=True)
-    path = save_model_weights(state, out, attachments)
+    path = save_model_weights(state, out, {RECIPE_FILE: model_yaml.encode(), **tokenizer})
+    for name, content in tokenizer.items():
+        (out / name).write_bytes(content)
     (out / "model.yaml").write_text(model_yaml)
     print(f"{hf} -> {path} ({count_params(cfg) / 1e6:.1f}M parameters) and {out / 'model.yaml'}")
     return path

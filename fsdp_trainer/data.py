@@ -1,7 +1,7 @@
 """Token files on disk and the loader that cuts them into batches.
 
 A token file is a flat little-endian array of uint16 (vocab <= 65535) or uint32 ids, with `<file>.meta.json` beside it
-giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's sha256.
+giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256).
 
 The loader's sample order is a pure function of (seed, global sample index): sample k is the window
 tokens[k * seq_len : (k + 1) * seq_len + 1], and epoch e visits the windows in a permutation drawn from (seed, e).
@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.files import file_sha256, write_atomic
+from fsdp_trainer.files import write_atomic
+from fsdp_trainer.tokenizer import fingerprint
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
@@ -87,9 +88,9 @@ def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
     data = recipe.data
     train_file = TokenFile(data.train_path)
     val_file = TokenFile(data.val_path) if data.val_path and recipe.train.eval_every else None
-    if not os.path.isfile(data.tokenizer_path):
+    if not os.path.exists(data.tokenizer_path):
         raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
-    tokenizer_sha = file_sha256(data.tokenizer_path)
+    tokenizer_sha = fingerprint(data.tokenizer_path)
     for f in filter(None, (train_file, val_file)):
         if f.vocab_size > recipe.model.vocab_size:
             raise ValueError(

@@ -13,7 +13,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
@@ -137,7 +137,8 @@ def save_safetensors(
 
 
 def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory (single file or index + shards), as stored."""
+    """All tensors of an HF directory (single file or index + shards) in fp32, read one tensor at a time and converted
+    as it comes, so the memory it takes is the fp32 model plus one tensor as stored."""
     hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -146,10 +147,7 @@ def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
-    state = {}
-    for file in files:
-        state.update(load_file(str(hf_dir / file)))
-    return state
+    return {name: tensor.float() for file in files for name, tensor in read_safetensors_one_by_one(hf_dir / file)}
 
 
 def read_safetensors_one_by_one(path: Path):
@@ -162,6 +160,8 @@ def read_safetensors_one_by_one(path: Path):
         for name, info in header.items():
             if name == "__metadata__":
                 continue
+            if info["dtype"] not in dtypes:
+                raise ValueError(f"{path}: {name} is stored as {info['dtype']}, not one of {sorted(dtypes)}")
             start, end = info["data_offsets"]
             f.seek(8 + header_size + start)
             data = bytearray(f.read(end - start))

@@ -16,7 +16,7 @@ from fsdp_trainer.checkpoint import load_model_weights, save_model_weights
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.tokenizer import load_tokenizer
 from tests.helpers import REPO, train_cli
 
 transformers = pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_consolidated_checkpoint_matches_in_transformers(tiny_data, tmp_path, va
         torch.testing.assert_close(hf.eval()(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
 
     # The HF tokenizer gives our ids: same pieces, newlines, spaces and byte fallback.
-    sp = Tokenizer(out / "tokenizer.model")
+    sp = load_tokenizer(out / "tokenizer.model")
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         samples = f.read(60_000).split("\n\n")[:200] + ["Café — naïve 12345 \U0001f600  x  ", "<s> and </s> as text"]

@@ -14,7 +14,7 @@ ALLOWED = {
     "config": {"files"},
     "model": {"config"},
     "tokenizer": {"files"},
-    "data": {"config", "files"},
+    "data": {"config", "files", "tokenizer"},
     "optim": {"config"},
     "hf": {"config", "tokenizer"},
     "parallel": {"config", "model"},

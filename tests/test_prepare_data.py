@@ -10,7 +10,7 @@ import numpy as np
 import yaml
 
 from fsdp_trainer.data import TokenFile
-from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.tokenizer import load_tokenizer
 from tests.helpers import REPO
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
@@ -19,9 +19,9 @@ TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
 def test_outputs_decode_to_the_input(tiny_data):
     recipe = json.loads(tiny_data.read_text())["data"]
     train, val = TokenFile(recipe["train_path"]), TokenFile(recipe["val_path"])
-    tokenizer = Tokenizer(recipe["tokenizer_path"])
+    tokenizer = load_tokenizer(recipe["tokenizer_path"])
     assert train.vocab_size == tokenizer.vocab_size == 512 and train.meta["dtype"] == "uint16"
-    assert train.tokenizer_sha256 == val.tokenizer_sha256 == tokenizer.sha256()
+    assert train.tokenizer_sha256 == val.tokenizer_sha256 == tokenizer.fingerprint()
     assert 0.08 < len(val) / (len(train) + len(val)) < 0.12  # --val_fraction 0.1
     text = (tiny_data.parent / "corpus.txt").read_text()
     ids = np.concatenate([train.tokens, val.tokens]).tolist()
@@ -61,5 +61,5 @@ def test_the_recipe_is_read_as_the_trainer_reads_it(tiny_data, tmp_path):
     cmd = [*TOOL, "--recipe", recipe, "--input", tiny_data.parent / "corpus.txt", *overrides]
     proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert TokenFile(out / "train.bin").vocab_size == Tokenizer(out / "tok.model").vocab_size == 400
+    assert TokenFile(out / "train.bin").vocab_size == load_tokenizer(out / "tok.model").vocab_size == 400
     assert not (out / "val.bin").exists()

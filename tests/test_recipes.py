@@ -18,6 +18,8 @@ EXPECTED_PARAMS = {
     "1b.yaml": 1_235_814_400,
     "8b.yaml": 8_030_261_248,
     "qwen3_0.6b.yaml": 596_049_920,
+    "llama3_2_1b_finetune.yaml": 1_235_814_400,
+    "qwen3_0.6b_finetune.yaml": 596_049_920,
 }
 
 

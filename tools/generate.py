@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors():
         args = parser.parse_args(argv)
         model, tokenizer = load_model(args.path)
-        prompt = torch.tensor(tokenizer.encode(args.prompt), dtype=torch.long)
+        prompt = torch.tensor(tokenizer.encode_prompt(args.prompt), dtype=torch.long)
         if prompt.numel() == 0:
             raise ValueError("--prompt encodes to no tokens; give some text")
         generator = torch.Generator().manual_seed(args.seed)

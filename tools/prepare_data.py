@@ -1,9 +1,11 @@
-"""Text -> sentencepiece tokenizer -> train/val token files, at the paths a recipe's `data` section names.
+"""Text -> train/val token files, at the paths a recipe's `data` section names, with its tokenizer.
 
     python tools/prepare_data.py --recipe recipes/debug.yaml                 # the bundled Shakespeare corpus
-    python tools/prepare_data.py --recipe recipes/125m.yaml --input a.txt b.txt.gz [--data.train_path X ...]
+    python tools/prepare_data.py --recipe recipes/125m.yaml --input a.txt b.jsonl.gz [--data.train_path X ...]
+    python tools/prepare_data.py --recipe R --data.tokenizer_path imported --input my/*.txt   # a model's own tokenizer
 
-Any recipe key can be overridden as in training. Each input file is one document; see fsdp_trainer.prepare.
+Any recipe key can be overridden as in training. The tokenizer at data.tokenizer_path is used as it is; a
+sentencepiece one is trained there only when none exists. See fsdp_trainer.prepare.
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from fsdp_trainer.prepare import prepare
 
 def main(argv: list[str] | None = None) -> None:
     parser = recipe_parser("tools/prepare_data.py", __doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", default=[str(BUNDLED_CORPUS)], help="text files (.txt or .txt.gz)")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        default=[str(BUNDLED_CORPUS)],
+        help="text files: .txt (one document each) or .jsonl (a document per record), gzipped or not",
+    )
+    parser.add_argument("--text_key", default="text", help="the field of a .jsonl record that holds its text")
     parser.add_argument("--val_fraction", type=float, default=0.05, help="tail of each document kept for validation")
     parser.add_argument(
         "--vocab_size", type=int | None, help="tokenizer vocabulary (default: model.vocab_size; or fewer)"
@@ -23,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", type=bool, default=False, help="rebuild even if the outputs are up to date")
     recipe, args = parse_args(parser, argv)
     with one_line_errors():
-        prepare(recipe, args.input, args.val_fraction, args.vocab_size, args.force)
+        prepare(recipe, args.input, args.val_fraction, args.vocab_size, args.force, args.text_key)
 
 
 if __name__ == "__main__":
