@@ -1,7 +1,9 @@
 """Token files on disk and the loader that cuts them into batches.
 
 A token file is a flat little-endian array of uint16 (vocab <= 65535) or uint32 ids, with `<file>.meta.json` beside it
-giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256).
+giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
+corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
+concatenation, so everything below holds for it unchanged.
 
 The loader's sample order is a pure function of (seed, global sample index): sample k is the window
 tokens[k * seq_len : (k + 1) * seq_len + 1], and epoch e visits the windows in a permutation drawn from (seed, e).
@@ -12,6 +14,7 @@ and the micro-batch / accumulation split, and the loader's whole state is one in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -29,11 +32,25 @@ BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
-def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer_sha256: str) -> None:
-    """Write ids and their `.meta.json`; each file appears whole or not at all."""
+MANIFEST = "manifest.json"
+"""The file that makes a directory of token shards a corpus: the shards in order, their sizes and checksums."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.bin"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+def write_token_file(
+    path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer_sha256: str, extra: dict | None = None
+) -> None:
+    """Write ids and their `.meta.json` (plus `extra` keys); each file appears whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = "uint16" if vocab_size <= 65536 else "uint32"
+    dtype = token_dtype(vocab_size)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
@@ -43,6 +60,7 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray, vocab_size: in
         "n_tokens": int(tokens.size),
         "vocab_size": vocab_size,
         "tokenizer_sha256": tokenizer_sha256,
+        **(extra or {}),
     }
     write_atomic(f"{path}.meta.json", json.dumps(meta, indent=2))
 
@@ -81,13 +99,64 @@ class TokenFile:
         m = self.meta
         return f"{m['n_tokens']}:{m['dtype']}:{m['vocab_size']}:{m.get('tokenizer_sha256', '')}"
 
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """tokens[start : start + length] for each start, as int64 rows."""
+        return self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
 
-def open_data(recipe: Recipe) -> tuple[TokenFile, TokenFile | None]:
+
+class TokenShards:
+    """A directory of token files with a manifest, read as the concatenation of its shards in manifest order."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        manifest = Path(path) / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(
+                f"token directory {self.path} has no {MANIFEST}: its preparation did not finish; run "
+                "`python tools/prepare_data.py` again, which keeps the shards already complete"
+            )
+        raw = manifest.read_bytes()
+        self.meta = json.loads(raw)
+        self.shards = [TokenFile(Path(path) / shard["file"]) for shard in self.meta["shards"]]
+        for shard, listed in zip(self.shards, self.meta["shards"], strict=True):
+            if len(shard) != listed["n_tokens"]:
+                raise ValueError(f"{shard.path} holds {len(shard)} tokens but {manifest} says {listed['n_tokens']}")
+        self.offsets = np.cumsum([0] + [len(shard) for shard in self.shards])
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
+        self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts):
+            index = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            done = 0
+            while done < length:  # a window may run over the end of one shard into the next
+                local = start + done - self.offsets[index]
+                piece = self.shards[index].tokens[local : local + length - done]
+                out[row, done : done + len(piece)] = piece
+                done += len(piece)
+                index += 1
+        return out
+
+
+Tokens = TokenFile | TokenShards
+
+
+def open_tokens(path: str | os.PathLike) -> Tokens:
+    """A token file, or a directory of shards with a manifest."""
+    return TokenShards(path) if os.path.isdir(path) else TokenFile(path)
+
+
+def open_data(recipe: Recipe) -> tuple[Tokens, Tokens | None]:
     """Open the recipe's token files (the validation file only when the run evaluates) and check them against the
     tokenizer and the model; raises ValueError / FileNotFoundError naming the file."""
     data = recipe.data
-    train_file = TokenFile(data.train_path)
-    val_file = TokenFile(data.val_path) if data.val_path and recipe.train.eval_every else None
+    train_file = open_tokens(data.train_path)
+    val_file = open_tokens(data.val_path) if data.val_path and recipe.train.eval_every else None
     if not os.path.exists(data.tokenizer_path):
         raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
     tokenizer_sha = fingerprint(data.tokenizer_path)
@@ -107,7 +176,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        token_file: TokenFile,
+        token_file: Tokens,
         seq_len: int,
         micro_batch_size: int,
         grad_accum_steps: int = 1,
@@ -130,7 +199,6 @@ class TokenLoader:
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
         self._epoch, self._order = -1, None
-        self._window = np.arange(seq_len + 1)
 
     def _sample_ids(self, global_ids: np.ndarray) -> np.ndarray:
         epochs, positions = np.divmod(global_ids, self.n_samples)
@@ -147,8 +215,7 @@ class TokenLoader:
 
     def _micro_batch(self, first_global_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = self._sample_ids(np.arange(first_global_id, first_global_id + self.micro_batch_size))
-        rows = self.file.tokens[ids[:, None] * self.seq_len + self._window].astype(np.int64)  # (B, T + 1)
-        rows = torch.from_numpy(rows)
+        rows = torch.from_numpy(self.file.windows(ids * self.seq_len, self.seq_len + 1))  # (B, T + 1)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         return rows[:, :-1], rows[:, 1:]

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, check_disk_room
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
-from fsdp_trainer.data import TokenFile, TokenLoader, open_data
+from fsdp_trainer.data import TokenLoader, Tokens, open_data
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer, count_params
@@ -136,7 +136,7 @@ class TrainState(Stateful):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val_file: TokenFile, recipe: Recipe, env: DistEnv) -> torch.Tensor:
+def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: DistEnv) -> torch.Tensor:
     """Mean loss over the first train.eval_steps global micro-batches of the validation file (the same every time)."""
     data = recipe.data
     loader = TokenLoader(
@@ -152,7 +152,7 @@ def evaluate(model: torch.nn.Module, val_file: TokenFile, recipe: Recipe, env: D
     return mean_over_ranks(total / recipe.train.eval_steps)
 
 
-def train(recipe: Recipe, env: DistEnv, train_file: TokenFile, val_file: TokenFile | None) -> None:
+def train(recipe: Recipe, env: DistEnv, train_file: Tokens, val_file: Tokens | None) -> None:
     cfg, data = recipe.train, recipe.data
     torch.manual_seed(cfg.seed)
 

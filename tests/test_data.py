@@ -6,14 +6,36 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_trainer.data import TokenFile, TokenLoader, write_token_file
+from fsdp_trainer.data import TokenFile, TokenLoader, open_tokens, write_token_file
+from fsdp_trainer.prepare import ShardWriter
 
 
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "t.bin"
-    write_token_file(path, np.arange(1001), vocab_size=1001, tokenizer_sha256="abc")  # every window distinct
-    return TokenFile(path)
+@pytest.fixture(params=["file", "shards"])
+def token_file(tmp_path, request):
+    """1001 distinct tokens (every window distinct): one file, or a directory of shards of 97 tokens written by the
+    preparation's writer, so that windows cross shard boundaries."""
+    if request.param == "file":
+        write_token_file(tmp_path / "t.bin", np.arange(1001), vocab_size=1001, tokenizer_sha256="abc")
+        return TokenFile(tmp_path / "t.bin")
+    writer = ShardWriter(str(tmp_path / "shards"), 97, vocab_size=1001, tokenizer_sha256="abc", stamp={})
+    writer.add(0, np.arange(600))
+    writer.add(1, np.arange(600, 1001))
+    writer.finish({})
+    shards = open_tokens(tmp_path / "shards")
+    assert len(shards.shards) == 11 and len(shards) == 1001
+    return shards
+
+
+def test_shard_windows_are_windows_of_the_concatenated_shards(tmp_path):
+    writer = ShardWriter(str(tmp_path / "s"), 7, vocab_size=50_000, tokenizer_sha256="x", stamp={})
+    tokens = np.random.default_rng(0).integers(0, 50_000, 100)
+    writer.add(0, tokens)
+    writer.finish({})
+    shards = open_tokens(tmp_path / "s")
+    concatenated = np.concatenate([shard.tokens for shard in shards.shards])
+    assert np.array_equal(concatenated, tokens)
+    starts = np.arange(0, 100 - 12)
+    assert np.array_equal(shards.windows(starts, 12), concatenated[starts[:, None] + np.arange(12)])
 
 
 def global_batch(token_file, world_size, micro, accum, steps, seed=0):

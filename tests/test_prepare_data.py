@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
-from fsdp_trainer.data import TokenFile
+from fsdp_trainer.data import BUNDLED_CORPUS, TokenFile, open_tokens
 from fsdp_trainer.tokenizer import load_tokenizer
 from tests.helpers import REPO
 
@@ -63,3 +68,113 @@ def test_the_recipe_is_read_as_the_trainer_reads_it(tiny_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert TokenFile(out / "train.bin").vocab_size == load_tokenizer(out / "tok.model").vocab_size == 400
     assert not (out / "val.bin").exists()
+
+
+# --- corpora: formats, globs, workers, shards, restarts, bad records -------------------------------------------------
+
+
+def _tiny_tokenizer(tiny_data) -> str:
+    return json.loads(tiny_data.read_text())["data"]["tokenizer_path"]
+
+
+def _run_tool(tiny_data, out, inputs, *flags, check=True):
+    """prepare_data.py with the tiny tokenizer, outputs under `out` (a directory of shards unless flags say)."""
+    cmd = [*TOOL, "--recipe", str(tiny_data), "--data.tokenizer_path", _tiny_tokenizer(tiny_data),
+           "--data.train_path", str(out / "train"), "--data.val_path", str(out / "val"), "--input", *map(str, inputs),
+           *map(str, flags)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def plays_jsonl(tmp_path_factory) -> Path:
+    """The bundled corpus as 5.6 MB of jsonl, a record per paragraph: several tasks for the workers."""
+    path = tmp_path_factory.mktemp("corpus") / "plays.jsonl"
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
+    path.write_text("".join(json.dumps({"text": p, "id": i}) + "\n" for i, p in enumerate(paragraphs)))
+    return path
+
+
+def _tree_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        text = f.read(60_000)
+    parts = [p for p in text.split("\n\n") if p.strip()]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(text[:5000])
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": p}) + "\n" for p in parts[:40])
+    pq.write_table(pa.table({"body": parts[40:80]}), tmp_path / "in" / "c.parquet", row_group_size=7)
+    out = tmp_path / "out"
+    _run_tool(tiny_data, out, [tmp_path / "in" / "*.txt", tmp_path / "in" / "*.[jp]*"], "--text_key", "body",
+              "--val_fraction", "0", "--data.val_path", "null")  # fmt: skip
+    tokenizer = load_tokenizer(_tiny_tokenizer(tiny_data))
+    documents = [text[:5000], *parts[:40], *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
+    expected = [i for doc in documents for i in tokenizer.encode_document(doc)]
+    assert list(open_tokens(out / "train").windows(np.array([0]), len(expected))[0]) == expected
+    assert len(open_tokens(out / "train")) == len(expected)
+
+
+def test_the_bytes_written_do_not_depend_on_the_workers(tiny_data, tmp_path, plays_jsonl):
+    outputs = {}
+    for workers in (1, 2):
+        proc = _run_tool(tiny_data, tmp_path / str(workers), [plays_jsonl], "--workers", workers,
+                         "--shard_tokens", 200_000)  # fmt: skip
+        assert f"{workers} worker(s)" in proc.stdout
+        outputs[workers] = _tree_bytes(tmp_path / str(workers))
+    assert len([name for name in outputs[1] if name.endswith(".bin")]) > 6  # several shards of train and val
+    assert outputs[1] == outputs[2]
+    manifest = json.loads(outputs[1]["train/manifest.json"])
+    shards = open_tokens(tmp_path / "1" / "train")
+    assert len(shards) == manifest["n_tokens"] == sum(s["n_tokens"] for s in manifest["shards"])
+    val = open_tokens(tmp_path / "1" / "val")
+    assert 0.03 < len(val) / (len(val) + len(shards)) < 0.08  # whole documents, about 5%
+
+
+def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_path, plays_jsonl):
+    flags = ["--workers", "1", "--shard_tokens", 40_000]
+    _run_tool(tiny_data, tmp_path / "whole", [plays_jsonl], *flags)
+    cmd = [*TOOL, "--recipe", str(tiny_data), "--data.tokenizer_path", _tiny_tokenizer(tiny_data),
+           "--data.train_path", str(tmp_path / "cut" / "train"), "--data.val_path", str(tmp_path / "cut" / "val"),
+           "--input", str(plays_jsonl), *map(str, flags)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "cut" / "train" / "shard_00004.bin.meta.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "cut" / "train" / "manifest.json").exists(), "finished before it could be killed"
+    (tmp_path / "cut" / "train" / "shard_00002.bin").write_bytes(b"\0" * 16)  # a complete shard gone bad: redone
+    again = _run_tool(tiny_data, tmp_path / "cut", [plays_jsonl], *flags)
+    assert "resumed at document" in again.stdout
+    assert _tree_bytes(tmp_path / "cut") == _tree_bytes(tmp_path / "whole")
+
+
+def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = json.dumps({"text": "To be, or not to be"})
+    (tmp_path / "a.jsonl").write_text(f"{good}\n{{not json\n{good}\n")
+    (tmp_path / "b.jsonl").write_text(f'{good}\n{{"title": "no text here"}}\n')
+    pq.write_table(pa.table({"text": ["a line", None, "another"]}), tmp_path / "c.parquet")
+    cases = [(tmp_path / "a.jsonl", "a.jsonl:2: not JSON"), (tmp_path / "b.jsonl", "b.jsonl:2: no text field"),
+             (tmp_path / "c.parquet", "c.parquet: row 2: 'text' is NoneType")]  # fmt: skip
+    for path, where in cases:
+        proc = _run_tool(tiny_data, tmp_path / "out", [path], check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and where in proc.stderr, proc.stderr
+        assert "--skip_bad_records" in proc.stderr and not (tmp_path / "out" / "train" / "manifest.json").exists()
+    inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
+    proc = _run_tool(tiny_data, tmp_path / "out", inputs, "--skip_bad_records", "true", "--val_fraction", "0")
+    assert "prepared 5 documents, 3 bad record(s) skipped" in proc.stdout, proc.stdout
+    missing = _run_tool(tiny_data, tmp_path / "out", [tmp_path / "c.parquet"], "--text_key", "body", check=False)
+    assert missing.returncode == 1 and "c.parquet: no column 'body'" in missing.stderr
