@@ -140,9 +140,10 @@ def document_stream(files: list[str], text_key: str, bad: BadRecords, start: int
 _worker_tokenizer = None
 
 
-def _start_worker(tokenizer_path: str) -> None:
+def _start_worker(tokenizer_path: str, one_thread: bool = True) -> None:
     global _worker_tokenizer
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per process: the processes are the parallelism
+    if one_thread:  # in a pool the processes are the parallelism; alone, the HF tokenizer may use every core
+        os.environ["RAYON_NUM_THREADS"] = "1"
     _worker_tokenizer = load_tokenizer(tokenizer_path)
 
 
@@ -150,7 +151,7 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Ids of each text, packed as (all ids, each text's length): cheaper to send back than lists of ints."""
     encoded = _worker_tokenizer.encode_documents(texts)
     lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
-    return np.fromiter((i for ids in encoded for i in ids), dtype=np.uint32, count=int(lengths.sum())), lengths
+    return np.concatenate([np.asarray(ids, dtype=np.uint32) for ids in encoded] or [np.zeros(0, np.uint32)]), lengths
 
 
 def _tasks(docs: Iterator[Document]) -> Iterator[list[Document]]:
@@ -165,20 +166,22 @@ def _tasks(docs: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
-def tokenize(docs: Iterator[Document], tokenizer_path: str, workers: int) -> Iterator[tuple[Document, np.ndarray]]:
-    """(document, its ids) in input order. With several workers at most 2 tasks per worker are in flight, so the
-    text read ahead and the ids waiting to be written stay bounded."""
+def tokenize(
+    docs: Iterator[Document], tokenizer_path: str, workers: int
+) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
+    """(documents, their ids) a batch at a time, in input order. With several workers at most 2 tasks per worker are
+    in flight, so the text read ahead and the ids waiting to be written stay bounded."""
 
     def unpack(batch: list[Document], result: tuple[np.ndarray, np.ndarray]):
         ids, lengths = result
-        return zip(batch, np.split(ids, np.cumsum(lengths)[:-1]), strict=True)
+        return batch, np.split(ids, np.cumsum(lengths)[:-1])
 
     tasks = _tasks(docs)
     first = list(islice(tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start
-        _start_worker(tokenizer_path)
+        _start_worker(tokenizer_path, one_thread=False)
         for batch in chain(first, tasks):
-            yield from unpack(batch, _encode([d.text for d in batch]))
+            yield unpack(batch, _encode([d.text for d in batch]))
         return
     # spawn, not fork: the tokenizers library's thread pool does not survive a fork.
     with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path,)) as pool:
@@ -187,10 +190,10 @@ def tokenize(docs: Iterator[Document], tokenizer_path: str, workers: int) -> Ite
             pending.append((batch, pool.apply_async(_encode, ([d.text for d in batch],))))
             if len(pending) >= 2 * workers:
                 batch, result = pending.popleft()
-                yield from unpack(batch, result.get())
+                yield unpack(batch, result.get())
         while pending:
             batch, result = pending.popleft()
-            yield from unpack(batch, result.get())
+            yield unpack(batch, result.get())
 
 
 # --- writers --------------------------------------------------------------------------------------------------------
@@ -238,7 +241,7 @@ class ShardWriter:
     def __init__(self, out_dir: str, shard_tokens: int, vocab_size: int, tokenizer_sha256: str, stamp: dict):
         self.dir, self.shard_tokens = Path(out_dir), shard_tokens
         self.vocab_size, self.tokenizer_sha256 = vocab_size, tokenizer_sha256
-        self.buffer: list[tuple[int, int, np.ndarray]] = []  # (doc, offset of the piece in its part, ids)
+        self.buffer: deque[tuple[int, int, np.ndarray]] = deque()  # (doc, offset of the piece in its part, ids)
         self.buffered = 0
         self.shards: list[dict] = []
         self.end = (0, 0)  # where the last complete shard ends
@@ -295,7 +298,7 @@ class ShardWriter:
             taken += take
             end = (doc, offset + take)
             if take == len(ids):
-                self.buffer.pop(0)
+                self.buffer.popleft()
             else:
                 self.buffer[0] = (doc, offset + take, ids[take:])
         self.buffered -= n_tokens
@@ -339,11 +342,15 @@ def _writer_kind(path: str):
     return FileWriter if Path(path).suffix else ShardWriter
 
 
-def is_validation(index: int, val_fraction: float) -> bool:
-    """Whether document `index` of a multi-document input goes to validation: a hash of the index, so the choice is
-    the same on every run and spread evenly through the corpus."""
-    h = int.from_bytes(hashlib.blake2b(str(index).encode(), digest_size=8).digest(), "little")
-    return h / 2**64 < val_fraction
+def is_validation(indices: np.ndarray, val_fraction: float) -> np.ndarray:
+    """Which documents (by index in the input stream) of multi-document inputs go to validation: a hash of the index
+    (splitmix64), so the choice is the same on every run and spread evenly through the corpus."""
+    x = indices.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):  # the multiplications wrap around 2**64 on purpose
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x < np.uint64(val_fraction * 2**64)
 
 
 # --- the whole preparation ------------------------------------------------------------------------------------------
@@ -417,18 +424,20 @@ def prepare(
     bad = BadRecords(skip=skip_bad_records)
     bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
     n_docs = 0
-    for doc, ids in tokenize(document_stream(files, text_key, bad, start), data.tokenizer_path, workers):
-        if val is None:
-            train.add(doc.index, ids)
-        elif doc.whole_file:  # the tail of the file's one document
-            cut = len(ids) - int(len(ids) * val_fraction)
-            train.add(doc.index, ids[:cut])
-            val.add(doc.index, ids[cut:])
-        else:
-            (val if is_validation(doc.index, val_fraction) else train).add(doc.index, ids)
-        n_docs += 1
+    for docs, doc_ids in tokenize(document_stream(files, text_key, bad, start), data.tokenizer_path, workers):
+        to_val = is_validation(np.array([doc.index for doc in docs]), val_fraction)
+        for doc, ids, for_val in zip(docs, doc_ids, to_val, strict=True):
+            if val is None:
+                train.add(doc.index, ids)
+            elif doc.whole_file:  # the tail of the file's one document
+                cut = len(ids) - int(len(ids) * val_fraction)
+                train.add(doc.index, ids[:cut])
+                val.add(doc.index, ids[cut:])
+            else:
+                (val if for_val else train).add(doc.index, ids)
+        n_docs += len(docs)
         if bar is not None:
-            bar.update(len(doc.text))  # characters, close to bytes for most text
+            bar.update(sum(len(doc.text) for doc in docs))  # characters, close to bytes for most text
             bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
     if bar is not None:
         bar.close()
