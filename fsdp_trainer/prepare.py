@@ -51,15 +51,6 @@ SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, 
 
 
 @dataclass
-class Document:
-    index: int
-    """Position in the whole input stream (all files, in order)."""
-    text: str
-    whole_file: bool
-    """The file's only document (a .txt): its validation part is its tail."""
-
-
-@dataclass
 class BadRecords:
     skip: bool
     count: int = 0
@@ -83,117 +74,183 @@ def expand_inputs(patterns: list[str]) -> list[str]:
     return files
 
 
+def _kind(path: str) -> str:
+    return {"jsonl": "jsonl", "parquet": "parquet"}.get(path.removesuffix(".gz").rsplit(".", 1)[-1], "text")
+
+
 def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
-def read_documents(path: str, text_key: str, bad: BadRecords) -> Iterator[str]:
-    """The documents of one input file (see the module docstring); a bad record is named by file and line or row."""
-    kind = path.removesuffix(".gz").rsplit(".", 1)[-1]
+def _blocks(path: str, text_key: str) -> Iterator[tuple[int, list]]:
+    """One input file as (number of its first record, records) blocks of about TASK_CHARS characters: lines of a
+    .jsonl as read (blank ones included, so record n is line n), rows of a parquet column (None where missing), or
+    the whole text of any other file."""
+    kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(path)
         if text_key not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {text_key!r} (it has {table.schema_arrow.names}); pass --text_key")
-        row = 0
-        for batch in table.iter_batches(columns=[text_key], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                row += 1
-                if isinstance(text, str):
-                    yield text
-                else:
-                    bad.found(f"{path}: row {row}", f"{text_key!r} is {type(text).__name__}, not text")
+        row = 1
+        for batch in table.iter_batches(columns=[text_key], batch_size=TASK_DOCS):
+            texts = batch.column(0).to_pylist()
+            yield row, texts
+            row += len(texts)
         return
     with _open_text(path) as f:
-        if kind != "jsonl":
-            yield f.read()
+        if kind == "text":
+            yield 1, [f.read()]
             return
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+        line = 1
+        while lines := f.readlines(TASK_CHARS):  # whole lines, about TASK_CHARS of them, in one C call
+            yield line, lines
+            line += len(lines)
+
+
+def _where(path: str, kind: str, number: int) -> str:
+    return f"{path}: row {number}" if kind == "parquet" else f"{path}:{number}"
+
+
+def _text_of(record: object, kind: str, text_key: str) -> tuple[str | None, str]:
+    """(the record's text, or None and what is wrong with it)."""
+    if kind != "jsonl":
+        return (record, "") if isinstance(record, str) else (None, f"{text_key!r} is {type(record).__name__}, not text")
+    try:
+        value = json.loads(record)
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e})"
+    text = value.get(text_key) if isinstance(value, dict) else None
+    return (text, "") if isinstance(text, str) else (None, f"no text field {text_key!r}")
+
+
+def read_documents(path: str, text_key: str, bad: BadRecords) -> Iterator[str]:
+    """The documents of one input file (see the module docstring); a bad record is named by file and line or row."""
+    kind = _kind(path)
+    for first, records in _blocks(path, text_key):
+        for number, record in enumerate(records, start=first):
+            if kind == "jsonl" and not record.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                bad.found(f"{path}:{line_no}", f"not JSON ({e})")
-                continue
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if isinstance(text, str):
-                yield text
+            text, problem = _text_of(record, kind, text_key)
+            if text is None:
+                bad.found(_where(path, kind, number), problem)
             else:
-                bad.found(f"{path}:{line_no}", f"no text field {text_key!r}")
+                yield text
 
 
-def document_stream(files: list[str], text_key: str, bad: BadRecords, start: int = 0) -> Iterator[Document]:
-    """Every document of every file, in order, from the `start`-th on (the ones before are read and dropped)."""
+@dataclass
+class Task:
+    """A block of records of one file, to be parsed, tokenized and split in a worker."""
+
+    first: int
+    """The first record's index in the whole input stream (all files, in order): its document index."""
+    path: str
+    kind: str
+    number: int
+    """The first record's line (or row) in its file."""
+    records: list
+
+
+def _tasks(files: list[str], text_key: str, start: int) -> Iterator[Task]:
+    """The input stream in tasks of about TASK_CHARS characters, from record `start` on (earlier ones are read and
+    dropped: they are in shards kept from an interrupted run)."""
     index = 0
     for path in files:
-        whole_file = not path.removesuffix(".gz").endswith((".jsonl", ".parquet"))
-        for text in read_documents(path, text_key, bad):
-            if index >= start:
-                yield Document(index, text, whole_file)
-            index += 1
+        kind = _kind(path)
+        for number, records in _blocks(path, text_key):
+            skip = min(max(start - index, 0), len(records))
+            if skip < len(records):
+                yield Task(index + skip, path, kind, number + skip, records[skip:])
+            index += len(records)
 
 
-# --- tokenizing in worker processes, results in input order --------------------------------------------------------
+# --- parsing, tokenizing and splitting in worker processes, results in input order ----------------------------------
 
-_worker_tokenizer = None
+_worker: dict = {}
 
 
-def _start_worker(tokenizer_path: str, one_thread: bool = True) -> None:
-    global _worker_tokenizer
+def _start_worker(tokenizer_path: str, text_key: str, val_fraction: float, one_thread: bool = True) -> None:
     if one_thread:  # in a pool the processes are the parallelism; alone, the HF tokenizer may use every core
         os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker_tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    if one_thread:
+        tokenizer.threads = 1
+    dtype = np.dtype(token_dtype(tokenizer.vocab_size)).newbyteorder("<")
+    _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype)
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of each text, packed as (all ids, each text's length): cheaper to send back than lists of ints."""
-    encoded = _worker_tokenizer.encode_documents(texts)
+@dataclass
+class Part:
+    """Documents of a task that go to one output: their indices, token counts and ids, packed."""
+
+    indices: np.ndarray
+    lengths: np.ndarray
+    ids: np.ndarray
+
+
+@dataclass
+class Result:
+    train: Part
+    val: Part
+    bad: list[tuple[str, str]]
+    """(where, what is wrong) of each bad record."""
+    documents: int
+    chars: int
+
+
+def _process(task: Task) -> Result:
+    """A task parsed, tokenized and split between training and validation."""
+    w = _worker
+    texts, indices, bad = [], [], []
+    for i, record in enumerate(task.records):
+        if task.kind == "jsonl" and not record.strip():
+            continue  # a blank line is no record
+        text, problem = _text_of(record, task.kind, w["text_key"])
+        if text is None:
+            bad.append((_where(task.path, task.kind, task.number + i), problem))
+        else:
+            texts.append(text)
+            indices.append(task.first + i)
+    encoded = w["tokenizer"].encode_documents(texts)
     lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
-    return np.concatenate([np.asarray(ids, dtype=np.uint32) for ids in encoded] or [np.zeros(0, np.uint32)]), lengths
+    ids = np.concatenate([np.asarray(x, dtype=w["dtype"]) for x in encoded] or [np.zeros(0, w["dtype"])])
+    indices = np.array(indices, dtype=np.int64)
+    if task.kind == "text" and len(indices):  # a file that is one document: its tail is for validation
+        cut = int(lengths[0]) - int(lengths[0] * w["val_fraction"])
+        train = Part(indices, np.array([cut]), ids[:cut])
+        val = Part(indices, lengths - cut, ids[cut:])
+    else:
+        to_val = is_validation(indices, w["val_fraction"])
+        token_to_val = np.repeat(to_val, lengths)
+        train = Part(indices[~to_val], lengths[~to_val], ids[~token_to_val])
+        val = Part(indices[to_val], lengths[to_val], ids[token_to_val])
+    return Result(train, val, bad, len(texts), sum(len(t) for t in texts))
 
 
-def _tasks(docs: Iterator[Document]) -> Iterator[list[Document]]:
-    batch, chars = [], 0
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc.text)
-        if chars >= TASK_CHARS or len(batch) >= TASK_DOCS:
-            yield batch
-            batch, chars = [], 0
-    if batch:
-        yield batch
-
-
-def tokenize(
-    docs: Iterator[Document], tokenizer_path: str, workers: int
-) -> Iterator[tuple[list[Document], list[np.ndarray]]]:
-    """(documents, their ids) a batch at a time, in input order. With several workers at most 2 tasks per worker are
-    in flight, so the text read ahead and the ids waiting to be written stay bounded."""
-
-    def unpack(batch: list[Document], result: tuple[np.ndarray, np.ndarray]):
-        ids, lengths = result
-        return batch, np.split(ids, np.cumsum(lengths)[:-1])
-
-    tasks = _tasks(docs)
+def process(
+    files: list[str], text_key: str, start: int, tokenizer_path: str, val_fraction: float, workers: int
+) -> Iterator[Result]:
+    """_process of every task, in input order. With several workers at most 2 tasks per worker are in flight, so
+    the text read ahead and the ids waiting to be written stay bounded."""
+    tasks = _tasks(files, text_key, start)
     first = list(islice(tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start
-        _start_worker(tokenizer_path, one_thread=False)
-        for batch in chain(first, tasks):
-            yield unpack(batch, _encode([d.text for d in batch]))
+        _start_worker(tokenizer_path, text_key, val_fraction, one_thread=False)
+        yield from map(_process, chain(first, tasks))
         return
-    # spawn, not fork: the tokenizers library's thread pool does not survive a fork.
-    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_path,)) as pool:
+    # fork: workers start at once with the modules this process has imported (spawn would import torch again in
+    # each). Safe here because this process has not batch-encoded yet, so no tokenizer thread pool exists to be
+    # broken by the fork.
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction)) as pool:
         pending: deque = deque()
-        for batch in chain(first, tasks):
-            pending.append((batch, pool.apply_async(_encode, ([d.text for d in batch],))))
+        for task in chain(first, tasks):
+            pending.append(pool.apply_async(_process, (task,)))
             if len(pending) >= 2 * workers:
-                batch, result = pending.popleft()
-                yield unpack(batch, result.get())
+                yield pending.popleft().get()
         while pending:
-            batch, result = pending.popleft()
-            yield unpack(batch, result.get())
+            yield pending.popleft().get()
 
 
 # --- writers --------------------------------------------------------------------------------------------------------
@@ -210,9 +267,9 @@ class FileWriter:
         self.n_tokens, self.files = 0, 1
         self.resume_from = 0
 
-    def add(self, doc_index: int, ids: np.ndarray) -> None:
-        self.file.write(ids.astype(self.dtype).tobytes())
-        self.n_tokens += len(ids)
+    def add(self, part: Part) -> None:
+        self.file.write(part.ids.astype(self.dtype).tobytes())
+        self.n_tokens += len(part.ids)
 
     def finish(self, stamp: dict) -> None:
         self.file.close()
@@ -233,15 +290,28 @@ class FileWriter:
         )
 
 
+class _Chunk:
+    """A batch of documents' ids waiting in a ShardWriter, `pos` of them already in shards."""
+
+    def __init__(self, part: Part, offsets: np.ndarray):
+        self.part, self.offsets, self.pos = part, offsets, 0
+        self.starts = np.cumsum(part.lengths) - part.lengths
+
+    def position(self, pos: int) -> tuple[int, int]:
+        """(document, offset in its part) of the token after the first `pos` of this chunk."""
+        k = int(np.searchsorted(self.starts, pos - 1, side="right")) - 1  # the document holding token pos - 1
+        return int(self.part.indices[k]), int(self.offsets[k] + pos - self.starts[k])
+
+
 class ShardWriter:
     """A directory of token shards of `shard_tokens` tokens each (the last shorter), written in order, each shard
-    atomically, with a manifest last. A shard's meta says where it ends: the next token comes from document `doc`
-    at `offset` in the part of it this writer gets, which is where a restart goes on from."""
+    atomically, with a manifest last. A shard's meta says where it ends: its last token comes from document `doc`,
+    before `offset` in the part of it this writer gets; a restart goes on from there."""
 
     def __init__(self, out_dir: str, shard_tokens: int, vocab_size: int, tokenizer_sha256: str, stamp: dict):
         self.dir, self.shard_tokens = Path(out_dir), shard_tokens
         self.vocab_size, self.tokenizer_sha256 = vocab_size, tokenizer_sha256
-        self.buffer: deque[tuple[int, int, np.ndarray]] = deque()  # (doc, offset of the piece in its part, ids)
+        self.buffer: deque[_Chunk] = deque()
         self.buffered = 0
         self.shards: list[dict] = []
         self.end = (0, 0)  # where the last complete shard ends
@@ -276,31 +346,42 @@ class ShardWriter:
             if path.name.startswith("shard_") and path.name.split(".")[0] >= shard_name(len(self.shards))[:-4]:
                 path.unlink()
 
-    def add(self, doc_index: int, ids: np.ndarray) -> None:
-        offset = 0
-        if doc_index < self.end[0]:
-            return  # in a shard already kept
-        if doc_index == self.end[0]:
-            offset = self.end[1]
-            ids = ids[offset:]
-        if len(ids):
-            self.buffer.append((doc_index, offset, ids))
-            self.buffered += len(ids)
+    def add(self, part: Part) -> None:
+        offsets = np.zeros(len(part.indices), dtype=np.int64)  # where in its part each document's ids here start
+        if len(part.indices) and part.indices[0] <= self.end[0]:  # after a restart: drop what kept shards hold
+            part, offsets = self._after(part)
+        if len(part.ids):
+            self.buffer.append(_Chunk(part, offsets))
+            self.buffered += len(part.ids)
         while self.buffered >= self.shard_tokens:
             self._write_shard(self.shard_tokens)
+
+    def _after(self, part: Part) -> tuple[Part, np.ndarray]:
+        """The documents' ids from this writer's position on."""
+        doc, offset = self.end
+        indices, lengths, pieces, offsets, start = [], [], [], [], 0
+        for index, length in zip(part.indices.tolist(), part.lengths.tolist(), strict=True):
+            drop = length if index < doc else min(offset, length) if index == doc else 0
+            if length > drop:
+                indices.append(index)
+                lengths.append(length - drop)
+                pieces.append(part.ids[start + drop : start + length])
+                offsets.append(drop)
+            start += length
+        kept = Part(np.array(indices, np.int64), np.array(lengths, np.int64), np.concatenate(pieces or [part.ids[:0]]))
+        return kept, np.array(offsets, np.int64)
 
     def _write_shard(self, n_tokens: int) -> None:
         pieces, taken = [], 0
         while taken < n_tokens:
-            doc, offset, ids = self.buffer[0]
-            take = min(len(ids), n_tokens - taken)
-            pieces.append(ids[:take])
+            chunk = self.buffer[0]
+            take = min(len(chunk.part.ids) - chunk.pos, n_tokens - taken)
+            pieces.append(chunk.part.ids[chunk.pos : chunk.pos + take])
+            chunk.pos += take
             taken += take
-            end = (doc, offset + take)
-            if take == len(ids):
+            end = chunk.position(chunk.pos)
+            if chunk.pos == len(chunk.part.ids):
                 self.buffer.popleft()
-            else:
-                self.buffer[0] = (doc, offset + take, ids[take:])
         self.buffered -= n_tokens
         path = self.dir / shard_name(len(self.shards))
         tokens = np.concatenate(pieces)
@@ -385,10 +466,11 @@ def prepare(
             )
         with tempfile.TemporaryDirectory() as tmp:  # sentencepiece trains from a plain-text file: a sample
             sample, chars = os.path.join(tmp, "sample.txt"), 0
+            texts = (text for path in files for text in read_documents(path, text_key, BadRecords(skip=True)))
             with open(sample, "w", encoding="utf-8") as f:
-                for doc in document_stream(files, text_key, BadRecords(skip=True)):
-                    f.write(doc.text[: SAMPLE_CHARS - chars] + "\n")
-                    chars += len(doc.text) + 1
+                for text in texts:  # documents a line apart (one .txt file: exactly its text)
+                    f.write(("\n" if chars else "") + text[: SAMPLE_CHARS - chars])
+                    chars += len(text) + 1
                     if chars >= SAMPLE_CHARS:
                         break
             train_tokenizer([sample], data.tokenizer_path, vocab_size)
@@ -424,20 +506,15 @@ def prepare(
     bad = BadRecords(skip=skip_bad_records)
     bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
     n_docs = 0
-    for docs, doc_ids in tokenize(document_stream(files, text_key, bad, start), data.tokenizer_path, workers):
-        to_val = is_validation(np.array([doc.index for doc in docs]), val_fraction)
-        for doc, ids, for_val in zip(docs, doc_ids, to_val, strict=True):
-            if val is None:
-                train.add(doc.index, ids)
-            elif doc.whole_file:  # the tail of the file's one document
-                cut = len(ids) - int(len(ids) * val_fraction)
-                train.add(doc.index, ids[:cut])
-                val.add(doc.index, ids[cut:])
-            else:
-                (val if for_val else train).add(doc.index, ids)
-        n_docs += len(docs)
+    for result in process(files, text_key, start, data.tokenizer_path, val_fraction, workers):
+        for where, what in result.bad:
+            bad.found(where, what)
+        train.add(result.train)
+        if val is not None:
+            val.add(result.val)
+        n_docs += result.documents
         if bar is not None:
-            bar.update(sum(len(doc.text) for doc in docs))  # characters, close to bytes for most text
+            bar.update(result.chars)  # characters, close to bytes for most text
             bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
     if bar is not None:
         bar.close()

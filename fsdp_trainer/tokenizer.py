@@ -76,6 +76,8 @@ class Tokenizer:
     eos_id: int | None
     add_bos: bool
     """Whether a document starts with BOS, as the model was pretrained (Llama 3: yes; Qwen3 and ours: no)."""
+    threads: int = -1
+    """Threads of a batch encode (sentencepiece's; HF's read RAYON_NUM_THREADS); -1: all cores."""
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, with no special token added."""
@@ -144,7 +146,8 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_documents(self, texts: list[str], long_chars: int = 1 << 16) -> list[list[int]]:
         short = [i for i, text in enumerate(texts) if len(text) < long_chars]
         out: list[list[int]] = [[] for _ in texts]
-        for i, ids in zip(short, self.sp.encode([texts[i] for i in short]), strict=True):  # one C++ call
+        encoded = self.sp.encode([texts[i] for i in short], num_threads=self.threads)  # one C++ call
+        for i, ids in zip(short, encoded, strict=True):
             out[i] = ids + [self.eos_id]
         for i, text in enumerate(texts):
             if len(text) >= long_chars:

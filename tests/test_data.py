@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsdp_trainer.data import TokenFile, TokenLoader, open_tokens, write_token_file
-from fsdp_trainer.prepare import ShardWriter
+from fsdp_trainer.prepare import Part, ShardWriter
 
 
 @pytest.fixture(params=["file", "shards"])
@@ -18,8 +18,8 @@ def token_file(tmp_path, request):
         write_token_file(tmp_path / "t.bin", np.arange(1001), vocab_size=1001, tokenizer_sha256="abc")
         return TokenFile(tmp_path / "t.bin")
     writer = ShardWriter(str(tmp_path / "shards"), 97, vocab_size=1001, tokenizer_sha256="abc", stamp={})
-    writer.add(0, np.arange(600))
-    writer.add(1, np.arange(600, 1001))
+    writer.add(Part(np.array([0, 1]), np.array([300, 300]), np.arange(600)))  # two documents, then a third
+    writer.add(Part(np.array([2]), np.array([401]), np.arange(600, 1001)))
     writer.finish({})
     shards = open_tokens(tmp_path / "shards")
     assert len(shards.shards) == 11 and len(shards) == 1001
@@ -29,7 +29,7 @@ def token_file(tmp_path, request):
 def test_shard_windows_are_windows_of_the_concatenated_shards(tmp_path):
     writer = ShardWriter(str(tmp_path / "s"), 7, vocab_size=50_000, tokenizer_sha256="x", stamp={})
     tokens = np.random.default_rng(0).integers(0, 50_000, 100)
-    writer.add(0, tokens)
+    writer.add(Part(np.array([0]), np.array([100]), tokens))
     writer.finish({})
     shards = open_tokens(tmp_path / "s")
     concatenated = np.concatenate([shard.tokens for shard in shards.shards])
