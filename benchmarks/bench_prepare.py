@@ -22,7 +22,7 @@ from pathlib import Path
 from runner import report_header
 
 from fsdp_trainer.config import parse_args, recipe_parser
-from fsdp_trainer.data import BUNDLED_CORPUS, open_tokens
+from fsdp_trainer.data import BUNDLED_CORPUS, TokenLoader, open_tokens
 from fsdp_trainer.prepare import BadRecords, read_documents
 from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
 
@@ -107,12 +107,31 @@ def ours(recipe_path: str, corpus: Path, tokenizer_path: str, workers: int, out:
     return {"seconds": seconds, "tokens": tokens, "peak_rss_gb": peak / 1e9, "summary": proc.stdout.read().strip()}
 
 
+def loader_cost(recipe_path: str, corpus: Path, tokenizer_path: str, work: Path, steps: int) -> dict:
+    """Seconds per next_batch (micro-batch 8 x 2048 tokens, shuffled) over one token file and over the same tokens
+    as shards of 5M tokens, alternating rounds of `steps` batches."""
+    for target in ("one.bin", "shards"):
+        subprocess.run([sys.executable, str(TOOL), "--recipe", recipe_path, "--data.tokenizer_path", tokenizer_path,
+                        "--data.train_path", str(work / target), "--data.val_path", "null", "--input", str(corpus),
+                        "--shard_tokens", "5000000"], check=True, capture_output=True)  # fmt: skip
+    times: dict[str, list[float]] = {"file": [], "shards": []}
+    for _ in range(3):
+        for name, path in (("file", work / "one.bin"), ("shards", work / "shards")):
+            loader = TokenLoader(open_tokens(path), 2048, 8, seed=len(times[name]))
+            start = time.perf_counter()
+            for _ in range(steps):
+                loader.next_batch()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: min(t) for name, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = recipe_parser("benchmarks/bench_prepare.py", __doc__.split("\n\n")[0])
     parser.add_argument("--sizes_mb", type=list[int], default=[100, 1000])
     parser.add_argument("--workers", type=list[int], default=[1, 2])
     parser.add_argument("--tokenizers", type=list[str], default=["sp", "hf"])
     parser.add_argument("--work_dir", default="bench_out/prepare")
+    parser.add_argument("--loader_steps", type=int, default=0, help="also time the loader over shards (0: no)")
     parser.add_argument("--out", default="bench_out/prepare.json")
     recipe, args = parse_args(parser, argv)
     work = Path(args.work_dir)
@@ -142,9 +161,15 @@ def main(argv: list[str] | None = None) -> None:
         rss = f"{r['peak_rss_gb']:.2f} GB" if "peak_rss_gb" in r else "-"
         print(f"| {r['size_mb']:,.0f} MB jsonl | {r['tokenizer']} | {r['impl']} | {r['size_mb'] / r['seconds']:.2f} | "
               f"{r['tokens'] / r['seconds']:,.0f} | {ratio:.2f} | {rss} |")  # fmt: skip
+    loader = None
+    if args.loader_steps:
+        corpus = work / f"corpus_{min(args.sizes_mb)}mb.jsonl"
+        loader = loader_cost(recipe_path, corpus, tokenizers["sp"], work, args.loader_steps)
+        print(f"loader, seconds per batch of 8 x 2048: one file {loader['file'] * 1e3:.3f} ms, "
+              f"shards {loader['shards'] * 1e3:.3f} ms")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({**report_header(recipe, args, ("sizes_mb", "workers", "tokenizers")),
-                                          "rows": rows}, indent=1))  # fmt: skip
+    header = report_header(recipe, args, ("sizes_mb", "workers", "tokenizers", "loader_steps"))
+    Path(args.out).write_text(json.dumps({**header, "rows": rows, "loader_s_per_batch": loader}, indent=1))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,19 @@ class ParallelConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One source of a training mixture."""
+
+    path: str
+    """A token file or shard directory written by tools/prepare_data.py with data.tokenizer_path."""
+    weight: float = 1.0
+    """Its share of the training samples, relative to the other sources' weights."""
+
+    def __post_init__(self) -> None:
+        _require(self.weight > 0, f"data.mixture: the weight of {self.path} is {self.weight}; it must be positive")
+
+
+@dataclass
 class DataConfig:
     """Token files and batch shape. The global batch is micro_batch_size x grad_accum_steps x data-parallel ranks."""
 
@@ -165,10 +178,15 @@ class DataConfig:
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = 1
     """Forward/backward passes per optimizer step; gradients are synchronised on the last one only."""
+    mixture: list[MixtureSource] | None = None
+    """Train on several token files or shard directories, each drawn with its weight, instead of train_path alone:
+    `[{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]`. Each source has its own shuffled epochs;
+    metrics.jsonl reports the tokens drawn and epochs completed of each."""
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "micro_batch_size", "grad_accum_steps"):
             _require(getattr(self, key) > 0, f"data.{key}={getattr(self, key)} must be positive")
+        _require(self.mixture is None or len(self.mixture) > 0, "data.mixture is empty; name its sources or use null")
 
 
 @dataclass

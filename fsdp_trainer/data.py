@@ -151,16 +151,22 @@ def open_tokens(path: str | os.PathLike) -> Tokens:
     return TokenShards(path) if os.path.isdir(path) else TokenFile(path)
 
 
-def open_data(recipe: Recipe) -> tuple[Tokens, Tokens | None]:
+def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Open the recipe's token files (the validation file only when the run evaluates) and check them against the
     tokenizer and the model; raises ValueError / FileNotFoundError naming the file."""
     data = recipe.data
-    train_file = open_tokens(data.train_path)
+    if data.mixture:
+        sources = [open_tokens(source.path) for source in data.mixture]
+        names = [Path(source.path).name.removesuffix(".bin") or source.path for source in data.mixture]
+        names = [name if names.count(name) == 1 else f"{i}:{name}" for i, name in enumerate(names)]
+        train_file = Mixture(sources, [s.weight for s in data.mixture], names, recipe.train.seed)
+    else:
+        sources = [train_file := open_tokens(data.train_path)]
     val_file = open_tokens(data.val_path) if data.val_path and recipe.train.eval_every else None
     if not os.path.exists(data.tokenizer_path):
         raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
     tokenizer_sha = fingerprint(data.tokenizer_path)
-    for f in filter(None, (train_file, val_file)):
+    for f in filter(None, (*sources, val_file)):
         if f.vocab_size > recipe.model.vocab_size:
             raise ValueError(
                 f"{f.path} was tokenized with vocab_size={f.vocab_size}, more than model.vocab_size="
@@ -171,12 +177,87 @@ def open_data(recipe: Recipe) -> tuple[Tokens, Tokens | None]:
     return train_file, val_file
 
 
+class Mixture:
+    """Several token sources, each drawn with its weight. Global samples fall into blocks of BLOCK; in each, every
+    source gets its share of the slots (largest remainder), in an order drawn from (seed, block). So the source of
+    global sample i, and which of that source's samples it is, are a function of (seed, i), and over any window of
+    samples each source's share is its weight's to within one sample per block."""
+
+    BLOCK = 1024
+
+    def __init__(self, sources: list[Tokens], weights: list[float], names: list[str], seed: int):
+        self.sources, self.weights, self.names, self.seed = sources, weights, names, seed
+        shares = np.array(weights) / sum(weights) * self.BLOCK
+        self.quotas = np.floor(shares).astype(np.int64)
+        self.quotas[np.argsort(-(shares - self.quotas), kind="stable")[: self.BLOCK - self.quotas.sum()]] += 1
+        for name, quota in zip(names, self.quotas, strict=True):
+            if not quota:
+                raise ValueError(f"data.mixture: {name}'s weight is too small to draw one sample in {self.BLOCK}")
+        self.path = "mixture of " + ", ".join(str(source.path) for source in sources)
+        self.vocab_size = max(source.vocab_size for source in sources)
+        self.fingerprint = "mixture:" + "|".join(
+            f"{w}:{src.fingerprint}" for w, src in zip(weights, sources, strict=True)
+        )
+        self._block, self._slots = -1, None
+
+    def _block_slots(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source of each slot of a block, which of that source's samples it is)."""
+        if block != self._block:
+            which = np.random.default_rng([self.seed, 7, block]).permutation(
+                np.repeat(np.arange(len(self.quotas)), self.quotas)
+            )
+            rank = np.empty(self.BLOCK, dtype=np.int64)
+            for source, quota in enumerate(self.quotas):
+                rank[which == source] = block * quota + np.arange(quota)
+            self._block, self._slots = block, (which, rank)
+        return self._slots
+
+    def assign(self, global_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index among that source's samples) of each global sample."""
+        which, local = np.empty_like(global_ids), np.empty_like(global_ids)
+        blocks, slots = np.divmod(global_ids, self.BLOCK)
+        for block in np.unique(blocks):
+            mask = blocks == block
+            block_which, block_rank = self._block_slots(int(block))
+            which[mask], local[mask] = block_which[slots[mask]], block_rank[slots[mask]]
+        return which, local
+
+    def drawn(self, n: int) -> np.ndarray:
+        """How many of the first n global samples each source gave."""
+        blocks, rest = divmod(n, self.BLOCK)
+        which, _ = self._block_slots(blocks) if rest else (np.zeros(0, np.int64), None)
+        return blocks * self.quotas + np.bincount(which[:rest], minlength=len(self.quotas))
+
+
+class _Epochs:
+    """The windows of one token source, visited in epochs, each in a permutation drawn from (seed key, epoch)."""
+
+    def __init__(self, tokens: Tokens, seq_len: int, seed_key: list[int], shuffle: bool):
+        self.tokens, self.seq_len, self.seed_key, self.shuffle = tokens, seq_len, seed_key, shuffle
+        self.n_samples = (len(tokens) - 1) // seq_len
+        if self.n_samples < 1:
+            raise ValueError(f"{tokens.path} has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+        self._epoch, self._order = -1, None
+
+    def read(self, sample_ids: np.ndarray) -> np.ndarray:
+        """The windows (B, seq_len + 1) of this source's samples `sample_ids` (counted over all its epochs)."""
+        epochs, positions = np.divmod(sample_ids, self.n_samples)
+        if self.shuffle:
+            for epoch in np.unique(epochs):  # a batch spans at most two epochs
+                if epoch != self._epoch:
+                    self._epoch = int(epoch)
+                    self._order = np.random.default_rng([*self.seed_key, self._epoch]).permutation(self.n_samples)
+                mask = epochs == epoch
+                positions[mask] = self._order[positions[mask]]
+        return self.tokens.windows(positions * self.seq_len, self.seq_len + 1)
+
+
 class TokenLoader:
     """Batches of (inputs, targets) for one rank, in an order fixed by the seed; checkpointable by state_dict()."""
 
     def __init__(
         self,
-        token_file: Tokens,
+        token_file: Tokens | Mixture,
         seq_len: int,
         micro_batch_size: int,
         grad_accum_steps: int = 1,
@@ -191,34 +272,37 @@ class TokenLoader:
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.device = torch.device(device)
-        self.n_samples = (len(token_file) - 1) // seq_len
-        if self.n_samples < 1:
-            raise ValueError(
-                f"{token_file.path} has {len(token_file)} tokens, fewer than one sequence of {seq_len + 1}"
-            )
+        self.mixture = token_file if isinstance(token_file, Mixture) else None
+        if self.mixture is None:
+            self.sources = [_Epochs(token_file, seq_len, [seed], shuffle)]
+        else:  # each source its own epochs
+            self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
-        self._epoch, self._order = -1, None
-
-    def _sample_ids(self, global_ids: np.ndarray) -> np.ndarray:
-        epochs, positions = np.divmod(global_ids, self.n_samples)
-        if not self.shuffle:
-            return positions
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):  # a batch spans at most two epochs
-            if epoch != self._epoch:
-                self._epoch = int(epoch)
-                self._order = np.random.default_rng([self.seed, self._epoch]).permutation(self.n_samples)
-            mask = epochs == epoch
-            out[mask] = self._order[positions[mask]]
-        return out
 
     def _micro_batch(self, first_global_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self._sample_ids(np.arange(first_global_id, first_global_id + self.micro_batch_size))
-        rows = torch.from_numpy(self.file.windows(ids * self.seq_len, self.seq_len + 1))  # (B, T + 1)
+        global_ids = np.arange(first_global_id, first_global_id + self.micro_batch_size)
+        if self.mixture is None:
+            rows = self.sources[0].read(global_ids)
+        else:
+            which, local = self.mixture.assign(global_ids)
+            rows = np.empty((len(global_ids), self.seq_len + 1), dtype=np.int64)
+            for source in np.unique(which):
+                rows[which == source] = self.sources[source].read(local[which == source])
+        rows = torch.from_numpy(rows)  # (B, T + 1)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         return rows[:, :-1], rows[:, 1:]
+
+    def mixture_report(self) -> dict[str, dict[str, float]] | None:
+        """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""
+        if self.mixture is None:
+            return None
+        drawn = self.mixture.drawn(self.consumed)
+        return {
+            name: {"tokens": int(n) * self.seq_len, "epochs": round(int(n) / source.n_samples, 4)}
+            for name, n, source in zip(self.mixture.names, drawn, self.sources, strict=True)
+        }
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's grad_accum_steps micro-batches of the next global batch, each (inputs, targets) of

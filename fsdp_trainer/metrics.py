@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,6 +25,9 @@ from fsdp_trainer.config import ModelConfig, Recipe
 from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR, write_atomic
 from fsdp_trainer.model import count_params
 from fsdp_trainer.parallel import DistEnv, max_over_ranks
+
+if TYPE_CHECKING:
+    from fsdp_trainer.data import TokenLoader
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -222,6 +226,9 @@ class TensorBoard:
         for key, value in record.items():
             if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value):
                 self.writer.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
+        for source, drawn in record.get("mixture", {}).items():
+            for key, value in drawn.items():
+                self.writer.add_scalar(f"data/{source}/{key}", value, record["step"])
 
     def close(self) -> None:
         self.writer.close()
@@ -265,11 +272,12 @@ class Metrics:
         env: DistEnv,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        loader: TokenLoader | None = None,
         start_step: int = 0,
         clock: Callable[[], float] = time.perf_counter,
     ):
         data = recipe.data
-        self.env, self.model, self.optimizer, self.clock = env, model, optimizer, clock
+        self.env, self.model, self.optimizer, self.loader, self.clock = env, model, optimizer, loader, clock
         self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
         self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
         self.peak = peak_flops(env.device)
@@ -342,6 +350,9 @@ class Metrics:
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
             "cpu_s": time.process_time() - self.cpu_start,
         }
+        mixture = self.loader.mixture_report() if self.loader is not None else None
+        if mixture is not None:  # per source: a small source repeating shows in its epochs
+            record["mixture"] = mixture
         self._write(record)
         return record
 

@@ -271,6 +271,11 @@ class FileWriter:
         self.file.write(part.ids.astype(self.dtype).tobytes())
         self.n_tokens += len(part.ids)
 
+    def abandon(self) -> None:
+        """After a failure: no half-written file stays behind."""
+        self.file.close()
+        Path(self.path + ".tmp").unlink(missing_ok=True)
+
     def finish(self, stamp: dict) -> None:
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
@@ -413,6 +418,9 @@ class ShardWriter:
         write_atomic(self.dir / MANIFEST, json.dumps(manifest, indent=1))
         (self.dir / "progress.json").unlink()
 
+    def abandon(self) -> None:
+        """After a failure: the complete shards stay, for a restart to check and keep; nothing else was written."""
+
     @staticmethod
     def is_done(path: str, stamp: dict) -> bool:
         manifest = Path(path) / MANIFEST
@@ -505,24 +513,29 @@ def prepare(
     workers = workers or os.cpu_count() or 1
     bad = BadRecords(skip=skip_bad_records)
     bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
-    n_docs = 0
-    for result in process(files, text_key, start, data.tokenizer_path, val_fraction, workers):
-        for where, what in result.bad:
-            bad.found(where, what)
-        train.add(result.train)
-        if val is not None:
-            val.add(result.val)
-        n_docs += result.documents
-        if bar is not None:
-            bar.update(result.chars)  # characters, close to bytes for most text
-            bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
-    if bar is not None:
-        bar.close()
-    for w in (train, val):
-        if w is not None:
-            w.finish(stamp)
-    elapsed = time.perf_counter() - start_time
     writers = [w for w in (train, val) if w is not None]
+    n_docs = 0
+    try:
+        for result in process(files, text_key, start, data.tokenizer_path, val_fraction, workers):
+            for where, what in result.bad:
+                bad.found(where, what)
+            train.add(result.train)
+            if val is not None:
+                val.add(result.val)
+            n_docs += result.documents
+            if bar is not None:
+                bar.update(result.chars)  # characters, close to bytes for most text
+                bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
+    except BaseException:
+        for w in writers:
+            w.abandon()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    for w in writers:
+        w.finish(stamp)
+    elapsed = time.perf_counter() - start_time
     n_tokens = sum(w.n_tokens for w in writers)
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""

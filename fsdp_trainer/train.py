@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, check_disk_room
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
-from fsdp_trainer.data import TokenLoader, Tokens, open_data
+from fsdp_trainer.data import Mixture, TokenLoader, Tokens, open_data
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer, count_params
@@ -152,7 +152,7 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
     return mean_over_ranks(total / recipe.train.eval_steps)
 
 
-def train(recipe: Recipe, env: DistEnv, train_file: Tokens, val_file: Tokens | None) -> None:
+def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
     cfg, data = recipe.train, recipe.data
     torch.manual_seed(cfg.seed)
 
@@ -180,7 +180,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens, val_file: Tokens | N
     ckpt.load()
     if env.is_main:
         write_config(recipe)
-    metrics = Metrics(recipe, env, model, optimizer, start_step=state.step)
+    metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step)
 
     try:
         while state.step < cfg.steps:

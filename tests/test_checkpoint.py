@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
+from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
 CONSTANT_LR = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}
@@ -143,24 +143,27 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_over_a_shard_directory_is_exact_and_reshards(tiny_data, tmp_path):
-    """The same guarantees over a corpus prepared as a directory of shards (small ones, so windows cross them)."""
+def test_resume_over_shards_and_a_mixture_is_exact_and_reshards(tiny_data, tmp_path):
+    """The same guarantees over a mixture of the tiny corpus as one file (weight 2) and as a directory of small
+    shards (weight 1, so windows cross shards), and metrics.jsonl says what each source gave."""
     data = json.loads(tiny_data.read_text())["data"]
-    shards = {"train_path": str(tmp_path / "train"), "val_path": str(tmp_path / "val")}
     subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tiny_data),
                     "--input", str(tiny_data.parent / "corpus.txt"), "--shard_tokens", "5000",
-                    "--data.train_path", shards["train_path"], "--data.val_path", shards["val_path"]],
+                    "--data.train_path", str(tmp_path / "shards"), "--data.val_path", "null"],
                    check=True, capture_output=True)  # fmt: skip
-    assert len(list((tmp_path / "train").glob("shard_*.bin"))) > 10 and data["tokenizer_path"]
-    flags = {"data": shards, "checkpoint": {"every": 3}}
+    assert len(list((tmp_path / "shards").glob("shard_*.bin"))) > 10
+    mixture = json.dumps([{"path": data["train_path"], "weight": 2.0}, {"path": str(tmp_path / "shards")}])
+    flags = {"data": {"mixture": mixture}, "checkpoint": {"every": 3}}
     train_cli(_args(tiny_data, tmp_path / "whole", 6, **flags), nproc=2)
     train_cli(_args(tiny_data, tmp_path / "cut", 3, **flags), nproc=2)
     train_cli(_args(tiny_data, tmp_path / "cut", 6, **flags), nproc=2)
     assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "whole")  # bitwise
-    one_rank = {
-        "data": {**shards, "grad_accum_steps": 2},
-        "checkpoint": {"resume": tmp_path / "cut" / "checkpoints" / "step_00000003"},
-    }
+    one_rank = {"data": {"mixture": mixture, "grad_accum_steps": 2},
+                "checkpoint": {"resume": tmp_path / "cut" / "checkpoints" / "step_00000003"}}  # fmt: skip
     train_cli(_args(tiny_data, tmp_path / "one", 6, **one_rank))
     for step, loss in train_losses(tmp_path / "one").items():
         assert loss == pytest.approx(train_losses(tmp_path / "whole")[step], rel=1e-5)
+    last = [r for r in read_metrics(tmp_path / "whole") if "loss" in r][-1]
+    drawn = {name: source["tokens"] for name, source in last["mixture"].items()}
+    assert set(drawn) == {"train", "shards"} and all(drawn.values())
+    assert sum(drawn.values()) == 6 * 4 * 32  # 6 steps of 4 sequences of 32 tokens, from one source or the other

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_trainer.data import TokenFile, TokenLoader, open_tokens, write_token_file
+from fsdp_trainer.data import Mixture, TokenFile, TokenLoader, open_tokens, write_token_file
 from fsdp_trainer.prepare import Part, ShardWriter
 
 
@@ -109,3 +109,52 @@ def test_bad_token_files_are_refused_with_the_file_named(tmp_path):
         TokenFile(tmp_path / "t.bin")
     with pytest.raises(ValueError, match=r"must lie in \[0, 100\)"):
         write_token_file(tmp_path / "u.bin", np.array([5, 100]), vocab_size=100, tokenizer_sha256="x")
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    """A (ids 0-999) and B (ids 1000-1199): which source a window came from shows in its first id."""
+    write_token_file(tmp_path / "a.bin", np.arange(1000), vocab_size=1200, tokenizer_sha256="t")
+    write_token_file(tmp_path / "b.bin", np.arange(1000, 1200), vocab_size=1200, tokenizer_sha256="t")
+    return [TokenFile(tmp_path / "a.bin"), TokenFile(tmp_path / "b.bin")]
+
+
+def _sources_drawn(loader, steps) -> list[int]:
+    """The source (0 = A, 1 = B) of each sequence of `steps` global batches of one rank's loader."""
+    return [
+        int(inputs[i, 0] >= 1000) for _ in range(steps) for inputs, _ in loader.next_batch() for i in range(len(inputs))
+    ]
+
+
+def test_a_mixture_draws_each_source_by_its_weight_over_any_window(two_sources):
+    mixture = Mixture(two_sources, [0.7, 0.3], ["a", "b"], seed=0)
+    loader = TokenLoader(mixture, 9, micro_batch_size=64)
+    drawn = np.array(_sources_drawn(loader, 64))  # 4096 samples: 4 blocks
+    assert list(mixture.quotas) == [717, 307] and list(mixture.drawn(4096)) == [4 * 717, 4 * 307]
+    for start in range(0, len(drawn) - 256, 64):  # any window of 256 samples: 30% from B, give or take
+        assert abs(drawn[start : start + 256].mean() - 0.3) < 0.08
+    assert list(np.bincount(drawn[:1500], minlength=2)) == list(mixture.drawn(1500))
+    # B holds 22 windows of 9 tokens, so by now it has been read many times over, each epoch in a new order.
+    report = loader.mixture_report()
+    assert report["b"] == {"tokens": 4 * 307 * 9, "epochs": round(4 * 307 / 22, 4)}
+    assert report["a"]["epochs"] == round(4 * 717 / 111, 4)
+
+
+def test_a_mixture_is_the_same_global_batch_at_any_world_size_and_resumes(two_sources):
+    def mixture():
+        return Mixture(two_sources, [2.0, 1.0], ["a", "b"], seed=3)
+
+    reference = global_batch(mixture(), world_size=1, micro=4, accum=1, steps=300, seed=3)
+    assert global_batch(mixture(), world_size=2, micro=1, accum=2, steps=300, seed=3) == reference
+    run = TokenLoader(mixture(), 10, 4, seed=3)
+    for _ in range(7):
+        run.next_batch()
+    state = run.state_dict()
+    expected = sorted(map(tuple, torch.cat([x for x, _ in run.next_batch()]).tolist()))
+    resumed = [TokenLoader(mixture(), 10, 2, 1, r, 2, seed=3) for r in range(2)]
+    for loader in resumed:
+        loader.load_state_dict(state)
+    assert sorted(map(tuple, torch.cat([loader.next_batch()[0][0] for loader in resumed]).tolist())) == expected
+    other_weights = TokenLoader(Mixture(two_sources, [1.0, 1.0], ["a", "b"], seed=3), 10, 4, seed=3)
+    with pytest.raises(ValueError, match="different fingerprint"):
+        other_weights.load_state_dict(state)

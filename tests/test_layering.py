@@ -19,7 +19,7 @@ ALLOWED = {
     "hf": {"config", "tokenizer"},
     "parallel": {"config", "model"},
     "checkpoint": {"config", "files", "optim", "parallel", "tokenizer"},
-    "metrics": {"config", "files", "model", "parallel"},
+    "metrics": {"config", "data", "files", "model", "parallel"},
     "plan": {"config", "model", "optim", "parallel"},
     "prepare": {"config", "data", "files", "tokenizer"},
     "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},

@@ -173,6 +173,9 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
         proc = _run_tool(tiny_data, tmp_path / "out", [path], check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and where in proc.stderr, proc.stderr
         assert "--skip_bad_records" in proc.stderr and not (tmp_path / "out" / "train" / "manifest.json").exists()
+    one_file = _run_tool(tiny_data, tmp_path / "one", [tmp_path / "a.jsonl"], "--data.train_path", tmp_path / "t.bin",
+                         "--data.val_path", "null", check=False)  # fmt: skip
+    assert one_file.returncode == 1 and not list(tmp_path.glob("t.bin*"))  # nothing half-written stays
     inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
     proc = _run_tool(tiny_data, tmp_path / "out", inputs, "--skip_bad_records", "true", "--val_fraction", "0")
     assert "prepared 5 documents, 3 bad record(s) skipped" in proc.stdout, proc.stdout
