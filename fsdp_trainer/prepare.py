@@ -516,7 +516,8 @@ def prepare(
     writers = [w for w in (train, val) if w is not None]
     n_docs = 0
     try:
-        for result in process(files, text_key, start, data.tokenizer_path, val_fraction, workers):
+        split = val_fraction if val is not None else 0.0  # no validation output: every token is for training
+        for result in process(files, text_key, start, data.tokenizer_path, split, workers):
             for where, what in result.bad:
                 bad.found(where, what)
             train.add(result.train)

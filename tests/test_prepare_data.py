@@ -116,7 +116,7 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
     pq.write_table(pa.table({"body": parts[40:80]}), tmp_path / "in" / "c.parquet", row_group_size=7)
     out = tmp_path / "out"
     _run_tool(tiny_data, out, [tmp_path / "in" / "*.txt", tmp_path / "in" / "*.[jp]*"], "--text_key", "body",
-              "--val_fraction", "0", "--data.val_path", "null")  # fmt: skip
+              "--data.val_path", "null")  # no validation output: every token goes to training  # fmt: skip
     tokenizer = load_tokenizer(_tiny_tokenizer(tiny_data))
     documents = [text[:5000], *parts[:40], *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
     expected = [i for doc in documents for i in tokenizer.encode_document(doc)]
