@@ -148,7 +148,9 @@ def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_p
            "--input", str(plays_jsonl), *map(str, flags)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (tmp_path / "cut" / "train" / "shard_00004.bin.meta.json").exists() and time.monotonic() < deadline:
+    # Past the first task (about 7 training shards), so both writers have complete shards: a writer takes a task's
+    # documents whole, and the restart goes on from the writer that is behind.
+    while not (tmp_path / "cut" / "train" / "shard_00010.bin.meta.json").exists() and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
