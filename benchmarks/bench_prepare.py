@@ -49,8 +49,12 @@ def make_tokenizers(work: Path, vocab: int = 4000) -> dict[str, str]:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.train([str(plays)], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    tk.train(
+        [str(plays)],
+        trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     (work / "hf").mkdir(exist_ok=True)
     tk.save(str(work / "hf" / "tokenizer.json"))
     (work / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
@@ -92,9 +96,24 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 def ours(recipe_path: str, corpus: Path, tokenizer_path: str, workers: int, out: Path) -> dict:
-    cmd = [sys.executable, str(TOOL), "--recipe", recipe_path, "--data.tokenizer_path", tokenizer_path,
-           "--data.train_path", str(out / "train"), "--data.val_path", str(out / "val"), "--input", str(corpus),
-           "--workers", str(workers), "--force", "true"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(TOOL),
+        "--recipe",
+        recipe_path,
+        "--data.tokenizer_path",
+        tokenizer_path,
+        "--data.train_path",
+        str(out / "train"),
+        "--data.val_path",
+        str(out / "val"),
+        "--input",
+        str(corpus),
+        "--workers",
+        str(workers),
+        "--force",
+        "true",
+    ]
     start, peak = time.perf_counter(), 0
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while proc.poll() is None:
@@ -111,9 +130,26 @@ def loader_cost(recipe_path: str, corpus: Path, tokenizer_path: str, work: Path,
     """Seconds per next_batch (micro-batch 8 x 2048 tokens, shuffled) over one token file and over the same tokens
     as shards of 5M tokens, alternating rounds of `steps` batches."""
     for target in ("one.bin", "shards"):
-        subprocess.run([sys.executable, str(TOOL), "--recipe", recipe_path, "--data.tokenizer_path", tokenizer_path,
-                        "--data.train_path", str(work / target), "--data.val_path", "null", "--input", str(corpus),
-                        "--shard_tokens", "5000000"], check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                str(TOOL),
+                "--recipe",
+                recipe_path,
+                "--data.tokenizer_path",
+                tokenizer_path,
+                "--data.train_path",
+                str(work / target),
+                "--data.val_path",
+                "null",
+                "--input",
+                str(corpus),
+                "--shard_tokens",
+                "5000000",
+            ],
+            check=True,
+            capture_output=True,
+        )
     times: dict[str, list[float]] = {"file": [], "shards": []}
     for _ in range(3):
         for name, path in (("file", work / "one.bin"), ("shards", work / "shards")):
@@ -159,14 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         ratio = directs[r["size_mb"], r["tokenizer"]]["seconds"] / r["seconds"]
         rss = f"{r['peak_rss_gb']:.2f} GB" if "peak_rss_gb" in r else "-"
-        print(f"| {r['size_mb']:,.0f} MB jsonl | {r['tokenizer']} | {r['impl']} | {r['size_mb'] / r['seconds']:.2f} | "
-              f"{r['tokens'] / r['seconds']:,.0f} | {ratio:.2f} | {rss} |")  # fmt: skip
+        print(
+            f"| {r['size_mb']:,.0f} MB jsonl | {r['tokenizer']} | {r['impl']} | {r['size_mb'] / r['seconds']:.2f} | "
+            f"{r['tokens'] / r['seconds']:,.0f} | {ratio:.2f} | {rss} |"
+        )
     loader = None
     if args.loader_steps:
         corpus = work / f"corpus_{min(args.sizes_mb)}mb.jsonl"
         loader = loader_cost(recipe_path, corpus, tokenizers["sp"], work, args.loader_steps)
-        print(f"loader, seconds per batch of 8 x 2048: one file {loader['file'] * 1e3:.3f} ms, "
-              f"shards {loader['shards'] * 1e3:.3f} ms")  # fmt: skip
+        print(
+            f"loader, seconds per batch of 8 x 2048: one file {loader['file'] * 1e3:.3f} ms, "
+            f"shards {loader['shards'] * 1e3:.3f} ms"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     header = report_header(recipe, args, ("sizes_mb", "workers", "tokenizers", "loader_steps"))
     Path(args.out).write_text(json.dumps({**header, "rows": rows, "loader_s_per_batch": loader}, indent=1))

@@ -280,8 +280,12 @@ class FileWriter:
     def finish(self, stamp: dict) -> None:
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
-        meta = {"dtype": self.dtype.name, "n_tokens": self.n_tokens, "vocab_size": self.vocab_size,
-                "tokenizer_sha256": self.tokenizer_sha256}  # fmt: skip
+        meta = {
+            "dtype": self.dtype.name,
+            "n_tokens": self.n_tokens,
+            "vocab_size": self.vocab_size,
+            "tokenizer_sha256": self.tokenizer_sha256,
+        }
         write_atomic(f"{self.path}.meta.json", json.dumps(meta, indent=2))
         write_atomic(f"{self.path}.inputs.json", json.dumps(stamp))
 
@@ -392,8 +396,9 @@ class ShardWriter:
         path = self.dir / shard_name(len(self.shards))
         tokens = np.concatenate(pieces)
         sha = hashlib.sha256(tokens.astype(np.dtype(token_dtype(self.vocab_size)).newbyteorder("<")).tobytes())
-        write_token_file(path, tokens, self.vocab_size, self.tokenizer_sha256,
-                         {"sha256": sha.hexdigest(), "end": list(end)})  # fmt: skip
+        write_token_file(
+            path, tokens, self.vocab_size, self.tokenizer_sha256, {"sha256": sha.hexdigest(), "end": list(end)}
+        )
         self.shards.append({"file": path.name, "n_tokens": n_tokens, "sha256": sha.hexdigest()})
         self.end = end
 
@@ -492,9 +497,14 @@ def prepare(
         )
     fingerprint = tokenizer.fingerprint()
     stat = [os.stat(f) for f in files]
-    stamp = {"inputs": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, stat, strict=True)],
-             "tokenizer": fingerprint, "val_fraction": val_fraction, "text_key": text_key,
-             "shard_tokens": shard_tokens, "skip_bad_records": skip_bad_records}  # fmt: skip
+    stamp = {
+        "inputs": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, stat, strict=True)],
+        "tokenizer": fingerprint,
+        "val_fraction": val_fraction,
+        "text_key": text_key,
+        "shard_tokens": shard_tokens,
+        "skip_bad_records": skip_bad_records,
+    }
     outputs = [data.train_path] + ([data.val_path] if data.val_path and val_fraction else [])
     if not force and all(_writer_kind(p).is_done(p, stamp) for p in outputs):
         print(f"data already prepared: {', '.join(outputs)} (pass --force to rebuild)")

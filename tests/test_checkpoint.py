@@ -147,10 +147,24 @@ def test_resume_over_shards_and_a_mixture_is_exact_and_reshards(tiny_data, tmp_p
     """The same guarantees over a mixture of the tiny corpus as one file (weight 2) and as a directory of small
     shards (weight 1, so windows cross shards), and metrics.jsonl says what each source gave."""
     data = json.loads(tiny_data.read_text())["data"]
-    subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tiny_data),
-                    "--input", str(tiny_data.parent / "corpus.txt"), "--shard_tokens", "5000",
-                    "--data.train_path", str(tmp_path / "shards"), "--data.val_path", "null"],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_data.py"),
+            "--recipe",
+            str(tiny_data),
+            "--input",
+            str(tiny_data.parent / "corpus.txt"),
+            "--shard_tokens",
+            "5000",
+            "--data.train_path",
+            str(tmp_path / "shards"),
+            "--data.val_path",
+            "null",
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert len(list((tmp_path / "shards").glob("shard_*.bin"))) > 10
     mixture = json.dumps([{"path": data["train_path"], "weight": 2.0}, {"path": str(tmp_path / "shards")}])
     flags = {"data": {"mixture": mixture}, "checkpoint": {"every": 3}}
@@ -158,8 +172,10 @@ def test_resume_over_shards_and_a_mixture_is_exact_and_reshards(tiny_data, tmp_p
     train_cli(_args(tiny_data, tmp_path / "cut", 3, **flags), nproc=2)
     train_cli(_args(tiny_data, tmp_path / "cut", 6, **flags), nproc=2)
     assert train_losses(tmp_path / "cut") == train_losses(tmp_path / "whole")  # bitwise
-    one_rank = {"data": {"mixture": mixture, "grad_accum_steps": 2},
-                "checkpoint": {"resume": tmp_path / "cut" / "checkpoints" / "step_00000003"}}  # fmt: skip
+    one_rank = {
+        "data": {"mixture": mixture, "grad_accum_steps": 2},
+        "checkpoint": {"resume": tmp_path / "cut" / "checkpoints" / "step_00000003"},
+    }
     train_cli(_args(tiny_data, tmp_path / "one", 6, **one_rank))
     for step, loss in train_losses(tmp_path / "one").items():
         assert loss == pytest.approx(train_losses(tmp_path / "whole")[step], rel=1e-5)

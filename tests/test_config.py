@@ -22,8 +22,9 @@ def test_overrides_and_types():
 
 def test_resolved_yaml_round_trips(tmp_path):
     recipe = parse_recipe(["--model.family", "qwen3", "--model.head_dim", "64", "--train.steps", "7"])
-    scaled = parse_recipe(["--model.rope_scaling.factor", "32", "--model.rope_scaling.original_max_position_embeddings",
-                           "8192"])  # fmt: skip
+    scaled = parse_recipe(
+        ["--model.rope_scaling.factor", "32", "--model.rope_scaling.original_max_position_embeddings", "8192"]
+    )
     assert scaled.model.rope_scaling.factor == 32.0 and scaled.model.rope_scaling.high_freq_factor == 4.0
     (tmp_path / "s.yaml").write_text(recipe_to_yaml(scaled))
     assert load_recipe(tmp_path / "s.yaml") == scaled

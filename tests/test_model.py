@@ -96,8 +96,17 @@ def test_logits_match_transformers(family, tie):
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))
 def test_rope_scaled_logits_match_transformers(scaling):
-    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=101, max_seq_len=64,
-                      rope_theta=500000.0, rope_scaling=SCALINGS[scaling])  # fmt: skip
+    cfg = ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=160,
+        vocab_size=101,
+        max_seq_len=64,
+        rope_theta=500000.0,
+        rope_scaling=SCALINGS[scaling],
+    )
     ours = Transformer(cfg)
     ours.init_weights(seed=3)
     hf = hf_model(cfg)

@@ -79,9 +79,20 @@ def _tiny_tokenizer(tiny_data) -> str:
 
 def _run_tool(tiny_data, out, inputs, *flags, check=True):
     """prepare_data.py with the tiny tokenizer, outputs under `out` (a directory of shards unless flags say)."""
-    cmd = [*TOOL, "--recipe", str(tiny_data), "--data.tokenizer_path", _tiny_tokenizer(tiny_data),
-           "--data.train_path", str(out / "train"), "--data.val_path", str(out / "val"), "--input", *map(str, inputs),
-           *map(str, flags)]  # fmt: skip
+    cmd = [
+        *TOOL,
+        "--recipe",
+        str(tiny_data),
+        "--data.tokenizer_path",
+        _tiny_tokenizer(tiny_data),
+        "--data.train_path",
+        str(out / "train"),
+        "--data.val_path",
+        str(out / "val"),
+        "--input",
+        *map(str, inputs),
+        *map(str, flags),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -115,8 +126,15 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
         f.writelines(json.dumps({"body": p}) + "\n" for p in parts[:40])
     pq.write_table(pa.table({"body": parts[40:80]}), tmp_path / "in" / "c.parquet", row_group_size=7)
     out = tmp_path / "out"
-    _run_tool(tiny_data, out, [tmp_path / "in" / "*.txt", tmp_path / "in" / "*.[jp]*"], "--text_key", "body",
-              "--data.val_path", "null")  # no validation output: every token goes to training  # fmt: skip
+    _run_tool(
+        tiny_data,
+        out,
+        [tmp_path / "in" / "*.txt", tmp_path / "in" / "*.[jp]*"],
+        "--text_key",
+        "body",
+        "--data.val_path",
+        "null",
+    )  # no validation output: every token goes to training
     tokenizer = load_tokenizer(_tiny_tokenizer(tiny_data))
     documents = [text[:5000], *parts[:40], *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
     expected = [i for doc in documents for i in tokenizer.encode_document(doc)]
@@ -127,8 +145,9 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
 def test_the_bytes_written_do_not_depend_on_the_workers(tiny_data, tmp_path, plays_jsonl):
     outputs = {}
     for workers in (1, 2):
-        proc = _run_tool(tiny_data, tmp_path / str(workers), [plays_jsonl], "--workers", workers,
-                         "--shard_tokens", 200_000)  # fmt: skip
+        proc = _run_tool(
+            tiny_data, tmp_path / str(workers), [plays_jsonl], "--workers", workers, "--shard_tokens", 200_000
+        )
         assert f"{workers} worker(s)" in proc.stdout
         outputs[workers] = _tree_bytes(tmp_path / str(workers))
     assert len([name for name in outputs[1] if name.endswith(".bin")]) > 6  # several shards of train and val
@@ -143,9 +162,20 @@ def test_the_bytes_written_do_not_depend_on_the_workers(tiny_data, tmp_path, pla
 def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_path, plays_jsonl):
     flags = ["--workers", "1", "--shard_tokens", 40_000]
     _run_tool(tiny_data, tmp_path / "whole", [plays_jsonl], *flags)
-    cmd = [*TOOL, "--recipe", str(tiny_data), "--data.tokenizer_path", _tiny_tokenizer(tiny_data),
-           "--data.train_path", str(tmp_path / "cut" / "train"), "--data.val_path", str(tmp_path / "cut" / "val"),
-           "--input", str(plays_jsonl), *map(str, flags)]  # fmt: skip
+    cmd = [
+        *TOOL,
+        "--recipe",
+        str(tiny_data),
+        "--data.tokenizer_path",
+        _tiny_tokenizer(tiny_data),
+        "--data.train_path",
+        str(tmp_path / "cut" / "train"),
+        "--data.val_path",
+        str(tmp_path / "cut" / "val"),
+        "--input",
+        str(plays_jsonl),
+        *map(str, flags),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     # Past the first task (about 7 training shards), so both writers have complete shards: a writer takes a task's
@@ -169,14 +199,25 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
     (tmp_path / "a.jsonl").write_text(f"{good}\n{{not json\n{good}\n")
     (tmp_path / "b.jsonl").write_text(f'{good}\n{{"title": "no text here"}}\n')
     pq.write_table(pa.table({"text": ["a line", None, "another"]}), tmp_path / "c.parquet")
-    cases = [(tmp_path / "a.jsonl", "a.jsonl:2: not JSON"), (tmp_path / "b.jsonl", "b.jsonl:2: no text field"),
-             (tmp_path / "c.parquet", "c.parquet: row 2: 'text' is NoneType")]  # fmt: skip
+    cases = [
+        (tmp_path / "a.jsonl", "a.jsonl:2: not JSON"),
+        (tmp_path / "b.jsonl", "b.jsonl:2: no text field"),
+        (tmp_path / "c.parquet", "c.parquet: row 2: 'text' is NoneType"),
+    ]
     for path, where in cases:
         proc = _run_tool(tiny_data, tmp_path / "out", [path], check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and where in proc.stderr, proc.stderr
         assert "--skip_bad_records" in proc.stderr and not (tmp_path / "out" / "train" / "manifest.json").exists()
-    one_file = _run_tool(tiny_data, tmp_path / "one", [tmp_path / "a.jsonl"], "--data.train_path", tmp_path / "t.bin",
-                         "--data.val_path", "null", check=False)  # fmt: skip
+    one_file = _run_tool(
+        tiny_data,
+        tmp_path / "one",
+        [tmp_path / "a.jsonl"],
+        "--data.train_path",
+        tmp_path / "t.bin",
+        "--data.val_path",
+        "null",
+        check=False,
+    )
     assert one_file.returncode == 1 and not list(tmp_path.glob("t.bin*"))  # nothing half-written stays
     inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
     proc = _run_tool(tiny_data, tmp_path / "out", inputs, "--skip_bad_records", "true", "--val_fraction", "0")

@@ -46,8 +46,9 @@ def save_hf_tokenizer(out_dir, family: str):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator([corpus(200_000)], trainer)
     if bos:
         tk.post_processor = processors.TemplateProcessing(
@@ -61,10 +62,19 @@ def save_hf_tokenizer(out_dir, family: str):
 
 def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
     v = VARIANTS[variant]
-    config = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32 if v["family"] == "qwen3" else 16,
-                  max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=500000.0,
-                  tie_word_embeddings=v["tie_word_embeddings"])  # fmt: skip
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32 if v["family"] == "qwen3" else 16,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        tie_word_embeddings=v["tie_word_embeddings"],
+    )
     if v["rope_scaling"]:
         config["rope_scaling"] = dict(v["rope_scaling"])
     config_cls = transformers.Qwen3Config if v["family"] == "qwen3" else transformers.LlamaConfig
@@ -83,13 +93,18 @@ def recipe_for(tmp_path) -> str:
     """The run's data, batch and schedule; the model section comes from the imported model.yaml."""
     recipe = {
         "parallel": {"mixed_precision": "fp32"},
-        "data": {"train_path": str(tmp_path / "data" / "train.bin"), "val_path": str(tmp_path / "data" / "val.bin"),
-                 "tokenizer_path": str(tmp_path / "imported"), "seq_len": 32, "micro_batch_size": 2},
+        "data": {
+            "train_path": str(tmp_path / "data" / "train.bin"),
+            "val_path": str(tmp_path / "data" / "val.bin"),
+            "tokenizer_path": str(tmp_path / "imported"),
+            "seq_len": 32,
+            "micro_batch_size": 2,
+        },
         # A learning rate of 1e-20 leaves fp32 weights bitwise as imported: the evaluation is the imported model's.
         "optim": {"lr": 1e-20, "min_lr": 0.0, "warmup_steps": 0},
         "train": {"steps": 1, "log_every": 1, "eval_every": 1, "eval_steps": 2},
         "checkpoint": {"every": 1},
-    }  # fmt: skip
+    }
     (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
     return str(tmp_path / "recipe.yaml")
 
@@ -112,8 +127,18 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
     (tmp_path / "more.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
     recipe = recipe_for(tmp_path)
     model_yaml = str(imported / "model.yaml")
-    tool("prepare_data.py", "--recipe", recipe, "--recipe", model_yaml, "--input", tmp_path / "plays.txt",
-         tmp_path / "more.jsonl", "--val_fraction", "0.1")  # fmt: skip
+    tool(
+        "prepare_data.py",
+        "--recipe",
+        recipe,
+        "--recipe",
+        model_yaml,
+        "--input",
+        tmp_path / "plays.txt",
+        tmp_path / "more.jsonl",
+        "--val_fraction",
+        "0.1",
+    )
 
     # Documents are encoded as the model was pretrained: Llama's with BOS first, Qwen3's without; EOS last.
     train = TokenFile(tmp_path / "data" / "train.bin").tokens
@@ -124,8 +149,16 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
     assert ids.count(original_tokenizer.bos_token_id) == (documents if family == "llama" else 0)
 
     run = tmp_path / "run"
-    launch = ["--recipe", recipe, "--recipe", model_yaml, "--checkpoint.resume", str(imported), "--train.out_dir",
-              str(run)]  # fmt: skip
+    launch = [
+        "--recipe",
+        recipe,
+        "--recipe",
+        model_yaml,
+        "--checkpoint.resume",
+        str(imported),
+        "--train.out_dir",
+        str(run),
+    ]
     train_cli(launch)
     [val_loss] = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
 
@@ -167,14 +200,16 @@ def llama_tokenizer_dir(tmp_path_factory):
 
 
 def _prepare(tiny_data, *flags):
-    return tool("prepare_data.py", "--recipe", tiny_data, "--input", tiny_data.parent / "corpus.txt", *flags,
-                check=False)  # fmt: skip
+    return tool(
+        "prepare_data.py", "--recipe", tiny_data, "--input", tiny_data.parent / "corpus.txt", *flags, check=False
+    )
 
 
 def test_a_tiktoken_file_is_refused_naming_tokenizer_json(tiny_data, tmp_path):
     (tmp_path / "tokenizer.model").write_text("IQ== 0\nIg== 1\nIw== 2\nJA== 3\n")  # Llama 3's original/ layout
-    proc = _prepare(tiny_data, "--data.tokenizer_path", tmp_path / "tokenizer.model",
-                    "--data.train_path", tmp_path / "t.bin")  # fmt: skip
+    proc = _prepare(
+        tiny_data, "--data.tokenizer_path", tmp_path / "tokenizer.model", "--data.train_path", tmp_path / "t.bin"
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "is a tiktoken BPE file" in proc.stderr and "tokenizer.json" in proc.stderr, proc.stderr
     assert not (tmp_path / "t.bin").exists()
@@ -188,16 +223,36 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_data, tmp_
 
 
 def test_token_files_of_another_tokenizer_are_refused(tiny_data, tmp_path, llama_tokenizer_dir):
-    proc = train_cli(["--recipe", str(tiny_data), "--train.out_dir", str(tmp_path), "--data.tokenizer_path",
-                      str(llama_tokenizer_dir), "--model.vocab_size", "600"], check=False)  # fmt: skip
+    proc = train_cli(
+        [
+            "--recipe",
+            str(tiny_data),
+            "--train.out_dir",
+            str(tmp_path),
+            "--data.tokenizer_path",
+            str(llama_tokenizer_dir),
+            "--model.vocab_size",
+            "600",
+        ],
+        check=False,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "train.bin was not made with data.tokenizer_path=" in proc.stderr, proc.stderr
 
 
 def test_an_existing_tokenizer_is_used_as_it_is_never_retrained(tiny_data, tmp_path, llama_tokenizer_dir):
     before = {p.name: p.read_bytes() for p in llama_tokenizer_dir.iterdir()}
-    proc = _prepare(tiny_data, "--data.tokenizer_path", llama_tokenizer_dir, "--model.vocab_size", "600",
-                    "--data.train_path", tmp_path / "t.bin", "--data.val_path", "null")  # fmt: skip
+    proc = _prepare(
+        tiny_data,
+        "--data.tokenizer_path",
+        llama_tokenizer_dir,
+        "--model.vocab_size",
+        "600",
+        "--data.train_path",
+        tmp_path / "t.bin",
+        "--data.val_path",
+        "null",
+    )
     assert proc.returncode == 0, proc.stderr
     assert {p.name: p.read_bytes() for p in llama_tokenizer_dir.iterdir()} == before
     ids = TokenFile(tmp_path / "t.bin").tokens

@@ -30,14 +30,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--force", type=bool, default=False, help="rebuild even if the outputs are up to date")
     parser.add_argument("--workers", type=int | None, help="tokenizing processes (default: all cores)")
-    parser.add_argument("--shard_tokens", type=int, default=50_000_000,
-                        help="tokens per shard when a data path is a directory (uint16: 100 MB)")  # fmt: skip
-    parser.add_argument("--skip_bad_records", type=bool, default=False,
-                        help="skip (and count) records without text instead of stopping at the first")  # fmt: skip
+    parser.add_argument(
+        "--shard_tokens",
+        type=int,
+        default=50_000_000,
+        help="tokens per shard when a data path is a directory (uint16: 100 MB)",
+    )
+    parser.add_argument(
+        "--skip_bad_records",
+        type=bool,
+        default=False,
+        help="skip (and count) records without text instead of stopping at the first",
+    )
     recipe, args = parse_args(parser, argv)
     with one_line_errors():
-        prepare(recipe, args.input, args.val_fraction, args.vocab_size, args.force, args.text_key, args.workers,
-                args.shard_tokens, args.skip_bad_records)  # fmt: skip
+        prepare(
+            recipe,
+            args.input,
+            args.val_fraction,
+            args.vocab_size,
+            args.force,
+            args.text_key,
+            args.workers,
+            args.shard_tokens,
+            args.skip_bad_records,
+        )
 
 
 if __name__ == "__main__":
