@@ -20,14 +20,14 @@ from pathlib import Path
 
 from runner import report_header, run_ours, synthetic_data
 
-from fsdp_trainer.config import COMPUTE_DTYPES, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
+from fsdp_trainer.config import compute_dtype, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
 from fsdp_trainer.model import count_params
 from fsdp_trainer.plan import comm_bytes_per_rank
 
 
 def sent(recipe, n_params: int, nproc: int) -> float:
     """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.plan (one node)."""
-    a = COMPUTE_DTYPES[recipe.parallel.mixed_precision].itemsize
+    a = compute_dtype(recipe.parallel.mixed_precision).itemsize
     return comm_bytes_per_rank(recipe.parallel.sharding, n_params, a, recipe.data.grad_accum_steps, nproc, 1)[0]
 
 

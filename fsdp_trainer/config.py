@@ -13,14 +13,20 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NoReturn
 
-import torch
-
 from fsdp_trainer.files import CONFIG_FILE, write_atomic
 
 Precision = Literal["bf16", "fp32"]
-COMPUTE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""The one table of compute dtypes: parallel.mixed_precision and the HF export's --dtype name them, and
-`.itemsize` gives the bytes per element the planner counts."""
+COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
+"""The one table of compute dtypes: parallel.mixed_precision and the HF export's --dtype name them; each maps to the
+torch dtype's name (HF's `torch_dtype`). compute_dtype() gives the dtype, whose `.itemsize` is the bytes per element
+the planner counts. Names, not dtypes, so that reading a recipe does not import torch (data preparation never does)."""
+
+
+# torch is imported here, not in a TYPE_CHECKING block: jsonargparse executes those while it reads the sections.
+def compute_dtype(name: str) -> torch.dtype:  # noqa: F821
+    import torch
+
+    return getattr(torch, COMPUTE_DTYPES[name])
 
 
 def _require(ok: bool, message: str) -> None:

@@ -24,7 +24,7 @@ from fsdp_trainer.checkpoint import (
     resolve_checkpoint,
     save_model_weights,
 )
-from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, load_sections, sections_to_yaml
+from fsdp_trainer.config import ModelConfig, compute_dtype, load_sections, sections_to_yaml
 from fsdp_trainer.hf import (
     check_safetensors,
     check_with_transformers,
@@ -101,7 +101,7 @@ def consolidate(
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
     state = load_model_weights(ckpt, shapes)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
-    torch_dtype = COMPUTE_DTYPES[dtype]
+    torch_dtype = compute_dtype(dtype)
 
     if verify == "auto":
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling
+from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling, compute_dtype
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -46,7 +46,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         "attention_dropout": 0.0,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": str(COMPUTE_DTYPES[dtype]).removeprefix("torch."),
+        "torch_dtype": COMPUTE_DTYPES[dtype],
         "initializer_range": cfg.init_std,
         "use_cache": True,
     }
@@ -110,7 +110,7 @@ def save_safetensors(
     Only one shard's tensors are converted to `dtype` at a time, so the memory beyond `state` is one shard.
     """
     out_dir = Path(out_dir)
-    torch_dtype = COMPUTE_DTYPES[dtype]
+    torch_dtype = compute_dtype(dtype)
     shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in state.items():

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import COMPUTE_DTYPES, ParallelConfig
+from fsdp_trainer.config import ParallelConfig, compute_dtype
 from fsdp_trainer.model import Transformer
 
 logger = logging.getLogger("fsdp_trainer")
@@ -301,7 +301,7 @@ def apply_fsdp(
     plan = SHARDING[sharding]
     # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
     # gradient reduction stay fp32 whatever it is.
-    mp_policy = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(mixed_precision), reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
     blocks = list(model.model.layers.values())
     if not blocks:

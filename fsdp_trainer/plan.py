@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, Recipe, parse_args, recipe_parser
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.model import count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
 from fsdp_trainer.parallel import SHARDING
@@ -124,7 +124,7 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
 def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str) -> Estimate:
     cfg, data = recipe.model, recipe.data
     _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
-    a = COMPUTE_DTYPES[recipe.parallel.mixed_precision].itemsize
+    a = compute_dtype(recipe.parallel.mixed_precision).itemsize
     n_params, n_block = count_params(cfg), count_params(cfg, one_block=True)
     n_root = n_params - cfg.n_layers * n_block
     prefetch = recipe.parallel.prefetch_blocks

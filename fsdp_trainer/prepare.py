@@ -41,11 +41,14 @@ from pathlib import Path
 import numpy as np
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.data import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
 from fsdp_trainer.files import file_sha256, write_atomic
 from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
+from fsdp_trainer.tokens import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
 
-TASK_CHARS = 1 << 20  # text per tokenization task: large enough to amortize the trip to a worker
+BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
+"""The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
+
+TASK_BYTES = 1 << 20  # text per tokenization task: large enough to amortize the trip to a worker
 TASK_DOCS = 1024
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
 
@@ -83,9 +86,10 @@ def _open_text(path: str):
 
 
 def _blocks(path: str, text_key: str) -> Iterator[tuple[int, list]]:
-    """One input file as (number of its first record, records) blocks of about TASK_CHARS characters: lines of a
-    .jsonl as read (blank ones included, so record n is line n), rows of a parquet column (None where missing), or
-    the whole text of any other file."""
+    """One input file as (number of its first record, records) blocks of about TASK_BYTES bytes: lines of a .jsonl as
+    bytes, undecoded (blank ones included, so record n is line n; a worker decodes them, which saves this process
+    decoding, and pickling as text, every byte of the corpus), rows of a parquet column (None where missing), or the
+    whole text of any other file."""
     kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -99,14 +103,23 @@ def _blocks(path: str, text_key: str) -> Iterator[tuple[int, list]]:
             yield row, texts
             row += len(texts)
         return
-    with _open_text(path) as f:
-        if kind == "text":
+    if kind == "text":
+        with _open_text(path) as f:
             yield 1, [f.read()]
-            return
-        line = 1
-        while lines := f.readlines(TASK_CHARS):  # whole lines, about TASK_CHARS of them, in one C call
+        return
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        line, rest = 1, b""
+        while block := f.read(TASK_BYTES):
+            block = rest + block
+            end = block.rfind(b"\n")
+            if end < 0:  # a line longer than a block: read on
+                rest = block
+                continue
+            lines, rest = block[:end].split(b"\n"), block[end + 1 :]
             yield line, lines
             line += len(lines)
+        if rest:  # the last line, without a newline
+            yield line, [rest]
 
 
 def _where(path: str, kind: str, number: int) -> str:
@@ -119,7 +132,7 @@ def _text_of(record: object, kind: str, text_key: str) -> tuple[str | None, str]
         return (record, "") if isinstance(record, str) else (None, f"{text_key!r} is {type(record).__name__}, not text")
     try:
         value = json.loads(record)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
         return None, f"not JSON ({e})"
     text = value.get(text_key) if isinstance(value, dict) else None
     return (text, "") if isinstance(text, str) else (None, f"no text field {text_key!r}")
@@ -153,7 +166,7 @@ class Task:
 
 
 def _tasks(files: list[str], text_key: str, start: int) -> Iterator[Task]:
-    """The input stream in tasks of about TASK_CHARS characters, from record `start` on (earlier ones are read and
+    """The input stream in tasks of about TASK_BYTES bytes, from record `start` on (earlier ones are read and
     dropped: they are in shards kept from an interrupted run)."""
     index = 0
     for path in files:
@@ -395,7 +408,7 @@ class ShardWriter:
         self.buffered -= n_tokens
         path = self.dir / shard_name(len(self.shards))
         tokens = np.concatenate(pieces)
-        sha = hashlib.sha256(tokens.astype(np.dtype(token_dtype(self.vocab_size)).newbyteorder("<")).tobytes())
+        sha = hashlib.sha256(tokens.astype(np.dtype(token_dtype(self.vocab_size)).newbyteorder("<"), copy=False))
         write_token_file(
             path, tokens, self.vocab_size, self.tokenizer_sha256, {"sha256": sha.hexdigest(), "end": list(end)}
         )

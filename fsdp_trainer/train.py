@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, check_disk_room
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
-from fsdp_trainer.data import Mixture, TokenLoader, Tokens, open_data
+from fsdp_trainer.data import Mixture, TokenLoader, open_data
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer, count_params
@@ -37,6 +37,7 @@ from fsdp_trainer.parallel import (
     set_gradient_sync,
     silent_ranks,
 )
+from fsdp_trainer.tokens import Tokens
 
 logger = logging.getLogger("fsdp_trainer")
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_trainer.data import Mixture, TokenFile, TokenLoader, open_tokens, write_token_file
+from fsdp_trainer.data import Mixture, TokenLoader
 from fsdp_trainer.prepare import Part, ShardWriter
+from fsdp_trainer.tokens import TokenFile, open_tokens, write_token_file
 
 
 @pytest.fixture(params=["file", "shards"])

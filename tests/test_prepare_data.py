@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from fsdp_trainer.data import BUNDLED_CORPUS, TokenFile, open_tokens
+from fsdp_trainer.prepare import BUNDLED_CORPUS
 from fsdp_trainer.tokenizer import load_tokenizer
+from fsdp_trainer.tokens import TokenFile, open_tokens
 from tests.helpers import REPO
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
@@ -120,10 +121,12 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         text = f.read(60_000)
     parts = [p for p in text.split("\n\n") if p.strip()]
+    long = "\n\n".join(parts) * 25  # a record longer than the blocks the input is read in (1 MiB)
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.txt").write_text(text[:5000])
     with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"body": p}) + "\n" for p in parts[:40])
+        f.write(json.dumps({"body": long}))  # the last line without a newline
     pq.write_table(pa.table({"body": parts[40:80]}), tmp_path / "in" / "c.parquet", row_group_size=7)
     out = tmp_path / "out"
     _run_tool(
@@ -136,7 +139,7 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
         "null",
     )  # no validation output: every token goes to training
     tokenizer = load_tokenizer(_tiny_tokenizer(tiny_data))
-    documents = [text[:5000], *parts[:40], *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
+    documents = [text[:5000], *parts[:40], long, *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
     expected = [i for doc in documents for i in tokenizer.encode_document(doc)]
     assert list(open_tokens(out / "train").windows(np.array([0]), len(expected))[0]) == expected
     assert len(open_tokens(out / "train")) == len(expected)
@@ -199,10 +202,12 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
     (tmp_path / "a.jsonl").write_text(f"{good}\n{{not json\n{good}\n")
     (tmp_path / "b.jsonl").write_text(f'{good}\n{{"title": "no text here"}}\n')
     pq.write_table(pa.table({"text": ["a line", None, "another"]}), tmp_path / "c.parquet")
+    (tmp_path / "d.jsonl").write_bytes(f"{good}\n".encode() + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
     cases = [
         (tmp_path / "a.jsonl", "a.jsonl:2: not JSON"),
         (tmp_path / "b.jsonl", "b.jsonl:2: no text field"),
         (tmp_path / "c.parquet", "c.parquet: row 2: 'text' is NoneType"),
+        (tmp_path / "d.jsonl", "d.jsonl:2: not JSON ('utf-8' codec can't decode byte 0xe9"),
     ]
     for path, where in cases:
         proc = _run_tool(tiny_data, tmp_path / "out", [path], check=False)
@@ -219,8 +224,8 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
         check=False,
     )
     assert one_file.returncode == 1 and not list(tmp_path.glob("t.bin*"))  # nothing half-written stays
-    inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.parquet"]
+    inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.parquet", tmp_path / "d.jsonl"]
     proc = _run_tool(tiny_data, tmp_path / "out", inputs, "--skip_bad_records", "true", "--val_fraction", "0")
-    assert "prepared 5 documents, 3 bad record(s) skipped" in proc.stdout, proc.stdout
+    assert "prepared 6 documents, 4 bad record(s) skipped" in proc.stdout, proc.stdout
     missing = _run_tool(tiny_data, tmp_path / "out", [tmp_path / "c.parquet"], "--text_key", "body", check=False)
     assert missing.returncode == 1 and "c.parquet: no column 'body'" in missing.stderr

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_trainer.data import BUNDLED_CORPUS, TokenFile
+from fsdp_trainer.prepare import BUNDLED_CORPUS
+from fsdp_trainer.tokens import TokenFile
 from tests.helpers import read_metrics, train_cli
 from tests.test_hf import LLAMA3_SCALING, tool
 

@@ -11,8 +11,7 @@ sentencepiece one is trained there only when none exists. See fsdp_trainer.prepa
 from __future__ import annotations
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
-from fsdp_trainer.data import BUNDLED_CORPUS
-from fsdp_trainer.prepare import prepare
+from fsdp_trainer.prepare import BUNDLED_CORPUS, prepare
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,140 @@
+"""Token files on disk: the format data preparation writes and the loader reads (numpy only, so preparing data never
+imports torch).
+
+A token file is a flat little-endian array of uint16 (vocab <= 65535) or uint32 ids, with `<file>.meta.json` beside it
+giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
+corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
+concatenation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fsdp_trainer.files import write_atomic
+
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+MANIFEST = "manifest.json"
+"""The file that makes a directory of token shards a corpus: the shards in order, their sizes and checksums."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.bin"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+def write_token_file(
+    path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer_sha256: str, extra: dict | None = None
+) -> None:
+    """Write ids and their `.meta.json` (plus `extra` keys); each file appears whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
+    write_atomic(path, tokens.astype(_DTYPES[dtype], copy=False).tobytes())
+    meta = {
+        "dtype": dtype,
+        "n_tokens": int(tokens.size),
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_sha256,
+        **(extra or {}),
+    }
+    write_atomic(f"{path}.meta.json", json.dumps(meta, indent=2))
+
+
+class TokenFile:
+    """A memory-mapped token file, checked against its meta.json."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        meta_path = f"{path}.meta.json"
+        if not os.path.isfile(self.path) or not os.path.isfile(meta_path):
+            raise FileNotFoundError(
+                f"token file {self.path} (or its .meta.json) does not exist; run "
+                "`python tools/prepare_data.py --recipe RECIPE` to write it"
+            )
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        dtype = self.meta.get("dtype")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{meta_path}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        expected = int(self.meta["n_tokens"]) * _DTYPES[dtype].itemsize
+        if os.path.getsize(self.path) != expected:
+            raise ValueError(
+                f"{self.path} holds {os.path.getsize(self.path)} bytes but its meta.json says {expected}; "
+                "the file is truncated or foreign: prepare the data again"
+            )
+        self.tokens = np.memmap(self.path, dtype=_DTYPES[dtype], mode="r")
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def fingerprint(self) -> str:
+        m = self.meta
+        return f"{m['n_tokens']}:{m['dtype']}:{m['vocab_size']}:{m.get('tokenizer_sha256', '')}"
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """tokens[start : start + length] for each start, as int64 rows."""
+        return self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+
+
+class TokenShards:
+    """A directory of token files with a manifest, read as the concatenation of its shards in manifest order."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        manifest = Path(path) / MANIFEST
+        if not manifest.is_file():
+            raise FileNotFoundError(
+                f"token directory {self.path} has no {MANIFEST}: its preparation did not finish; run "
+                "`python tools/prepare_data.py` again, which keeps the shards already complete"
+            )
+        raw = manifest.read_bytes()
+        self.meta = json.loads(raw)
+        self.shards = [TokenFile(Path(path) / shard["file"]) for shard in self.meta["shards"]]
+        for shard, listed in zip(self.shards, self.meta["shards"], strict=True):
+            if len(shard) != listed["n_tokens"]:
+                raise ValueError(f"{shard.path} holds {len(shard)} tokens but {manifest} says {listed['n_tokens']}")
+        self.offsets = np.cumsum([0] + [len(shard) for shard in self.shards])
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
+        self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts):
+            index = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            done = 0
+            while done < length:  # a window may run over the end of one shard into the next
+                local = start + done - self.offsets[index]
+                piece = self.shards[index].tokens[local : local + length - done]
+                out[row, done : done + len(piece)] = piece
+                done += len(piece)
+                index += 1
+        return out
+
+
+Tokens = TokenFile | TokenShards
+
+
+def open_tokens(path: str | os.PathLike) -> Tokens:
+    """A token file, or a directory of shards with a manifest."""
+    return TokenShards(path) if os.path.isdir(path) else TokenFile(path)
