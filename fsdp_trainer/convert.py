@@ -21,8 +21,8 @@ from fsdp_trainer.checkpoint import (
     checkpoint_recipe,
     checkpoint_tokenizer,
     load_model_weights,
-    resolve_checkpoint,
     save_model_weights,
+    verified_checkpoint,
 )
 from fsdp_trainer.config import ModelConfig, compute_dtype, load_sections, sections_to_yaml
 from fsdp_trainer.hf import (
@@ -45,7 +45,7 @@ def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path | None]:
     """(step directory, model config, tokenizer file or None) of a checkpoint, checkpoints/ or run directory."""
-    ckpt = resolve_checkpoint(path)
+    ckpt = verified_checkpoint(path)  # a corrupted checkpoint never becomes a model or an HF directory
     sections = load_sections(checkpoint_recipe(ckpt))
     return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
 

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from fsdp_trainer.checkpoint import (
+    CHECKSUMS_FILE,
+    RECIPE_FILE,
+    CheckpointError,
+    checkpoint_status,
+    save_model_weights,
+    verified_checkpoint,
+    verify_checkpoint,
+)
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
@@ -183,3 +195,100 @@ def test_resume_over_shards_and_a_mixture_is_exact_and_reshards(tiny_data, tmp_p
     drawn = {name: source["tokens"] for name, source in last["mixture"].items()}
     assert set(drawn) == {"train", "shards"} and all(drawn.values())
     assert sum(drawn.values()) == 6 * 4 * 32  # 6 steps of 4 sequences of 32 tokens, from one source or the other
+
+
+# --- checksums: corruption is found before it is trusted --------------------------------------------------------------
+
+
+def corrupt(step: Path, kind: str) -> str:
+    """Damage a step directory as a bad disk or an interrupted copy would; returns the name of the damaged file."""
+    name = {"metadata": ".metadata", "attachment": RECIPE_FILE}.get(kind, "__0_0.distcp")
+    path = step / name
+    data = bytearray(path.read_bytes())
+    if kind == "deleted":
+        path.unlink()
+    elif kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    else:  # flipped, metadata, attachment: 4 KB (or half of a smaller file) flipped in place
+        start, end = len(data) // 4, len(data) // 4 + min(4096, len(data) // 2)
+        data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
+        path.write_bytes(data)
+    return name
+
+
+VERIFY = [sys.executable, str(REPO / "tools" / "verify_checkpoint.py")]
+KINDS = {
+    "flipped": "does not match its checksum",
+    "truncated": "(truncated or overwritten)",
+    "deleted": "is missing",
+    "metadata": "does not match its checksum",
+    "attachment": "does not match its checksum",
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_file_is_checked_against_its_checksum(tmp_path, kind):
+    """A weights-only checkpoint (what import_hf writes) with an attachment: whatever is damaged is named."""
+    state = {"w": torch.arange(50_000, dtype=torch.float32), "b": torch.ones(3)}
+    step = save_model_weights(state, tmp_path / "run", {RECIPE_FILE: b"model: {dim: 8}\n" * 100})
+    assert verify_checkpoint(step) == [] and checkpoint_status(step)[0] == "ok"
+    files = json.loads((step / CHECKSUMS_FILE).read_text())["files"]
+    assert sorted(files) == [".metadata", "__0_0.distcp", RECIPE_FILE]
+    name = corrupt(step, kind)
+    problems = verify_checkpoint(step)
+    assert len(problems) == 1 and str(step / name) in problems[0] and KINDS[kind] in problems[0], problems
+    with pytest.raises(CheckpointError, match="is corrupted: .*" + re.escape(KINDS[kind])):
+        verified_checkpoint(tmp_path / "run")
+    tool = subprocess.run([*VERIFY, str(tmp_path / "run")], capture_output=True, text=True)
+    assert tool.returncode == 1 and f"step_00000000  corrupted   {step / name}" in tool.stdout, tool.stdout
+
+
+def test_a_checkpoint_without_checksums_is_loaded_with_a_notice(tmp_path, caplog):
+    step = save_model_weights({"w": torch.ones(4)}, tmp_path)
+    (step / CHECKSUMS_FILE).unlink()  # as saved before checksums existed
+    assert verify_checkpoint(step) is None
+    assert verified_checkpoint(step) == step and "loading it unverified" in caplog.text
+    tool = subprocess.run([*VERIFY, str(step)], capture_output=True, text=True)
+    assert tool.returncode == 0 and "step_00000000  unverified" in tool.stdout, tool.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies(tiny_data, tmp_path, uninterrupted, kind):
+    """The newest of two checkpoints (steps 3 and 6 of a 2-rank run) is damaged: `resume: auto` says so in one line
+    and resumes from step 3; with the bytes flipped (the case that trained on silently before), the whole run then
+    equals the uninterrupted one. The other kinds only check the choice (a run of 3 steps has nothing left to do)."""
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    name = corrupt(tmp_path / "run" / "checkpoints" / "step_00000006", kind)
+    steps = 6 if kind == "flipped" else 3
+    proc = train_cli(_args(tiny_data, tmp_path / "run", steps, checkpoint={"every": 3}), nproc=2)
+    warning = f"checkpoint step_00000006 is corrupted: {tmp_path / 'run' / 'checkpoints' / 'step_00000006' / name}"
+    assert proc.stdout.count(warning) == 1 and KINDS[kind] in proc.stdout, proc.stdout
+    assert "resuming from step_00000003, the newest checkpoint that verifies" in proc.stdout
+    assert "at step 3" in proc.stdout
+    if kind == "flipped":
+        assert train_losses(tmp_path / "run") == train_losses(uninterrupted)  # steps 4-6 trained again, bitwise
+        verify = subprocess.run([*VERIFY, str(tmp_path / "run")], capture_output=True, text=True, check=True)
+        assert "step_00000006  ok" in verify.stdout
+
+
+def test_an_explicit_corrupted_checkpoint_is_refused_by_training_and_consolidation(
+    tiny_data, tmp_path, one_step_checkpoint
+):
+    shutil.copytree(one_step_checkpoint, tmp_path / "ckpt")
+    name = corrupt(tmp_path / "ckpt", "flipped")
+    message = f"checkpoint {tmp_path / 'ckpt'} is corrupted: {tmp_path / 'ckpt' / name} does not match its checksum"
+    proc = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": tmp_path / "ckpt"}), check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: rank 0: {message}: its bytes changed after it was saved"), proc.stderr
+    consolidate = [sys.executable, str(REPO / "tools" / "consolidate.py"), str(tmp_path / "ckpt"), str(tmp_path / "hf")]
+    proc = subprocess.run(consolidate, capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {message}: ")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_checkpoint_saved_before_checksums_resumes_with_a_notice(tiny_data, tmp_path, one_step_checkpoint):
+    shutil.copytree(one_step_checkpoint, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / CHECKSUMS_FILE).unlink()
+    proc = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": tmp_path / "ckpt"}))
+    assert proc.stdout.count("loading it unverified") == 1 and "at step 1" in proc.stdout, proc.stdout

@@ -142,3 +142,21 @@ def test_plot_draws_several_runs(tiny_data, tmp_path):
     assert missing.returncode == 1 and missing.stderr.strip() == (
         f"error: {tmp_path}/nope/metrics.jsonl does not exist: pass the train.out_dir of a run"
     )
+
+
+def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, tmp_path):
+    out = tmp_path / "checkpoint.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_checkpoint.py"), "--recipe", str(tiny_data), "--nproc", "2",
+         "--repeats", "2", "--work_dir", str(tmp_path / "ckpts"), "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert sorted(report["summary"]) == ["async_crc", "async_plain", "sync_crc", "sync_plain"]
+    assert len(report["saves"]) == 2 * 2 * 2 and len(report["verify_split_s"]) == len(report["verify_all_s"]) == 2
+    params = count_params(ModelConfig(**TINY_MODEL))
+    assert report["bytes"] > 12 * params  # fp32 weights and two AdamW moments, plus DCP's framing
+    for row in report["saves"]:
+        assert 0 < row["blocked_s"] <= row["total_s"]
+    assert "| async | ChecksummedWriter |" in proc.stdout

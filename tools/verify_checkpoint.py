@@ -1,0 +1,43 @@
+"""Check checkpoints against the checksums saved with them, without a GPU or a process group.
+
+    python tools/verify_checkpoint.py runs/1b                                  # every step of a run
+    python tools/verify_checkpoint.py runs/1b/checkpoints/step_00001000        # one step
+
+For checkpoints copied between clusters or kept on a doubtful disk: every file of each step is read and compared with
+the size and CRC-32 in its checksums.json. Prints a line per step (ok, unverified: saved before checksums existed,
+incomplete, or corrupted with the file named) and which step `latest` names; exits 1 if any step is corrupted or
+incomplete, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jsonargparse import ArgumentParser
+
+from fsdp_trainer.checkpoint import checkpoint_status, checkpoint_steps
+from fsdp_trainer.config import one_line_errors
+
+
+def main(argv: list[str] | None = None) -> None:
+    description = __doc__.split("\n\n")[0]
+    parser = ArgumentParser(prog="tools/verify_checkpoint.py", description=description, exit_on_error=False)
+    parser.add_argument("path", help="a step_NNNNNNNN directory, a checkpoints/ directory or a run directory")
+    with one_line_errors():
+        args = parser.parse_args(argv)
+        steps = checkpoint_steps(args.path)
+    bad = 0
+    for step in steps:
+        start = time.perf_counter()
+        status, detail = checkpoint_status(step)
+        bad += status in ("corrupted", "incomplete")
+        print(f"{step.name}  {status:<10}  {detail} ({time.perf_counter() - start:.2f} s)", flush=True)
+    latest = steps[-1].parent / "latest"
+    if latest.is_file():
+        print(f"latest -> {latest.read_text().strip()}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
