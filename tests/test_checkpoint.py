@@ -272,6 +272,17 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies(tiny_data
         assert "step_00000006  ok" in verify.stdout
 
 
+def test_resume_auto_with_no_checkpoint_that_verifies_is_one_error_line(tiny_data, tmp_path, uninterrupted):
+    shutil.copytree(uninterrupted, tmp_path / "run")
+    for step in ("step_00000003", "step_00000006"):
+        corrupt(tmp_path / "run" / "checkpoints" / step, "truncated")
+    proc = train_cli(_args(tiny_data, tmp_path / "run", 6, checkpoint={"every": 3}), check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: rank 0: no checkpoint under {tmp_path / 'run' / 'checkpoints'} verifies")
+    assert all(f"checkpoint step_0000000{step} is corrupted" in proc.stderr for step in (6, 3))
+    assert "--checkpoint.resume none" in proc.stderr
+
+
 def test_an_explicit_corrupted_checkpoint_is_refused_by_training_and_consolidation(
     tiny_data, tmp_path, one_step_checkpoint
 ):
