@@ -239,6 +239,10 @@ class TrainConfig:
     """Evaluate on data.val_path every this many steps (0 = never); also after the last step."""
     eval_steps: int = 10
     """Batches per evaluation (each the size of one global micro-batch)."""
+    loss_chunks: int = 1
+    """Compute the output layer and the loss in this many slices of the tokens, each slice's logits freed at once and
+    recomputed in backward, so the full (tokens x vocab) fp32 logits never exist (1 = in one piece). Same loss and
+    gradients; less memory for large vocabularies, for a little more compute."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """A step whose loss or gradient norm is NaN/inf never updates the weights. `stop`: fail at the next log step (or
     save), naming the step, with nothing after the last good checkpoint saved. `skip`: drop the step, count it in
@@ -252,6 +256,7 @@ class TrainConfig:
         _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
         _require(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0")
         _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
+        _require(self.loss_chunks >= 1, f"train.loss_chunks={self.loss_chunks} must be >= 1")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
 
@@ -140,6 +141,29 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
+def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int = 1
+) -> torch.Tensor:
+    """Mean next-token loss of the output layer `weight` on the final hidden states, in fp32 whatever the compute dtype.
+
+    The logits are the model's largest activation (tokens x vocab: 2.1 GB in bf16 for 8k tokens of a 128k vocabulary,
+    twice that as fp32 for the loss, and as much again for its gradient). With chunks > 1 the tokens are cut into that
+    many slices; each slice's logits are made, reduced to a summed loss and freed, and made again in backward
+    (activation checkpointing of the output layer), so one slice's logits exist at a time. The same loss and gradients
+    as chunks = 1, to the order of the float sums.
+    """
+    hidden, targets = hidden.flatten(0, 1), targets.flatten()
+    if chunks == 1:
+        return F.cross_entropy(F.linear(hidden, weight).float(), targets)
+    pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
+    total = sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
+    return total / targets.numel()
+
+
 class Transformer(nn.Module):
     """Llama 3 / Qwen3 causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
 
@@ -155,14 +179,18 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
+        """Logits (B, T, vocab_size); or, given targets (B, T), the mean next-token loss, with the output layer
+        computed in `loss_chunks` slices of the tokens (see chunked_cross_entropy)."""
         T = tokens.shape[1]
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for block in self.model.layers.values():
             x = block(x, cos, sin)
         x = self.model.norm(x)
-        return self.lm_head(x)  # (B, T, vocab_size)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, vocab_size)
+        return chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunks)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:

@@ -17,7 +17,8 @@ widths, V the vocabulary:
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
 - logits: t x V x 12 bytes, at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
   reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
-  log-softmax take no more);
+  log-softmax take no more); with train.loss_chunks = c, one slice's worth, ceil(t / c) x V x 12, since each
+  slice is made, used and freed in turn, in forward and again in backward;
 - block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed;
   it comes after the logits are freed, so the peak counts the larger of the two;
 - gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
@@ -39,6 +40,7 @@ allocator fragmentation typically adds 5-10%.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -139,7 +141,7 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
     gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root)
     saved, full = activation_bytes_per_token(cfg, a, ac)
     activations = tokens * cfg.n_layers * saved
-    logits = tokens * cfg.vocab_size * 12
+    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.vocab_size * 12
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)

@@ -15,7 +15,6 @@ import sys
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
@@ -42,17 +41,13 @@ from fsdp_trainer.tokens import Tokens
 logger = logging.getLogger("fsdp_trainer")
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float,
     grad_clip: float,
+    loss_chunks: int = 1,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns global loss, grad norm and the non-finite flag as
     device tensors (no host sync).
@@ -71,7 +66,7 @@ def train_step(
     for i, (inputs, targets) in enumerate(micro_batches):
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        loss = cross_entropy(model(inputs), targets)
+        loss = model(inputs, targets, loss_chunks)
         (loss / len(micro_batches)).backward()
         loss_sum += loss.detach()
     grad_norm = clip_grad_norm_(model, grad_clip)
@@ -146,7 +141,7 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
     total = torch.zeros((), device=env.device)
     for _ in range(recipe.train.eval_steps):
         ((inputs, targets),) = loader.next_batch()
-        total += cross_entropy(model(inputs), targets)
+        total += model(inputs, targets, recipe.train.loss_chunks)
     for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -186,7 +181,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)
-            stats = train_step(model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip)
+            stats = train_step(model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip, cfg.loss_chunks)
             state.finish_step(stats["nonfinite"])
             metrics.step_done(state.step)
             last = state.step == cfg.steps

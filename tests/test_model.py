@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
 from fsdp_trainer.model import Transformer, rope_tables
@@ -150,3 +151,50 @@ def test_meta_build_then_materialize_equals_direct_build():
     direct.init_weights(seed=1)
     tokens = torch.randint(0, 50, (1, 16))
     torch.testing.assert_close(meta(tokens), direct(tokens), rtol=0, atol=0)  # rope tables recomputed too
+
+
+def _tiny_for_loss(tie: bool) -> Transformer:
+    cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=2000,
+                      max_seq_len=64, tie_embeddings=tie)  # fmt: skip
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_loss_and_gradients_equal_the_whole_ones(tie):
+    """The output layer in 7 uneven slices (2 x 45 tokens): the loss of a direct computation from the logits, and the
+    same gradient for every parameter (the tied embedding too), to the order of the float sums."""
+    model = _tiny_for_loss(tie)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 2000, (2, 45), generator=g), torch.randint(0, 2000, (2, 45), generator=g)
+    reference = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    reference.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for chunks in (1, 7):
+        model.zero_grad()
+        loss = model(tokens, targets, chunks)
+        loss.backward()
+        assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_chunked_loss_never_keeps_the_whole_logits_for_backward():
+    """What autograd saves for backward: with one piece, the fp32 log-softmax of all tokens x vocab; with 8 slices,
+    none of it (each slice's logits are recomputed in backward), so the saved bytes drop by about the logits' size."""
+    model = _tiny_for_loss(tie=False)
+    tokens = torch.randint(0, 2000, (4, 64))
+    saved = {}
+    for chunks in (1, 8):
+        sizes = []
+
+        def keep(t: torch.Tensor, sizes=sizes) -> torch.Tensor:
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            model(tokens, tokens, chunks)
+        saved[chunks] = sum(sizes)
+    logits_bytes = 4 * 64 * 2000 * 4  # tokens x vocab x fp32
+    assert saved[1] - saved[8] > 0.9 * logits_bytes, saved

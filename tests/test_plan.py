@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -97,6 +98,17 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
         assert estimates["FULL_SHARD"].sent_gb == pytest.approx(1.5 * estimates["NO_SHARD"].sent_gb)
     assert all(e.internode_gb == 0 for e in estimates.values())
     assert recommend(list(estimates.values()), 1e9).sharding == best
+
+
+def test_chunked_loss_counts_one_slice_of_logits():
+    recipe = Recipe()
+    tokens, vocab = recipe.data.micro_batch_size * recipe.data.seq_len, recipe.model.vocab_size
+    whole = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert whole.logits_gb == pytest.approx(tokens * vocab * 12 / 1e9)
+    recipe.train.loss_chunks = 3
+    sliced = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert sliced.logits_gb == pytest.approx(math.ceil(tokens / 3) * vocab * 12 / 1e9)
+    assert sliced.total_gb < whole.total_gb and sliced.state_gb == whole.state_gb
 
 
 def test_plan_cli_recommends_or_says_what_to_change():

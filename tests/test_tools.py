@@ -160,3 +160,18 @@ def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, t
     for row in report["saves"]:
         assert 0 < row["blocked_s"] <= row["total_s"]
     assert "| async | ChecksummedWriter |" in proc.stdout
+
+
+def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_path):
+    out = tmp_path / "chunks.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_loss_chunks.py"), "--recipe", str(tiny_data), "--chunks", "[3]",
+         "--repeats", "1", "--steps", "1", "--parallel.mixed_precision", "fp32", "--out", str(out)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["loss_chunks"] for r in rows] == [1, 3] and rows[0]["ratio_to_1"] == 1.0
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)  # same numbers, chunked or not
+    # One slice of 64 tokens: ceil(64 / 3) = 22 of them.
+    assert rows[1]["planned_logits_gb"] == pytest.approx(rows[0]["planned_logits_gb"] * 22 / 64)

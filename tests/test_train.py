@@ -53,6 +53,25 @@ def test_fast_path_flags_run_on_cpu_and_change_no_number(tiny_data, tmp_path, re
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_loss_under_fsdp_matches_one_process(tiny_data, tmp_path, tie):
+    """The output layer in 3 uneven slices, recomputed in backward under FULL_SHARD (the output weight is the root's,
+    gathered around the recomputation) with selective AC on the blocks: the losses of one process in one piece, train
+    and validation alike (evaluation takes the same path)."""
+    model = {"tie_embeddings": tie}
+    train = {"eval_every": 5}
+    # Micro-batch 4 in one process: the global batch of 2 ranks x 2, and the same validation batches.
+    reference = _run(tiny_data, tmp_path / "ref", data={"micro_batch_size": 4}, model=model, train=train)
+    chunked = {"loss_chunks": 3, **train}
+    losses = _run(tiny_data, tmp_path / "chunked", nproc=2, model=model, train=chunked,
+                  parallel={"activation_checkpointing": "selective"})  # fmt: skip
+    for step, ref in reference.items():
+        assert losses[step] == pytest.approx(ref, rel=1e-5), step
+    val = [[r["val_loss"] for r in read_metrics(tmp_path / run) if "val_loss" in r] for run in ("ref", "chunked")]
+    assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, reference_losses):
     losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "HYBRID_SHARD"})
     for step, ref in reference_losses.items():
