@@ -15,8 +15,8 @@ from typing import Literal, NoReturn
 
 from fsdp_trainer.files import CONFIG_FILE, write_atomic
 
-Precision = Literal["bf16", "fp32"]
-COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
+Precision = Literal["bf16", "fp16", "fp32"]
+COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 """The one table of compute dtypes: parallel.mixed_precision and the HF export's --dtype name them; each maps to the
 torch dtype's name (HF's `torch_dtype`). compute_dtype() gives the dtype, whose `.itemsize` is the bytes per element
 the planner counts. Names, not dtypes, so that reading a recipe does not import torch (data preparation never does)."""
@@ -129,7 +129,8 @@ class ParallelConfig:
     """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), DDP (replicated), or ZeRO-3
     within a node and replicas across nodes."""
     mixed_precision: Precision = "bf16"
-    """Compute dtype. bf16 keeps fp32 master weights, optimizer state and gradient reductions."""
+    """Compute dtype. bf16 and fp16 keep fp32 master weights, optimizer state and gradient reductions; fp16 (for GPUs
+    without bf16: V100, T4) also scales the loss dynamically (optim.loss_scale) so small gradients do not underflow."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: never, whole blocks, or everything but matmuls and attention."""
     ac_every: int = 1
@@ -213,6 +214,10 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    loss_scale: float = 65536.0
+    """fp16 only: the initial loss scale of torch.amp.GradScaler. A step whose scaled gradients overflow is skipped
+    and the scale halved; after 2000 steps without one it doubles. Skips are counted in metrics.jsonl
+    (`overflow_steps`, with `loss_scale`) and are routine, not train.on_nonfinite's business."""
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -220,6 +225,7 @@ class OptimConfig:
         _require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must lie in [0, optim.lr={self.lr}]")
         _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
+        _require(self.loss_scale > 0, f"optim.loss_scale={self.loss_scale} must be positive")
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
 
 

@@ -156,6 +156,7 @@ class LogLine:
                 f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad_norm "
                 f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
                 f"mem {record['peak_mem_gb']:.2f} GB"
+                + (f" | scale {record['loss_scale']:g}" if "loss_scale" in record else "")
             )
         elif "val_loss" in record:
             logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}")
@@ -324,7 +325,14 @@ class Metrics:
             state = dict(zip(STATE_KEYS, max_over_ranks(local, self.env.device), strict=True))  # host sync, once
             self._write({"step": step, **state, "state_gb": sum(state.values())})
 
-    def log(self, step: int, stats: dict[str, torch.Tensor], lr: float, skipped_steps: int = 0) -> dict:
+    def log(
+        self,
+        step: int,
+        stats: dict[str, torch.Tensor],
+        lr: float,
+        skipped_steps: int = 0,
+        loss_scaling: dict[str, float] | None = None,
+    ) -> dict:
         """One record of the steps since the last: loss, gradient norm (host syncs), throughput, peak memory (the
         largest rank's) and the median and largest step time."""
         (peak_mem_gb,) = max_over_ranks([peak_memory_gb(self.env.device)], self.env.device)
@@ -346,6 +354,7 @@ class Metrics:
             "step_time_s": statistics.median(step_times) if step_times else None,
             "step_time_max_s": max(step_times) if step_times else None,
             "skipped_steps": skipped_steps,
+            **(loss_scaling or {}),  # fp16: loss_scale and overflow_steps
             "elapsed_s": now - self.start,
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
             "cpu_s": time.process_time() - self.cpu_start,

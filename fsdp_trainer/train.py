@@ -48,6 +48,7 @@ def train_step(
     lr: float,
     grad_clip: float,
     loss_chunks: int = 1,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns global loss, grad norm and the non-finite flag as
     device tensors (no host sync).
@@ -59,7 +60,12 @@ def train_step(
     A step whose global loss or gradient norm is not finite leaves weights and AdamW state untouched, decided on the
     device: the fused AdamW kernel skips its update where `found_inf` is set (the mechanism torch.amp.GradScaler
     uses). Both numbers are global, so every rank takes the same decision.
+
+    With an enabled `scaler` (fp16), the loss is scaled before backward and the gradients unscaled before clipping,
+    so grad_norm and the clip are in real units. Scaled gradients that overflow are routine: the step is skipped the
+    same way, counted as `overflow`, and the scaler backs off; only a non-finite loss counts as `nonfinite`.
     """
+    fp16 = scaler is not None and scaler.is_enabled()
     optimizer.zero_grad(set_to_none=True)
     set_lr(optimizer, lr)
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
@@ -67,16 +73,24 @@ def train_step(
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
         set_gradient_sync(model, i == len(micro_batches) - 1)
         loss = model(inputs, targets, loss_chunks)
-        (loss / len(micro_batches)).backward()
+        share = loss / len(micro_batches)
+        (scaler.scale(share) if fp16 else share).backward()
         loss_sum += loss.detach()
+    if fp16:
+        scaler.unscale_(optimizer)  # checks for inf/NaN on the device, agreed over ranks for DTensor gradients
     grad_norm = clip_grad_norm_(model, grad_clip)
     # One scalar all-reduce a step (queued on the device, no host sync) gives every rank the global loss, for the
     # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
     loss = mean_over_ranks(loss_sum / len(micro_batches))
-    nonfinite = ~(torch.isfinite(grad_norm) & torch.isfinite(loss))
-    optimizer.found_inf = nonfinite.float()
+    bad_loss, bad_grads = ~torch.isfinite(loss), ~torch.isfinite(grad_norm)  # both global
+    optimizer.found_inf = (bad_loss | bad_grads).float()
     optimizer.step()
-    return {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite}
+    if fp16:
+        scaler.update()  # on the device: halve the scale after an overflow, double it after 2000 clean steps
+        nonfinite, overflow = bad_loss, bad_grads & ~bad_loss
+    else:
+        nonfinite, overflow = bad_loss | bad_grads, torch.zeros_like(bad_loss)
+    return {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "overflow": overflow}
 
 
 class NonFiniteError(RuntimeError):
@@ -93,23 +107,32 @@ class TrainState(Stateful):
     nothing at or after a non-finite step is ever saved.
     """
 
-    def __init__(self, on_nonfinite: str = "stop", device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, on_nonfinite: str = "stop", device: torch.device | str = "cpu", scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         self.step = 0
         self.skipped_steps = 0
+        self.overflow_steps = 0
         self.on_nonfinite = on_nonfinite
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._count = torch.zeros((), dtype=torch.int64, device=device)
         self._first = torch.full((), -1, dtype=torch.int64, device=device)
+        self._overflows = torch.zeros((), dtype=torch.int64, device=device)
 
-    def finish_step(self, nonfinite: torch.Tensor) -> None:
-        """Count one more step, and whether it was skipped as non-finite (on the device)."""
+    def finish_step(self, stats: dict[str, torch.Tensor]) -> None:
+        """Count one more step, and whether it was skipped as non-finite or as an fp16 overflow (on the device)."""
         self.step += 1
-        self._count += nonfinite
-        self._first = torch.where(nonfinite & (self._first < 0), self.step, self._first)
+        self._count += stats["nonfinite"]
+        self._first = torch.where(stats["nonfinite"] & (self._first < 0), self.step, self._first)
+        self._overflows += stats["overflow"]
 
     def settle(self) -> int:
-        """Host sync: fold the device count into skipped_steps and return it; with `stop`, raise naming the first bad
-        step."""
-        count, first = torch.stack([self._count, self._first]).tolist()
+        """Host sync: fold the device counts into skipped_steps and overflow_steps and return skipped_steps; with
+        `stop`, raise naming the first bad step."""
+        count, first, overflows = torch.stack([self._count, self._first, self._overflows]).tolist()
+        if overflows:
+            self._overflows.zero_()
+            self.overflow_steps += overflows
         if count:
             self._count.zero_()
             self._first.fill_(-1)
@@ -123,12 +146,24 @@ class TrainState(Stateful):
             logger.warning(f"skipped {count} step(s) with a non-finite loss or gradient norm, the first: step {first}")
         return self.skipped_steps
 
+    def loss_scaling(self) -> dict[str, float] | None:
+        """fp16: the current loss scale (a host sync) and the overflow steps so far, for metrics; else None."""
+        if self.scaler is None:
+            return None
+        return {"loss_scale": self.scaler.get_scale(), "overflow_steps": self.overflow_steps}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "skipped_steps": self.settle()}
+        state = {"step": self.step, "skipped_steps": self.settle(), "overflow_steps": self.overflow_steps}
+        if self.scaler is not None:  # scale and growth tracker, so a resumed fp16 run scales as the original would
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.skipped_steps = int(state_dict["skipped_steps"])
+        self.overflow_steps = int(state_dict.get("overflow_steps", 0))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
 @torch.no_grad()
@@ -170,7 +205,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         seed=cfg.seed,
         device=env.device,
     )
-    state = TrainState(cfg.on_nonfinite, env.device)
+    fp16 = recipe.parallel.mixed_precision == "fp16"
+    scaler = torch.amp.GradScaler(env.device.type, init_scale=recipe.optim.loss_scale, enabled=fp16)
+    state = TrainState(cfg.on_nonfinite, env.device, scaler)
     states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
     ckpt = Checkpointer(recipe, env, states)
     ckpt.load()
@@ -181,12 +218,13 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)
-            stats = train_step(model, optimizer, loader.next_batch(), lr, recipe.optim.grad_clip, cfg.loss_chunks)
-            state.finish_step(stats["nonfinite"])
+            batches = loader.next_batch()
+            stats = train_step(model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler)
+            state.finish_step(stats)
             metrics.step_done(state.step)
             last = state.step == cfg.steps
             if state.step % cfg.log_every == 0 or last:  # the host syncs of a step, on log steps only
-                metrics.log(state.step, stats, lr, skipped_steps=state.settle())
+                metrics.log(state.step, stats, lr, state.settle(), state.loss_scaling())
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
                 metrics.log_eval(state.step, evaluate(model, val_file, recipe, env))
             ckpt.save_if_due(state.step)

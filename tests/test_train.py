@@ -71,6 +71,54 @@ def test_chunked_loss_under_fsdp_matches_one_process(tiny_data, tmp_path, tie):
     assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-5)
 
 
+FP16 = {"mixed_precision": "fp16"}
+
+
+@pytest.mark.slow
+def test_fp16_two_ranks_match_one_process_and_learn(tiny_data, tmp_path):
+    """fp16 compute and all-gathers with fp32 master weights and reductions, the loss scaled dynamically: 2 ranks give
+    1 process x accumulation 2 within fp16's precision, the loss falls, and metrics.jsonl carries the scale."""
+    reference = _run(tiny_data, tmp_path / "ref", data={"grad_accum_steps": 2}, parallel=FP16)
+    losses = _run(tiny_data, tmp_path / "two", nproc=2, parallel=FP16)
+    for step, ref in reference.items():
+        assert losses[step] == pytest.approx(ref, rel=2e-3), step
+    assert reference[10] < reference[1] - 0.5
+    last = [r for r in read_metrics(tmp_path / "two") if "loss" in r][-1]
+    assert last["loss_scale"] > 0 and last["overflow_steps"] >= 0 and last["skipped_steps"] == 0
+
+
+@pytest.mark.slow
+def test_fp16_overflow_is_skipped_and_the_scale_backs_off(tiny_data, tmp_path):
+    """A loss scale of 2^26 overflows this model's fp16 gradients (2^18 is the first that fits): those steps are
+    skipped, the scale halves each time until it fits, and training goes on, train.on_nonfinite (stop) never tripped."""
+    proc = train_cli(run_args(tiny_data, tmp_path, 20, parallel=FP16, optim={"loss_scale": 2.0**26}), nproc=2)
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    counts = [r["overflow_steps"] for r in records]
+    assert counts[:6] == [1, 2, 3, 4, 5, 6] and counts[-1] < 12  # 2^26 .. 2^21 overflow; then mostly clean steps
+    for record, before in zip(records, [0, *counts], strict=False):  # an overflow step's norm is non-finite (null)
+        assert (record["grad_norm"] is None) == (record["overflow_steps"] > before), record
+    assert records[-1]["loss_scale"] == 2.0 ** (26 - counts[-1])  # halved once per overflow, not yet grown back
+    assert records[-1]["skipped_steps"] == 0 and records[-1]["loss"] < records[6]["loss"] - 0.2  # and it learns
+    assert "non-finite" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_fp16_resume_is_exact_with_the_scaler_state(tiny_data, tmp_path):
+    """The scale and its growth counter are checkpointed: stopped at step 6, after the scale backed off from 2^22, and
+    resumed, a run logs bitwise the losses of one that never stopped (restarting at 2^22 would skip steps again)."""
+    constant_lr = {"warmup_steps": 0, "lr": 3e-3, "min_lr": 3e-3}  # a run cut at 6 follows the 12-step schedule
+    flags = {"parallel": FP16, "optim": {"loss_scale": 2.0**22, **constant_lr}, "checkpoint": {"every": 6}}
+    whole = _run(tiny_data, tmp_path / "whole", 12, nproc=2, **flags)
+    _run(tiny_data, tmp_path / "cut", 6, nproc=2, **flags)
+    resumed = _run(tiny_data, tmp_path / "cut", 12, nproc=2, **flags)
+    assert resumed == whole
+    # The same overflows as the uninterrupted run: restarting at 2^22 would have overflowed (and skipped) 4 more.
+    overflows = {
+        run: [r["overflow_steps"] for r in read_metrics(tmp_path / run) if "loss" in r] for run in ("whole", "cut")
+    }
+    assert overflows["cut"][-6:] == overflows["whole"][-6:] and overflows["whole"][5] > 0
+
+
 @pytest.mark.slow
 def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, reference_losses):
     losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "HYBRID_SHARD"})
