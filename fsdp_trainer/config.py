@@ -125,9 +125,10 @@ class ModelConfig:
 class ParallelConfig:
     """How the model is spread over the processes torchrun started."""
 
-    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
-    """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), DDP (replicated), or ZeRO-3
-    within a node and replicas across nodes."""
+    sharding: Literal["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP", "NO_SHARD", "HYBRID_SHARD"] = "FULL_SHARD"
+    """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), ZeRO-1 (params stay
+    gathered over all micro-steps of a step, gradients reduce-scattered once; only master weights and optimizer state
+    sharded), DDP (replicated), or ZeRO-3 within a node and replicas across nodes."""
     mixed_precision: Precision = "bf16"
     """Compute dtype. bf16 and fp16 keep fp32 master weights, optimizer state and gradient reductions; fp16 (for GPUs
     without bf16: V100, T4) also scales the loss dynamically (optim.loss_scale) so small gradients do not underflow."""

@@ -41,6 +41,10 @@ class ShardingPlan:
     ranks, shard over none) or `per_node` (shard within a node, replicate across nodes)."""
     reshard_after_forward: bool
     """Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
+    gathered_for_the_step: bool = False
+    """Keep the gathered parameters over all micro-steps of an optimizer step, freed only after the last backward
+    (ZeRO-1): gathered once per step instead of once per micro-step, the gradients accumulating unsharded until the
+    last micro-step reduce-scatters them."""
 
     def mesh_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
         """(replicas, shard group): how many copies of the model the world holds, and how many ranks share one."""
@@ -53,6 +57,7 @@ class ShardingPlan:
 SHARDING: dict[str, ShardingPlan] = {
     "FULL_SHARD": ShardingPlan(replicas="one", reshard_after_forward=True),  # ZeRO-3
     "SHARD_GRAD_OP": ShardingPlan(replicas="one", reshard_after_forward=False),  # ZeRO-2
+    "SHARD_OP": ShardingPlan(replicas="one", reshard_after_forward=False, gathered_for_the_step=True),  # ZeRO-1
     # DDP semantics: a (world, 1) mesh replicates every parameter and all-reduces gradients in fp32, through the same
     # code path and mixed-precision policy as the other modes. With a shard group of 1 there is nothing to free.
     "NO_SHARD": ShardingPlan(replicas="per_rank", reshard_after_forward=False),
@@ -311,6 +316,7 @@ def apply_fsdp(
         # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
         shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
     shard(model, reshard_after_forward=False)
+    model.sharding_plan = plan  # set_gradient_sync reads it on every micro-step
     if prefetch_blocks > 1:
         # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
         # reversed forward order); an explicit list replaces that, so it starts with the adjacent block.
@@ -347,5 +353,9 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally)."""
+    """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally). Under SHARD_OP (ZeRO-1) the
+    gathered parameters are also kept after backward until then, so the next micro-step does not gather them again;
+    after the last one they are freed, since the optimizer step is about to change their shards."""
     model.set_requires_gradient_sync(enabled)
+    if model.sharding_plan.gathered_for_the_step:
+        model.set_reshard_after_backward(enabled)

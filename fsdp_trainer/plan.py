@@ -4,14 +4,15 @@
 
 Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step) and
 recommends the fastest configuration that fits. The terms, per rank, for P parameters, S ranks sharing one copy of
-the model (the world for FULL_SHARD and SHARD_GRAD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2
+the model (the world for FULL_SHARD, SHARD_GRAD_OP and SHARD_OP, 1 for NO_SHARD, the ranks of a node for
+HYBRID_SHARD), a = 2
 bytes (bf16) or 4 (fp32), t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward
 widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
-  parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP and
-  NO_SHARD, which keep them from forward to backward;
+  parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
+  SHARD_OP and NO_SHARD, which keep them from forward to backward;
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
   in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included);
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
@@ -24,13 +25,16 @@ widths, V the vocabulary:
 - gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
   block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
   the larger of (activations + logits) and these;
+- accumulated gradients, with grad_accum_steps > 1 in the sharded modes: FSDP keeps every micro-step's unsharded
+  gradients in fp32 until the last one reduce-scatters them, 4P for the whole step;
 - runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
 Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of
 a buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and again in backward on
 every micro-step, in the compute dtype, and reduce-scatters fp32 gradients once: (2ka + 4)P(W-1)/W; ZeRO-2 gathers
-once per micro-step: (ka + 4)P(W-1)/W; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
+once per micro-step: (ka + 4)P(W-1)/W; ZeRO-1 (SHARD_OP) gathers once per step, keeping the parameters over the
+micro-steps: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
 a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network. In one
 dtype ZeRO-3 sends 1.5x DDP; with bf16 compute and fp32 reduction the two are equal.
 
@@ -70,6 +74,7 @@ class Estimate:
     runtime_gb: float
     sent_gb: float  # per rank per optimizer step
     internode_gb: float  # of which between nodes
+    accumulated_gb: float = 0.0  # unsharded fp32 gradients held over the micro-steps of a step
 
     @property
     def total_gb(self) -> float:
@@ -77,7 +82,7 @@ class Estimate:
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
         # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed.
         transient = max(self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb)
-        return self.state_gb + self.gathered_gb + transient + self.runtime_gb
+        return self.state_gb + self.gathered_gb + self.accumulated_gb + transient + self.runtime_gb
 
 
 def comm_bytes_per_rank(
@@ -92,9 +97,10 @@ def comm_bytes_per_rank(
     plan = SHARDING[sharding]
     replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
     gathers = 2 if plan.reshard_after_forward else 1
+    gathers_per_step = gathers if plan.gathered_for_the_step else gathers * accum  # ZeRO-1: once per step
     sent = replicas_sent = 0.0
     if shard_group > 1:
-        per_param = gathers * accum * compute_bytes + GRADIENT_BYTES
+        per_param = gathers_per_step * compute_bytes + GRADIENT_BYTES
         sent += per_param * n_params * (shard_group - 1) / shard_group
     if replicas > 1:
         replicas_sent = 2 * GRADIENT_BYTES * (n_params / shard_group) * (replicas - 1) / replicas  # all-reduce
@@ -146,10 +152,13 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
     sent, internode = comm_bytes_per_rank(sharding, n_params, a, data.grad_accum_steps, nproc, nnodes)
+    # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
+    # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
+    accumulated = GRADIENT_BYTES * n_params if data.grad_accum_steps > 1 and shard_group > 1 else 0
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
-        RUNTIME_GB[device], sent / gb, internode / gb,
+        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb,
     )  # fmt: skip
 
 
@@ -193,12 +202,13 @@ def main(argv: list[str] | None = None) -> None:
         f"device(s) of {mem:.1f} GB"
     )
     print(
-        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | runtime "
-        "| total GB / rank | fits | sent GB / step (between nodes) |"
+        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
+        "| runtime | total GB / rank | fits | sent GB / step (between nodes) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
-        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb)
+        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb,
+                 e.accumulated_gb)  # fmt: skip
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
         fits = "yes" if e.total_gb <= mem else "no"
         print(f"| {e.sharding} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) |")

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import ModelConfig, ParallelConfig
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.parallel import SHARDING, materialize, parallelize
+from fsdp_trainer.parallel import SHARDING, materialize, parallelize, set_gradient_sync
 from tests.helpers import run_distributed
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=77, max_seq_len=32)
@@ -44,9 +44,33 @@ def _check_sharded_model(rank, world_size, sharding, ac):
     torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP", "NO_SHARD"])
 def test_sharded_init_equals_single_process_init(sharding):
     run_distributed(_check_sharded_model, sharding, "none")
+
+
+def _gathered_between_micro_steps(rank, world_size, sharding):
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    with torch.device("meta"):
+        model = Transformer(CFG)
+    parallelize(model, ParallelConfig(sharding=sharding, mixed_precision="fp32"), mesh)
+    materialize(model, torch.device("cpu"), seed=5)
+    weight = lambda: model.model.layers["0"].mlp.gate_proj.weight  # noqa: E731 (the registered tensor changes)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    kept = []
+    for last in (False, True):  # two micro-steps of one optimizer step
+        set_gradient_sync(model, last)
+        model(tokens, tokens).backward()
+        kept.append(not isinstance(weight(), DTensor))  # FSDP registers the unsharded tensor while gathered
+    # ZeRO-1 keeps the block gathered from the first micro-step into the next (no second all-gather) and frees it
+    # after the last, before the optimizer changes its shards; ZeRO-2 frees it after every backward.
+    assert kept == ([True, False] if sharding == "SHARD_OP" else [False, False])
+    assert isinstance(weight().grad, DTensor)  # reduce-scattered once, on the last micro-step
+
+
+@pytest.mark.parametrize("sharding", ["SHARD_OP", "SHARD_GRAD_OP"])
+def test_zero1_keeps_parameters_gathered_over_the_micro_steps(sharding):
+    run_distributed(_gathered_between_micro_steps, sharding)
 
 
 def test_wrapped_blocks_keep_hf_names():

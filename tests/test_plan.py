@@ -67,7 +67,7 @@ def test_state_follows_zero_formulas_and_sharding_order():
     e = estimate(recipe, nproc=4, nnodes=2, sharding="FULL_SHARD", ac="none", device="cuda")
     assert deeper.gathered_gb - e.gathered_gb == pytest.approx(2 * 2 * n_block / 1e9)
     by_key = {(e.sharding, e.ac): e for e in plan(recipe, nproc=4, nnodes=2, device="cuda")}
-    assert len(by_key) == 12
+    assert len(by_key) == 15  # 5 shardings x 3 AC modes
     assert by_key["FULL_SHARD", "none"].gathered_gb < by_key["SHARD_GRAD_OP", "none"].gathered_gb
     assert by_key["FULL_SHARD", "full"].activations_gb < by_key["FULL_SHARD", "selective"].activations_gb
     assert by_key["FULL_SHARD", "selective"].activations_gb < by_key["FULL_SHARD", "none"].activations_gb
@@ -83,8 +83,10 @@ def test_state_follows_zero_formulas_and_sharding_order():
 @pytest.mark.parametrize(
     "precision, accum, best",
     # bf16 + fp32 reduction: ZeRO-2 sends (2 + 4)P, DDP and ZeRO-3 8P; fp32: ZeRO-2 and DDP 8P (the tie goes to the
-    # smaller), ZeRO-3 12P; accumulating 4 micro-steps re-gathers parameters 4 times, which DDP never does.
-    [("bf16", 1, "SHARD_GRAD_OP"), ("fp32", 1, "SHARD_GRAD_OP"), ("fp32", 4, "NO_SHARD")],
+    # smaller), ZeRO-3 12P; ZeRO-1 equals ZeRO-2 without accumulation (the tie goes to the first listed). Accumulating
+    # 4 micro-steps re-gathers parameters 4 times under ZeRO-2/3, which DDP never does and ZeRO-1 does once: ZeRO-1
+    # then ties with DDP at 8P and holds less.
+    [("bf16", 1, "SHARD_GRAD_OP"), ("fp32", 1, "SHARD_GRAD_OP"), ("fp32", 4, "SHARD_OP")],
 )
 def test_communication_volume_orders_the_one_node_choice(precision, accum, best):
     recipe = Recipe()
@@ -94,6 +96,10 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
     a = 2 if precision == "bf16" else 4
     assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)
     assert estimates["FULL_SHARD"].sent_gb == pytest.approx((2 * accum * a + 4) * n_params * 7 / 8 / 1e9)
+    assert estimates["SHARD_OP"].sent_gb == pytest.approx((a + 4) * n_params * 7 / 8 / 1e9)  # whatever accum is
+    accumulated = 4 * n_params / 1e9 if accum > 1 else 0  # unsharded fp32 gradients over the micro-steps
+    assert estimates["SHARD_OP"].accumulated_gb == estimates["FULL_SHARD"].accumulated_gb == pytest.approx(accumulated)
+    assert estimates["NO_SHARD"].accumulated_gb == 0  # its gradients are whole anyway
     if precision == "fp32" and accum == 1:
         assert estimates["FULL_SHARD"].sent_gb == pytest.approx(1.5 * estimates["NO_SHARD"].sent_gb)
     assert all(e.internode_gb == 0 for e in estimates.values())

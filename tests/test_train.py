@@ -14,7 +14,9 @@ import termios
 import pytest
 import yaml
 
-from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
+from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.model import count_params
+from tests.helpers import REPO, TINY_MODEL, read_metrics, run_args, train_cli, train_losses
 
 
 def _run(tiny_data, out_dir, steps=None, nproc=1, **overrides):
@@ -37,6 +39,19 @@ def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, shar
         assert losses[step] == pytest.approx(ref, rel=1e-5), f"step {step}: {losses[step]} vs {ref}"
     # The reference must be learning, or the comparison proves little.
     assert reference_losses[10] < reference_losses[1] - 0.5
+
+
+@pytest.mark.slow
+def test_zero1_with_accumulation_matches_one_process_and_its_formula(tiny_data, tmp_path, reference_losses):
+    """SHARD_OP (ZeRO-1) on 2 ranks x 2 micro-steps of 1 sequence, parameters gathered once per step: the losses of
+    one process (fp32, reduction order only), and each rank holds 1/2 of weights, gradients and AdamW state."""
+    losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "SHARD_OP"},
+                  data={"micro_batch_size": 1, "grad_accum_steps": 2})  # fmt: skip
+    for step, ref in reference_losses.items():
+        assert losses[step] == pytest.approx(ref, rel=1e-5), step
+    state = next(r for r in read_metrics(tmp_path) if "state_gb" in r)
+    n_params = count_params(ModelConfig(**TINY_MODEL))
+    assert state["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=0.01)  # fp32 w + g + 2 moments, / 2
 
 
 @pytest.mark.slow
