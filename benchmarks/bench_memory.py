@@ -24,14 +24,23 @@ from fsdp_trainer.model import count_params
 from fsdp_trainer.plan import estimate
 
 
-def measure(recipe_path: str, train_path: str, tokenizer_path: str, nproc: int, steps: int, config: str, tmp: Path):
+def measure(
+    recipe_path: str,
+    train_path: str,
+    tokenizer_path: str,
+    nproc: int,
+    steps: int,
+    config: str,
+    tmp: Path,
+    tokens_per_step: int,
+):
     sharding, precision, ac = config.split("/")
     flags = ["--parallel.sharding", sharding, "--parallel.mixed_precision", precision,
              "--parallel.activation_checkpointing", ac]  # fmt: skip
-    result = run_ours(recipe_path, train_path, tokenizer_path, nproc, steps - 1, 1, 1, tmp / config.replace("/", "_"),
-                      flags)  # fmt: skip
+    result = run_ours(recipe_path, train_path, tokenizer_path, nproc, steps - 1, 1, tokens_per_step,
+                      tmp / config.replace("/", "_"), flags)  # fmt: skip
     return {"config": config, **{k: result[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb",
-                                                         "peak_mem_gb")}}  # fmt: skip
+                                                         "peak_mem_gb", "tokens_per_s")}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         tmp = Path(tmp)
         recipe_path = str(tmp / "recipe.yaml")
         Path(recipe_path).write_text(recipe_to_yaml(recipe))
-        tokens_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * args.nproc
+        tokens_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * recipe.data.grad_accum_steps * args.nproc
         train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, 4 * args.steps * tokens_per_step + 1)
         for config in args.configs:
-            row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, tmp)
+            row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, tmp, tokens_per_step)
             sharding, precision, ac = config.split("/")
             recipe.parallel.mixed_precision = precision
             planned = estimate(recipe, args.nproc, 1, sharding, ac, "cpu")
@@ -65,13 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{n_params / 1e6:.1f}M params (dim {m.dim} x {m.n_layers} layers, vocab {m.vocab_size}), "
           f"micro-batch {recipe.data.micro_batch_size} x seq {recipe.data.seq_len}, {args.nproc} ranks")  # fmt: skip
     print("| sharding / precision / AC | params / grads / AdamW GB (measured) | state GB: measured / formula | "
-          "peak GB: measured / plan | plan error |")  # fmt: skip
-    print("|---|---|---|---|---|")
+          "peak GB: measured / plan | plan error | tokens/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for r in rows:
         err = r["plan_total_gb"] / r["peak_mem_gb"] - 1
         print(f"| {r['config']} | {r['params_gb']:.3f} / {r['grads_gb']:.3f} / {r['optimizer_gb']:.3f} | "
               f"{r['state_gb']:.3f} / {r['formula_state_gb']:.3f} | {r['peak_mem_gb']:.2f} / {r['plan_total_gb']:.2f} "
-              f"| {100 * err:+.0f}% |")  # fmt: skip
+              f"| {100 * err:+.0f}% | {r['tokens_per_s']:,.0f} |")  # fmt: skip
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         header = report_header(recipe, args, ("nproc", "steps", "configs"))
