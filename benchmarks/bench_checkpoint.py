@@ -122,7 +122,7 @@ def worker(recipe, args) -> None:
                     "verify_all_s": verify[False],
                 },
                 indent=1,
-            )  # fmt: skip
+            )
         )
     close_distributed()
 

@@ -45,31 +45,45 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats):
             for c in chunks if repeat % 2 == 0 else chunks[::-1]:
                 flags = ["--train.loss_chunks", str(c)]
-                result = run_ours(str(recipe_path), train_path, tokenizer_path, args.nproc, args.steps, 1,
-                                  tokens_per_step, tmp / f"c{c}", flags)  # fmt: skip
+                result = run_ours(
+                    str(recipe_path),
+                    train_path,
+                    tokenizer_path,
+                    args.nproc,
+                    args.steps,
+                    1,
+                    tokens_per_step,
+                    tmp / f"c{c}",
+                    flags,
+                )
                 runs[c].append(result)
                 print(f"loss_chunks {c}: {result['tokens_per_s']:,.0f} tok/s, peak {result['peak_mem_gb']:.2f} GB")
     rows = []
     for c in chunks:
         recipe.train.loss_chunks = c
-        planned = estimate(recipe, args.nproc, 1, recipe.parallel.sharding, recipe.parallel.activation_checkpointing,
-                           "cpu")  # fmt: skip
+        planned = estimate(
+            recipe, args.nproc, 1, recipe.parallel.sharding, recipe.parallel.activation_checkpointing, "cpu"
+        )
         ratios = [r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(runs[c], runs[1], strict=True)]
-        rows.append({
-            "loss_chunks": c,
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[c]),
-            "ratio_to_1": statistics.median(ratios),
-            "peak_mem_gb": statistics.median(r["peak_mem_gb"] for r in runs[c]),
-            "planned_logits_gb": planned.logits_gb,
-            "loss": runs[c][0]["loss"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "loss_chunks": c,
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[c]),
+                "ratio_to_1": statistics.median(ratios),
+                "peak_mem_gb": statistics.median(r["peak_mem_gb"] for r in runs[c]),
+                "planned_logits_gb": planned.logits_gb,
+                "loss": runs[c][0]["loss"],
+            }
+        )
     base = rows[0]
     print("| loss_chunks | tokens/s | ratio to 1 | peak memory / rank | saved against 1 | planner's logits term |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         saved = base["peak_mem_gb"] - r["peak_mem_gb"]
-        print(f"| {r['loss_chunks']} | {r['tokens_per_s']:,.0f} | {r['ratio_to_1']:.3f} | {r['peak_mem_gb']:.2f} GB "
-              f"| {saved:.2f} GB | {r['planned_logits_gb']:.2f} GB |")  # fmt: skip
+        print(
+            f"| {r['loss_chunks']} | {r['tokens_per_s']:,.0f} | {r['ratio_to_1']:.3f} | {r['peak_mem_gb']:.2f} GB "
+            f"| {saved:.2f} GB | {r['planned_logits_gb']:.2f} GB |"
+        )
     header = report_header(recipe, args, ("chunks", "repeats", "nproc", "steps"))
     Path(args.out).write_text(json.dumps({**header, "rows": rows, "runs": runs}, indent=1))
 

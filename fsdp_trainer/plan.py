@@ -207,8 +207,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
-        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb,
-                 e.accumulated_gb)  # fmt: skip
+        terms = (
+            e.state_gb,
+            e.gathered_gb,
+            e.activations_gb,
+            e.logits_gb,
+            e.backward_gb,
+            e.grad_buffers_gb,
+            e.accumulated_gb,
+        )
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
         fits = "yes" if e.total_gb <= mem else "no"
         print(f"| {e.sharding} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) |")

@@ -154,8 +154,17 @@ def test_meta_build_then_materialize_equals_direct_build():
 
 
 def _tiny_for_loss(tie: bool) -> Transformer:
-    cfg = ModelConfig(family="llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=2000,
-                      max_seq_len=64, tie_embeddings=tie)  # fmt: skip
+    cfg = ModelConfig(
+        family="llama",
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        vocab_size=2000,
+        max_seq_len=64,
+        tie_embeddings=tie,
+    )
     model = Transformer(cfg)
     model.init_weights(seed=0)
     return model

@@ -147,10 +147,24 @@ def test_plot_draws_several_runs(tiny_data, tmp_path):
 def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, tmp_path):
     out = tmp_path / "checkpoint.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_checkpoint.py"), "--recipe", str(tiny_data), "--nproc", "2",
-         "--repeats", "2", "--work_dir", str(tmp_path / "ckpts"), "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_checkpoint.py"),
+            "--recipe",
+            str(tiny_data),
+            "--nproc",
+            "2",
+            "--repeats",
+            "2",
+            "--work_dir",
+            str(tmp_path / "ckpts"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert sorted(report["summary"]) == ["async_crc", "async_plain", "sync_crc", "sync_plain"]
@@ -165,10 +179,26 @@ def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, t
 def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_path):
     out = tmp_path / "chunks.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_loss_chunks.py"), "--recipe", str(tiny_data), "--chunks", "[3]",
-         "--repeats", "1", "--steps", "1", "--parallel.mixed_precision", "fp32", "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_loss_chunks.py"),
+            "--recipe",
+            str(tiny_data),
+            "--chunks",
+            "[3]",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--parallel.mixed_precision",
+            "fp32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["loss_chunks"] for r in rows] == [1, 3] and rows[0]["ratio_to_1"] == 1.0

@@ -45,8 +45,13 @@ def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, shar
 def test_zero1_with_accumulation_matches_one_process_and_its_formula(tiny_data, tmp_path, reference_losses):
     """SHARD_OP (ZeRO-1) on 2 ranks x 2 micro-steps of 1 sequence, parameters gathered once per step: the losses of
     one process (fp32, reduction order only), and each rank holds 1/2 of weights, gradients and AdamW state."""
-    losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "SHARD_OP"},
-                  data={"micro_batch_size": 1, "grad_accum_steps": 2})  # fmt: skip
+    losses = _run(
+        tiny_data,
+        tmp_path,
+        nproc=2,
+        parallel={"sharding": "SHARD_OP"},
+        data={"micro_batch_size": 1, "grad_accum_steps": 2},
+    )
     for step, ref in reference_losses.items():
         assert losses[step] == pytest.approx(ref, rel=1e-5), step
     state = next(r for r in read_metrics(tmp_path) if "state_gb" in r)
@@ -78,8 +83,14 @@ def test_chunked_loss_under_fsdp_matches_one_process(tiny_data, tmp_path, tie):
     # Micro-batch 4 in one process: the global batch of 2 ranks x 2, and the same validation batches.
     reference = _run(tiny_data, tmp_path / "ref", data={"micro_batch_size": 4}, model=model, train=train)
     chunked = {"loss_chunks": 3, **train}
-    losses = _run(tiny_data, tmp_path / "chunked", nproc=2, model=model, train=chunked,
-                  parallel={"activation_checkpointing": "selective"})  # fmt: skip
+    losses = _run(
+        tiny_data,
+        tmp_path / "chunked",
+        nproc=2,
+        model=model,
+        train=chunked,
+        parallel={"activation_checkpointing": "selective"},
+    )
     for step, ref in reference.items():
         assert losses[step] == pytest.approx(ref, rel=1e-5), step
     val = [[r["val_loss"] for r in read_metrics(tmp_path / run) if "val_loss" in r] for run in ("ref", "chunked")]
