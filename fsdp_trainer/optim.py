@@ -1,4 +1,5 @@
-"""AdamW, the learning-rate schedule, and gradient clipping that is correct for sharded gradients."""
+"""AdamW, the learning-rate schedule, gradient clipping that is correct for sharded gradients, and fp16's loss
+scaler."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from fsdp_trainer.config import OptimConfig
 MASTER_WEIGHT_BYTES = 4
 GRADIENT_BYTES = 4
 OPTIMIZER_STATE_BYTES = 8
+
+
+def build_loss_scaler(cfg: OptimConfig, mixed_precision: str, device: torch.device) -> torch.amp.GradScaler:
+    """fp16's dynamic loss scaling, starting at optim.loss_scale; disabled (every call a no-op) in bf16 and fp32,
+    whose range needs none. GradScaler checks DTensor gradients for inf/NaN with one answer on every rank."""
+    return torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale, enabled=mixed_precision == "fp16")
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

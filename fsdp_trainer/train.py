@@ -25,7 +25,7 @@ from fsdp_trainer.data import Mixture, TokenLoader, open_data
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.parallel import (
     DistEnv,
     close_distributed,
@@ -193,6 +193,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, cfg.seed)
     optimizer = build_optimizer(model, recipe.optim)
+    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, env.device)  # fp16 only; else a no-op
 
     # Data, training state and where they are saved; resume from a checkpoint (auto | none | PATH).
     loader = TokenLoader(
@@ -205,8 +206,6 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         seed=cfg.seed,
         device=env.device,
     )
-    fp16 = recipe.parallel.mixed_precision == "fp16"
-    scaler = torch.amp.GradScaler(env.device.type, init_scale=recipe.optim.loss_scale, enabled=fp16)
     state = TrainState(cfg.on_nonfinite, env.device, scaler)
     states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
     ckpt = Checkpointer(recipe, env, states)
