@@ -153,16 +153,18 @@ class TrainState(Stateful):
         return {"loss_scale": self.scaler.get_scale(), "overflow_steps": self.overflow_steps}
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"step": self.step, "skipped_steps": self.settle(), "overflow_steps": self.overflow_steps}
-        if self.scaler is not None:  # scale and growth tracker, so a resumed fp16 run scales as the original would
-            state["loss_scaler"] = self.scaler.state_dict()
+        state = {"step": self.step, "skipped_steps": self.settle()}
+        # fp16 only, so the state of a bf16 or fp32 run keeps the keys checkpoints had before fp16 existed (DCP refuses
+        # to load a key the checkpoint lacks): the scale and growth tracker, for a resume that scales as the original.
+        if self.scaler is not None:
+            state.update(overflow_steps=self.overflow_steps, loss_scaler=self.scaler.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.skipped_steps = int(state_dict["skipped_steps"])
-        self.overflow_steps = int(state_dict.get("overflow_steps", 0))
         if self.scaler is not None:
+            self.overflow_steps = int(state_dict["overflow_steps"])
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 

@@ -23,6 +23,7 @@ from fsdp_trainer.checkpoint import (
     verified_checkpoint,
     verify_checkpoint,
 )
+from fsdp_trainer.config import OptimConfig
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
@@ -303,3 +304,20 @@ def test_a_checkpoint_saved_before_checksums_resumes_with_a_notice(tiny_data, tm
     (tmp_path / "ckpt" / CHECKSUMS_FILE).unlink()
     proc = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": tmp_path / "ckpt"}))
     assert proc.stdout.count("loading it unverified") == 1 and "at step 1" in proc.stdout, proc.stdout
+
+
+def test_training_state_keys_stay_loadable_from_older_checkpoints():
+    """DCP refuses to load a key a checkpoint lacks, so the training state of a bf16 / fp32 run has exactly the keys
+    it had before fp16 existed; only fp16 adds the loss scaler's state (and its overflow count)."""
+    from fsdp_trainer.optim import build_loss_scaler
+    from fsdp_trainer.train import TrainState
+
+    scalers = {p: build_loss_scaler(OptimConfig(), p, torch.device("cpu")) for p in ("bf16", "fp32", "fp16")}
+    assert set(TrainState(scaler=scalers["bf16"]).state_dict()) == {"step", "skipped_steps"}
+    assert set(TrainState(scaler=scalers["fp32"]).state_dict()) == {"step", "skipped_steps"}
+    assert set(TrainState(scaler=scalers["fp16"]).state_dict()) == {
+        "step",
+        "skipped_steps",
+        "overflow_steps",
+        "loss_scaler",
+    }
