@@ -343,6 +343,7 @@ class Checkpointer:
             **{name: path.read_bytes() for name, path in tokenizer_files(recipe.data.tokenizer_path).items()},
         }
         self.last_saved: int | None = None
+        self.resumed_from: Path | None = None  # the step directory load() resumed from; its attachments are read back
         self.preempted = False
         self._preemption: PreemptionFlag | None = PreemptionFlag(env.timeout)
         self._pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
@@ -376,7 +377,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
         dcp.load(self.states, checkpoint_id=str(path))
         step = self.states["train"].step
-        self.last_saved = step
+        self.last_saved, self.resumed_from = step, path
         logger.info(f"resumed from {path} at step {step}")
         return step
 

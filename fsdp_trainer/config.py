@@ -1,7 +1,7 @@
 """Typed recipe sections. jsonargparse turns them into the CLI and their attribute docstrings into `--help`.
 
-A recipe is a YAML file with one mapping per section (model, parallel, data, optim, train, checkpoint); any key can
-be overridden on the command line as `--section.key value`. Every check that can fail does so here, with one
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, train, checkpoint, wandb); any
+key can be overridden on the command line as `--section.key value`. Every check that can fail does so here, with one
 `error: ...` line naming the key, before any process group exists.
 """
 
@@ -285,6 +285,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, from rank 0 (`pip install -e ".[wandb]"`): off unless a project is named."""
+
+    project: str | None = None
+    """W&B project to log to; null logs nothing to W&B."""
+    entity: str | None = None
+    """W&B team or user (null: your default entity)."""
+    name: str | None = None
+    """Run name shown in W&B (null: the name of train.out_dir)."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """online: stream to the server; offline: write under OUT_DIR/wandb for `wandb sync`; disabled: log nothing."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+
+
+@dataclass
 class Recipe:
     """A whole training run."""
 
@@ -294,6 +310,7 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         _require(

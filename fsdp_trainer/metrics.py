@@ -7,6 +7,7 @@ it to every sink. A new sink (W&B, say) is a class with write(record) and close(
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -15,7 +16,9 @@ import resource
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,6 +210,18 @@ TENSORBOARD_TAGS = {
 }
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """A record's finite numbers under their TensorBoard / W&B names, the mixture's per-source counts included."""
+    out = {
+        TENSORBOARD_TAGS.get(key, f"train/{key}"): value
+        for key, value in record.items()
+        if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value)
+    }
+    for source, drawn in record.get("mixture", {}).items():
+        out.update({f"data/{source}/{key}": value for key, value in drawn.items()})
+    return out
+
+
 class TensorBoard:
     """OUT_DIR/tensorboard/: the records' numbers as scalars. Made by `open` only when the optional `tensorboard`
     package is installed (metrics.jsonl has it all anyway)."""
@@ -224,15 +239,63 @@ class TensorBoard:
         self.writer = writer
 
     def write(self, record: dict) -> None:
-        for key, value in record.items():
-            if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(TENSORBOARD_TAGS.get(key, f"train/{key}"), value, record["step"])
-        for source, drawn in record.get("mixture", {}).items():
-            for key, value in drawn.items():
-                self.writer.add_scalar(f"data/{source}/{key}", value, record["step"])
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         self.writer.close()
+
+
+WANDB_RUN_FILE = "wandb_run.json"
+"""Saved with every checkpoint (an attachment of its step directory): the W&B run id a resumed run continues."""
+
+
+def require_wandb(recipe: Recipe) -> None:
+    """Before any process group: naming a W&B project without the package installed is one line, not a traceback
+    after the first step."""
+    if recipe.wandb.project is None or recipe.wandb.mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            f"wandb.project={recipe.wandb.project} needs the wandb package ({e}): pip install wandb, or pip install "
+            "-e '.[wandb]'; or drop wandb.project"
+        ) from None
+
+
+class WandbRun:
+    """Weights & Biases, on rank 0: the scalars TensorBoard gets, under the same names, and the resolved recipe as the
+    run's config. The run id is saved with every checkpoint (WANDB_RUN_FILE), so a run resumed from one (after
+    SIGTERM, a torchrun restart, a requeued Slurm job) continues the same W&B run. W&B keeps a run's steps increasing
+    and drops what is logged at a step it already has, so the steps an interrupted attempt logged after its checkpoint
+    keep their first values and appear once; with an exact resume they are the same numbers (speed aside)."""
+
+    def __init__(self, recipe: Recipe, resumed_from: str | os.PathLike | None):
+        import wandb
+
+        cfg, out_dir = recipe.wandb, recipe.train.out_dir
+        saved = os.path.join(resumed_from, WANDB_RUN_FILE) if resumed_from is not None else None
+        previous = json.loads(Path(saved).read_text())["id"] if saved and os.path.isfile(saved) else None
+        self.run_id = previous or uuid.uuid4().hex[:12]  # W&B ids are lowercase letters and digits
+        os.makedirs(out_dir, exist_ok=True)
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or os.path.basename(os.path.abspath(out_dir)),
+            mode=cfg.mode,
+            tags=list(cfg.tags),
+            dir=out_dir,
+            id=self.run_id,
+            resume="allow" if previous else None,
+            config=dataclasses.asdict(recipe),
+        )
+
+    def write(self, record: dict) -> None:
+        self.run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class ProgressBar:
@@ -276,6 +339,7 @@ class Metrics:
         loader: TokenLoader | None = None,
         start_step: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        resumed_from: str | os.PathLike | None = None,
     ):
         data = recipe.data
         self.env, self.model, self.optimizer, self.loader, self.clock = env, model, optimizer, loader, clock
@@ -288,6 +352,7 @@ class Metrics:
         self.step_timer = StepTimer(env.device, clock)
         self.sinks: list = []
         self.bar: ProgressBar | None = None
+        self.wandb: WandbRun | None = None
         self.restart_clock(start_step)
         if not env.is_main:
             return
@@ -295,8 +360,9 @@ class Metrics:
         tensorboard = TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
         if recipe.train.progress_bar and sys.stdout.isatty():
             self.bar = ProgressBar(recipe.train.steps, start_step)
-        self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.bar]
-        self.sinks = [sink for sink in self.sinks if sink is not None]
+        self.wandb = WandbRun(recipe, resumed_from) if recipe.wandb.project is not None else None
+        self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.wandb]
+        self.sinks = [sink for sink in [*self.sinks, self.bar] if sink is not None]
         n_params = count_params(recipe.model)
         logger.info(
             f"{recipe.model.family} model, {n_params / 1e6:.1f}M params | {env.world_size} rank(s), "
@@ -369,6 +435,10 @@ class Metrics:
         """One record of an evaluation; its time counts toward no step's."""
         self._write({"step": step, "val_loss": val_loss.item(), "elapsed_s": self.clock() - self.start})
         self.restart_clock(step)
+
+    def attachments(self) -> dict[str, bytes]:
+        """Files for the checkpointer to save with every checkpoint: the W&B run id, when there is a W&B run."""
+        return {WANDB_RUN_FILE: json.dumps({"id": self.wandb.run_id}).encode()} if self.wandb is not None else {}
 
     def _write(self, record: dict) -> None:
         for sink in self.sinks:

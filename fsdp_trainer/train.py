@@ -23,7 +23,7 @@ from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, O
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
 from fsdp_trainer.data import Mixture, TokenLoader, open_data
 from fsdp_trainer.files import check_writable
-from fsdp_trainer.metrics import Metrics
+from fsdp_trainer.metrics import Metrics, require_wandb
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.parallel import (
@@ -214,7 +214,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     ckpt.load()
     if env.is_main:
         write_config(recipe)
-    metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step)
+    metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from)
+    ckpt.attachments.update(metrics.attachments())  # the W&B run id goes with every checkpoint
 
     try:
         while state.step < cfg.steps:
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe = parse_recipe(argv)  # bad recipe: one `error:` line, exit 1
     try:  # still before any collective: one line, exit 1
         train_file, val_file = open_data(recipe)
+        require_wandb(recipe)
         check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
         if recipe.checkpoint.every:
             check_disk_room(recipe.train.out_dir, count_params(recipe.model))

@@ -4,15 +4,18 @@ throughput, on a clock the test moves (no sleeps)."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from fsdp_trainer.checkpoint import CHECKSUMS_FILE
 from fsdp_trainer.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from fsdp_trainer.files import METRICS_FILE
-from fsdp_trainer.metrics import Metrics, StepTimer
+from fsdp_trainer.metrics import WANDB_RUN_FILE, Metrics, StepTimer
 from fsdp_trainer.parallel import close_distributed, init_distributed
-from tests.helpers import TINY_MODEL
+from tests.helpers import TINY_MODEL, read_metrics, run_args, train_cli
 
 CPU = torch.device("cpu")
 
@@ -71,3 +74,60 @@ def test_a_log_record_carries_the_median_and_largest_step_time_of_its_window(tmp
     lines = [json.loads(line) for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert lines[0]["step"] == 1 and lines[0]["state_gb"] == pytest.approx(20 * 4 / 1e9)  # after the first step
     assert lines[-1]["step_time_s"] == pytest.approx(record["step_time_s"])
+
+
+# --- Weights & Biases, through a stand-in package that records each call (tests/helpers/fake_wandb) ------------------
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+WANDB = {"project": "tiny", "mode": "offline", "tags": "[a, b]"}
+
+
+def _wandb_calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def _with_package(directory: str, log: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(HELPERS / directory), os.environ.get("PYTHONPATH", "")]),
+            "FAKE_WANDB_LOG": str(log)}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(tiny_data, tmp_path):
+    log, out = tmp_path / "wandb.jsonl", tmp_path / "run"
+    flags = {"train": {"log_every": 2, "eval_every": 2}, "checkpoint": {"every": 2}, "wandb": WANDB}
+    train_cli(run_args(tiny_data, out, 4, **flags), nproc=2, env=_with_package("fake_wandb", log))
+    calls = _wandb_calls(log)
+    (init,) = [c for c in calls if c["call"] == "init"]  # one run, from rank 0 only
+    assert {c["pid"] for c in calls} == {init["pid"]} and calls[-1]["call"] == "finish"
+    assert (init["project"], init["mode"], init["tags"], init["name"]) == ("tiny", "offline", ["a", "b"], "run")
+    assert init["resume"] is None and all(init["config"]["model"][k] == v for k, v in TINY_MODEL.items())
+    logged: dict[int, dict] = {}  # a step's records (training, evaluation) are logged at that step, in turn
+    for c in calls:
+        if c["call"] == "log":
+            logged.setdefault(c["step"], {}).update(c["data"])
+    # The numbers metrics.jsonl has, under TensorBoard's names.
+    for record in read_metrics(out):
+        if "loss" in record:
+            assert logged[record["step"]]["loss/train"] == record["loss"]
+            assert logged[record["step"]]["speed/tokens_per_s"] == record["tokens_per_s"]
+    assert any("loss/val" in data for data in logged.values())
+    step_dir = out / "checkpoints" / "step_00000004"
+    assert json.loads((step_dir / WANDB_RUN_FILE).read_text())["id"] == init["id"]  # saved with the checkpoint
+    assert WANDB_RUN_FILE in json.loads((step_dir / CHECKSUMS_FILE).read_text())["files"]
+
+    # Resumed from step 4 (as after a preemption): the same W&B run, resumed, logging from step 5 on.
+    log.unlink()
+    train_cli(run_args(tiny_data, out, 6, **flags), nproc=2, env=_with_package("fake_wandb", log))
+    (again,) = [c for c in _wandb_calls(log) if c["call"] == "init"]
+    assert again["id"] == init["id"] and again["resume"] == "allow"
+    assert min(c["step"] for c in _wandb_calls(log) if c["call"] == "log") > 4
+
+
+def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path):
+    log = tmp_path / "wandb.jsonl"
+    proc = train_cli(
+        run_args(tiny_data, tmp_path / "run", 2, wandb=WANDB), nproc=2, check=False, env=_with_package("no_wandb", log)
+    )
+    assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
+    assert "error: wandb.project=tiny needs the wandb package" in proc.stderr and "pip install wandb" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
