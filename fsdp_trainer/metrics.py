@@ -250,10 +250,14 @@ WANDB_RUN_FILE = "wandb_run.json"
 """Saved with every checkpoint (an attachment of its step directory): the W&B run id a resumed run continues."""
 
 
+def uses_wandb(recipe: Recipe) -> bool:
+    return recipe.wandb.project is not None and recipe.wandb.mode != "disabled"
+
+
 def require_wandb(recipe: Recipe) -> None:
     """Before any process group: naming a W&B project without the package installed is one line, not a traceback
     after the first step."""
-    if recipe.wandb.project is None or recipe.wandb.mode == "disabled":
+    if not uses_wandb(recipe):
         return
     try:
         import wandb  # noqa: F401
@@ -360,7 +364,7 @@ class Metrics:
         tensorboard = TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
         if recipe.train.progress_bar and sys.stdout.isatty():
             self.bar = ProgressBar(recipe.train.steps, start_step)
-        self.wandb = WandbRun(recipe, resumed_from) if recipe.wandb.project is not None else None
+        self.wandb = WandbRun(recipe, resumed_from) if uses_wandb(recipe) else None
         self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.wandb]
         self.sinks = [sink for sink in [*self.sinks, self.bar] if sink is not None]
         n_params = count_params(recipe.model)

@@ -131,3 +131,6 @@ def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path)
     assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
     assert "error: wandb.project=tiny needs the wandb package" in proc.stderr and "pip install wandb" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # mode: disabled needs no package (a recipe keeps its project and turns W&B off).
+    disabled = {**WANDB, "mode": "disabled"}
+    train_cli(run_args(tiny_data, tmp_path / "off", 2, wandb=disabled), env=_with_package("no_wandb", log))
