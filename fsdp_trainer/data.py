@@ -7,19 +7,34 @@ Step t uses global samples [t * B, (t + 1) * B) with B = micro_batch_size * grad
 takes its micro-batches from that range. So the batch at step t is the same set of sequences whatever the world size
 and the micro-batch / accumulation split, and the loader's whole state is one integer plus a fingerprint. A shard
 directory reads as the concatenation of its shards, so all of this holds for it unchanged.
+
+Packed fine-tuning data (tokens.py) is cut the same way, except that a sample is one of its windows of exactly seq_len
+tokens, read with its flags: the targets are the next tokens where trained on and IGNORE elsewhere, and `documents`
+numbers each token's example, for block-causal attention.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
+from fsdp_trainer.model import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
-from fsdp_trainer.tokens import Tokens, open_tokens
+from fsdp_trainer.tokens import START, TARGET, Tokens, open_tokens
+
+
+class MicroBatch(NamedTuple):
+    inputs: torch.Tensor
+    """(B, T) token ids."""
+    targets: torch.Tensor
+    """(B, T) the next token of each, or IGNORE where it is not trained on."""
+    documents: torch.Tensor | None = None
+    """(B, T) packed data only: the example each token belongs to (block-causal attention; see model.block_causal)."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -45,6 +60,13 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
             )
         if f.tokenizer_sha256 != tokenizer_sha:
             raise ValueError(f"{f.path} was not made with data.tokenizer_path={data.tokenizer_path}; prepare it again")
+        if f.packed_seq_len not in (None, data.seq_len):
+            raise ValueError(
+                f"{f.path} holds examples packed into windows of {f.packed_seq_len} tokens, not data.seq_len="
+                f"{data.seq_len}: set data.seq_len {f.packed_seq_len}, or prepare the data again with this seq_len"
+            )
+    if len({f.packed_seq_len is None for f in sources}) > 1:
+        raise ValueError("data.mixture mixes packed fine-tuning data with plain token files; use one kind")
     return train_file, val_file
 
 
@@ -105,13 +127,16 @@ class _Epochs:
 
     def __init__(self, tokens: Tokens, seq_len: int, seed_key: list[int], shuffle: bool):
         self.tokens, self.seq_len, self.seed_key, self.shuffle = tokens, seq_len, seed_key, shuffle
-        self.n_samples = (len(tokens) - 1) // seq_len
+        self.packed = tokens.packed_seq_len is not None
+        self.window = seq_len if self.packed else seq_len + 1  # plain windows overlap by the last target
+        self.n_samples = (len(tokens) - self.window + seq_len) // seq_len
         if self.n_samples < 1:
-            raise ValueError(f"{tokens.path} has {len(tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+            raise ValueError(f"{tokens.path} has {len(tokens)} tokens, fewer than one sequence of {self.window}")
         self._epoch, self._order = -1, None
 
     def read(self, sample_ids: np.ndarray) -> np.ndarray:
-        """The windows (B, seq_len + 1) of this source's samples `sample_ids` (counted over all its epochs)."""
+        """The windows of this source's samples `sample_ids` (counted over all its epochs): (B, seq_len + 1) tokens,
+        or for packed data (B, 2, seq_len): tokens and flags."""
         epochs, positions = np.divmod(sample_ids, self.n_samples)
         if self.shuffle:
             for epoch in np.unique(epochs):  # a batch spans at most two epochs
@@ -120,7 +145,11 @@ class _Epochs:
                     self._order = np.random.default_rng([*self.seed_key, self._epoch]).permutation(self.n_samples)
                 mask = epochs == epoch
                 positions[mask] = self._order[positions[mask]]
-        return self.tokens.windows(positions * self.seq_len, self.seq_len + 1)
+        if self.packed:
+            starts = positions * self.seq_len
+            tokens, flags = self.tokens.windows(starts, self.window), self.tokens.flag_windows(starts, self.window)
+            return np.stack([tokens, flags], 1)
+        return self.tokens.windows(positions * self.seq_len, self.window)
 
 
 class TokenLoader:
@@ -151,19 +180,27 @@ class TokenLoader:
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 
-    def _micro_batch(self, first_global_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro_batch(self, first_global_id: int) -> MicroBatch:
         global_ids = np.arange(first_global_id, first_global_id + self.micro_batch_size)
         if self.mixture is None:
             rows = self.sources[0].read(global_ids)
         else:
             which, local = self.mixture.assign(global_ids)
-            rows = np.empty((len(global_ids), self.seq_len + 1), dtype=np.int64)
+            shape = (2, self.seq_len) if self.sources[0].packed else (self.seq_len + 1,)
+            rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        rows = torch.from_numpy(rows)  # (B, T + 1)
+        if self.sources[0].packed:  # (B, 2, T): tokens, flags
+            tokens, flags = rows[:, 0], rows[:, 1]
+            targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
+            documents = np.cumsum((flags & START) > 0, axis=1)
+            rows = np.stack([tokens, targets, documents], 1)
+        rows = torch.from_numpy(rows)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
-        return rows[:, :-1], rows[:, 1:]
+        if self.sources[0].packed:
+            return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
+        return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""
@@ -175,9 +212,9 @@ class TokenLoader:
             for name, n, source in zip(self.mixture.names, drawn, self.sources, strict=True)
         }
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's grad_accum_steps micro-batches of the next global batch, each (inputs, targets) of
-        shape (micro_batch_size, seq_len)."""
+    def next_batch(self) -> list[MicroBatch]:
+        """This rank's grad_accum_steps micro-batches of the next global batch, each of micro_batch_size x seq_len
+        tokens."""
         start = self.consumed
         per_micro_step = self.micro_batch_size * self.world_size
         batch = [

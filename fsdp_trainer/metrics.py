@@ -425,6 +425,8 @@ class Metrics:
             "step_time_max_s": max(step_times) if step_times else None,
             "skipped_steps": skipped_steps,
             **(loss_scaling or {}),  # fp16: loss_scale and overflow_steps
+            # Packed fine-tuning data: the tokens of this step's global batch the loss is over (the assistant's).
+            **({"supervised_tokens": int(stats["supervised_tokens"].item())} if "supervised_tokens" in stats else {}),
             "elapsed_s": now - self.start,
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
             "cpu_s": time.process_time() - self.cpu_start,

@@ -63,14 +63,16 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, n_heads, T, head_dim) by the angles in cos/sin (T, head_dim)."""
+    """Rotate x (B, n_heads, T, head_dim) by the angles in cos/sin: (T, head_dim), or (B, 1, T, head_dim) when each
+    sequence has positions of its own (packed examples)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head."""
+    """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head. Given a
+    boolean `mask` (B, 1, T, T), a query attends only to the keys it marks (packed examples: block-causal)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -87,7 +89,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -97,7 +101,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
 
@@ -125,8 +130,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,14 +148,19 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
+IGNORE = -100
+"""A target that is not trained on (cross_entropy's ignore_index): a prompt's tokens in fine-tuning, padding."""
+
+
 def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
 def chunked_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int = 1
 ) -> torch.Tensor:
-    """Mean next-token loss of the output layer `weight` on the final hidden states, in fp32 whatever the compute dtype.
+    """Summed next-token loss of the output layer `weight` on the final hidden states, over the targets that are not
+    IGNORE, in fp32 whatever the compute dtype.
 
     The logits are the model's largest activation (tokens x vocab: 2.1 GB in bf16 for 8k tokens of a 128k vocabulary,
     twice that as fp32 for the loss, and as much again for its gradient). With chunks > 1 the tokens are cut into that
@@ -158,10 +170,22 @@ def chunked_cross_entropy(
     """
     hidden, targets = hidden.flatten(0, 1), targets.flatten()
     if chunks == 1:
-        return F.cross_entropy(F.linear(hidden, weight).float(), targets)
+        return _summed_loss(hidden, weight, targets)
     pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
-    total = sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
-    return total / targets.numel()
+    return sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
+
+
+def block_causal(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For windows packed with several examples: `documents` (B, T) numbers the example of each position (equal for
+    the consecutive positions of one example). Returns each position's place in its own example (B, T), which the
+    rotary angles use, and the attention mask (B, 1, T, T): a position sees the earlier positions of its own example
+    and nothing else, so each example gets the logits it would get alone."""
+    index = torch.arange(documents.shape[1], device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    same_document = documents[:, :, None] == documents[:, None, :]
+    return positions, (same_document & (index[:, None] >= index[None, :]))[:, None]
 
 
 class Transformer(nn.Module):
@@ -179,18 +203,32 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
-        """Logits (B, T, vocab_size); or, given targets (B, T), the mean next-token loss, with the output layer
-        computed in `loss_chunks` slices of the tokens (see chunked_cross_entropy)."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_chunks: int = 1,
+        documents: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size); or, given targets (B, T), the next-token loss over the targets that are not
+        IGNORE (their mean, or with reduction="sum" their sum), with the output layer computed in `loss_chunks`
+        slices of the tokens (see chunked_cross_entropy). With `documents` (B, T), windows packed with several
+        examples attend block-causally, each example from position 0 (see block_causal)."""
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if documents is None:
+            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
+        else:
+            positions, mask = block_causal(documents)
+            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, head_dim)
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for block in self.model.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         x = self.model.norm(x)
         if targets is None:
             return self.lm_head(x)  # (B, T, vocab_size)
-        return chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunks)
+        loss = chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunks)
+        return loss if reduction == "sum" else loss / (targets != IGNORE).sum()
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:

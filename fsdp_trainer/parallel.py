@@ -195,11 +195,11 @@ def close_distributed() -> None:
     gc.collect()
 
 
-def mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    """The mean of a tensor over all ranks, queued on the device (no host sync)."""
+def sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """The sum of a tensor over all ranks, queued on the device (no host sync)."""
     x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)  # gloo has no AVG
-    return x / dist.get_world_size()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fsdp_trainer.chat import TRAIN_ON, ChatEncoder, Packer
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import file_sha256, write_atomic
 from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
@@ -47,6 +48,8 @@ from fsdp_trainer.tokens import MANIFEST, TokenFile, shard_name, token_dtype, wr
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
+BUNDLED_CHAT = Path(__file__).parent / "assets" / "shakespeare_chat.jsonl.gz"
+"""The default conversations: 2,000 "continue this passage" exchanges cut from the corpus (see assets/)."""
 
 TASK_BYTES = 1 << 20  # text per tokenization task: large enough to amortize the trip to a worker
 TASK_DOCS = 1024
@@ -85,21 +88,21 @@ def _open_text(path: str):
     return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
-def _blocks(path: str, text_key: str) -> Iterator[tuple[int, list]]:
+def _blocks(path: str, text_key: str | None) -> Iterator[tuple[int, list]]:
     """One input file as (number of its first record, records) blocks of about TASK_BYTES bytes: lines of a .jsonl as
     bytes, undecoded (blank ones included, so record n is line n; a worker decodes them, which saves this process
-    decoding, and pickling as text, every byte of the corpus), rows of a parquet column (None where missing), or the
-    whole text of any other file."""
+    decoding, and pickling as text, every byte of the corpus), rows of a parquet column (None where missing; with no
+    text_key, whole rows as dicts: conversations), or the whole text of any other file."""
     kind = _kind(path)
     if kind == "parquet":
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(path)
-        if text_key not in table.schema_arrow.names:
+        if text_key is not None and text_key not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {text_key!r} (it has {table.schema_arrow.names}); pass --text_key")
         row = 1
-        for batch in table.iter_batches(columns=[text_key], batch_size=TASK_DOCS):
-            texts = batch.column(0).to_pylist()
+        for batch in table.iter_batches(columns=None if text_key is None else [text_key], batch_size=TASK_DOCS):
+            texts = batch.to_pylist() if text_key is None else batch.column(0).to_pylist()
             yield row, texts
             row += len(texts)
         return
@@ -165,7 +168,7 @@ class Task:
     records: list
 
 
-def _tasks(files: list[str], text_key: str, start: int) -> Iterator[Task]:
+def _tasks(files: list[str], text_key: str | None, start: int) -> Iterator[Task]:
     """The input stream in tasks of about TASK_BYTES bytes, from record `start` on (earlier ones are read and
     dropped: they are in shards kept from an interrupted run)."""
     index = 0
@@ -183,14 +186,17 @@ def _tasks(files: list[str], text_key: str, start: int) -> Iterator[Task]:
 _worker: dict = {}
 
 
-def _start_worker(tokenizer_path: str, text_key: str, val_fraction: float, one_thread: bool = True) -> None:
+def _start_worker(
+    tokenizer_path: str, text_key: str | None, val_fraction: float, train_on: str | None, one_thread: bool = True
+) -> None:
     if one_thread:  # in a pool the processes are the parallelism; alone, the HF tokenizer may use every core
         os.environ["RAYON_NUM_THREADS"] = "1"
     tokenizer = load_tokenizer(tokenizer_path)
     if one_thread:
         tokenizer.threads = 1
     dtype = np.dtype(token_dtype(tokenizer.vocab_size)).newbyteorder("<")
-    _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype)
+    chat = ChatEncoder(tokenizer, train_on) if train_on is not None else None
+    _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype, chat=chat)
 
 
 @dataclass
@@ -200,6 +206,8 @@ class Part:
     indices: np.ndarray
     lengths: np.ndarray
     ids: np.ndarray
+    trained: np.ndarray | None = None
+    """Conversations: whether each token is a target of the loss (chat.ChatEncoder)."""
 
 
 @dataclass
@@ -212,9 +220,37 @@ class Result:
     chars: int
 
 
+def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray], list[int], list]:
+    """(ids, trained, index) of each good conversation of a task, and (where, what) of each bad one."""
+    ids, trained, indices, bad = [], [], [], []
+    for i, record in enumerate(task.records):
+        if task.kind == "jsonl" and not record.strip():
+            continue
+        try:
+            example = _worker["chat"].encode(json.loads(record) if task.kind == "jsonl" else record)
+        except ValueError as e:  # not JSON (or not UTF-8), or a BadConversation
+            bad.append((_where(task.path, task.kind, task.number + i), str(e)))
+            continue
+        ids.append(example[0])
+        trained.append(example[1])
+        indices.append(task.first + i)
+    return ids, trained, indices, bad
+
+
 def _process(task: Task) -> Result:
     """A task parsed, tokenized and split between training and validation."""
     w = _worker
+    if w["chat"] is not None:
+        encoded, trained, indices, bad = _encode_conversations(task)
+        lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
+        ids = np.concatenate(encoded or [np.zeros(0, np.int64)]).astype(w["dtype"])
+        trained = np.concatenate(trained or [np.zeros(0, bool)])
+        indices = np.array(indices, dtype=np.int64)
+        to_val = is_validation(indices, w["val_fraction"])
+        token_to_val = np.repeat(to_val, lengths)
+        train = Part(indices[~to_val], lengths[~to_val], ids[~token_to_val], trained[~token_to_val])
+        val = Part(indices[to_val], lengths[to_val], ids[token_to_val], trained[token_to_val])
+        return Result(train, val, bad, len(indices), sum(len(r) for r in task.records if isinstance(r, bytes)))
     texts, indices, bad = [], [], []
     for i, record in enumerate(task.records):
         if task.kind == "jsonl" and not record.strip():
@@ -243,21 +279,27 @@ def _process(task: Task) -> Result:
 
 
 def process(
-    files: list[str], text_key: str, start: int, tokenizer_path: str, val_fraction: float, workers: int
+    files: list[str],
+    text_key: str | None,
+    start: int,
+    tokenizer_path: str,
+    val_fraction: float,
+    workers: int,
+    train_on: str | None = None,
 ) -> Iterator[Result]:
     """_process of every task, in input order. With several workers at most 2 tasks per worker are in flight, so
     the text read ahead and the ids waiting to be written stay bounded."""
     tasks = _tasks(files, text_key, start)
     first = list(islice(tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start
-        _start_worker(tokenizer_path, text_key, val_fraction, one_thread=False)
+        _start_worker(tokenizer_path, text_key, val_fraction, train_on, one_thread=False)
         yield from map(_process, chain(first, tasks))
         return
     # fork: workers start at once with the modules this process has imported (spawn would import torch again in
     # each). Safe here because this process has not batch-encoded yet, so no tokenizer thread pool exists to be
     # broken by the fork.
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction)) as pool:
+    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction, train_on)) as pool:
         pending: deque = deque()
         for task in chain(first, tasks):
             pending.append(pool.apply_async(_process, (task,)))
@@ -298,9 +340,13 @@ class FileWriter:
             "n_tokens": self.n_tokens,
             "vocab_size": self.vocab_size,
             "tokenizer_sha256": self.tokenizer_sha256,
+            **self.extra_meta(),
         }
         write_atomic(f"{self.path}.meta.json", json.dumps(meta, indent=2))
         write_atomic(f"{self.path}.inputs.json", json.dumps(stamp))
+
+    def extra_meta(self) -> dict:
+        return {}
 
     @staticmethod
     def is_done(path: str, stamp: dict) -> bool:
@@ -310,6 +356,59 @@ class FileWriter:
             and Path(f"{path}.meta.json").is_file()
             and stamp_path.is_file()
             and (json.loads(stamp_path.read_text()) == stamp)
+        )
+
+
+class PackedWriter(FileWriter):
+    """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
+    (tokens.py), both streamed to temporary files and renamed when complete."""
+
+    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer):
+        super().__init__(path, vocab_size, tokenizer_sha256)
+        self.packer = packer
+        self.flags = open(path + ".flags.tmp", "wb")
+
+    def add(self, part: Part) -> None:
+        ends = np.cumsum(part.lengths)
+        for start, end in zip(ends - part.lengths, ends, strict=True):
+            for window in self.packer.add(part.ids[start:end].astype(np.int64), part.trained[start:end]):
+                self._write(*window)
+
+    def _write(self, tokens: np.ndarray, flags: np.ndarray) -> None:
+        self.file.write(tokens.astype(self.dtype).tobytes())
+        self.flags.write(flags.tobytes())
+        self.n_tokens += len(tokens)
+
+    def abandon(self) -> None:
+        super().abandon()
+        self.flags.close()
+        Path(self.path + ".flags.tmp").unlink(missing_ok=True)
+
+    def finish(self, stamp: dict) -> None:
+        for window in self.packer.finish():
+            self._write(*window)
+        self.flags.close()
+        os.replace(self.path + ".flags.tmp", self.path + ".flags")
+        super().finish(stamp)
+
+    def extra_meta(self) -> dict:
+        p = self.packer
+        return {
+            "packed_seq_len": p.seq_len,
+            "examples": p.examples,
+            "supervised_tokens": p.targets,
+            "truncated": p.truncated,
+            "dropped": p.dropped,
+            "untrained": p.untrained,
+        }
+
+    def summary(self) -> str:
+        p = self.packer
+        fill = p.placed / max(p.windows * p.seq_len, 1)
+        return (
+            f"{p.examples:,} examples in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
+            f"supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than data.seq_len, "
+            f"{p.untrained:,} dropped with no answer left within it)"
         )
 
 
@@ -474,16 +573,25 @@ def prepare(
     workers: int | None = None,
     shard_tokens: int = 50_000_000,
     skip_bad_records: bool = False,
+    format: str = "text",
+    train_on: str = "assistant",
+    long_examples: str = "truncate",
 ) -> None:
     """Write data.train_path and data.val_path of the recipe from `inputs` (files or globs), tokenized with the
-    tokenizer at data.tokenizer_path (trained there first if there is none)."""
+    tokenizer at data.tokenizer_path (trained there first if there is none). With format="chat", the inputs are
+    conversations, written packed into data.seq_len windows (see chat.py)."""
     data = recipe.data
     if not 0 <= val_fraction < 1:
         raise ValueError(f"--val_fraction={val_fraction} must lie in [0, 1)")
     if shard_tokens < 1:
         raise ValueError(f"--shard_tokens={shard_tokens} must be positive")
+    if format not in ("text", "chat"):
+        raise ValueError(f"--format={format!r} must be text or chat")
+    chat = format == "chat"
     files = expand_inputs(inputs)
     start_time = time.perf_counter()
+    if chat:
+        _check_chat_inputs(recipe, files, train_on, long_examples)
 
     if not os.path.exists(data.tokenizer_path):
         vocab_size = vocab_size or recipe.model.vocab_size
@@ -518,12 +626,17 @@ def prepare(
         "shard_tokens": shard_tokens,
         "skip_bad_records": skip_bad_records,
     }
+    if chat:
+        stamp.update(format=format, train_on=train_on, long_examples=long_examples, seq_len=data.seq_len)
     outputs = [data.train_path] + ([data.val_path] if data.val_path and val_fraction else [])
     if not force and all(_writer_kind(p).is_done(p, stamp) for p in outputs):
         print(f"data already prepared: {', '.join(outputs)} (pass --force to rebuild)")
         return
 
     def writer(path: str, tokens_per_shard: int):
+        if chat:
+            pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0  # never attended to across, never a target
+            return PackedWriter(path, tokenizer.vocab_size, fingerprint, Packer(data.seq_len, pad_id, long_examples))
         if _writer_kind(path) is FileWriter:
             return FileWriter(path, tokenizer.vocab_size, fingerprint)
         return ShardWriter(path, tokens_per_shard, tokenizer.vocab_size, fingerprint, stamp)
@@ -541,7 +654,9 @@ def prepare(
     n_docs = 0
     try:
         split = val_fraction if val is not None else 0.0  # no validation output: every token is for training
-        for result in process(files, text_key, start, data.tokenizer_path, split, workers):
+        # Conversations are whole records (no text field) with a training mask.
+        key, mask = (None, train_on) if chat else (text_key, None)
+        for result in process(files, key, start, data.tokenizer_path, split, workers, mask):
             for where, what in result.bad:
                 bad.found(where, what)
             train.add(result.train)
@@ -565,12 +680,38 @@ def prepare(
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
     resumed = f" (resumed at document {start:,})" if start else ""
+    for name, w in (("train", train), ("val", val)):
+        if isinstance(w, PackedWriter):
+            print(f"{name}: {w.summary()}")
+    what = "conversations" if chat else "documents"
     print(
-        f"prepared {n_docs:,} documents{resumed}{skipped}: {counts} tokens, {sum(w.files for w in writers)} file(s), "
+        f"prepared {n_docs:,} {what}{resumed}{skipped}: {counts} tokens, {sum(w.files for w in writers)} file(s), "
         f"{n_tokens * np.dtype(token_dtype(tokenizer.vocab_size)).itemsize / 1e6:,.1f} MB written; "
         f"{total_bytes / 1e6:,.1f} MB of input in {elapsed:.1f} s ({total_bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, "
         f"{workers} worker(s))"
     )
+
+
+def _check_chat_inputs(recipe: Recipe, files: list[str], train_on: str, long_examples: str) -> None:
+    """Conversations need their model's tokenizer, records (not plain text) and one output file per split."""
+    data = recipe.data
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"--train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
+    if long_examples not in ("truncate", "drop"):
+        raise ValueError(f"--long_examples={long_examples!r} must be truncate or drop")
+    if not os.path.exists(data.tokenizer_path):
+        raise ValueError(
+            f"data.tokenizer_path={data.tokenizer_path} does not exist: conversations are tokenized with the model's "
+            "own tokenizer (import the model, or prepare its pretraining data first)"
+        )
+    for path in files:
+        if _kind(path) == "text":
+            raise ValueError(f"--input {path}: conversations come as .jsonl or .parquet records, not plain text")
+    for key, path in (("data.train_path", data.train_path), ("data.val_path", data.val_path)):
+        if path and not Path(path).suffix:
+            raise ValueError(
+                f"{key}={path}: packed conversations are written to one file; give it a name ending in .bin"
+            )
 
 
 def _progress_bar(total_bytes: int):

@@ -86,6 +86,10 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
+    def token(self, token_id: int) -> str:
+        """The text of one id as the vocabulary spells it (`<|im_end|>`), for chat templates."""
+        raise NotImplementedError
+
     def encode_prompt(self, text: str) -> list[int]:
         """What a generation starts from: BOS where documents start with one, then the text."""
         return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + self.encode(text)
@@ -125,6 +129,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.sp.decode(list(ids))
+
+    def token(self, token_id: int) -> str:
+        return self.sp.id_to_piece(token_id)
 
     def encode_document(self, text: str, batch_chars: int = 1 << 20) -> list[int]:
         """Encode a long text and append end-of-sequence. Splits at blank lines (never inside a word) to keep
@@ -192,6 +199,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=True)
+
+    def token(self, token_id: int) -> str:
+        return self.tk.id_to_token(token_id)
 
     def encode_documents(self, texts: list[str]) -> list[list[int]]:
         bos = [self.bos_id] if self.add_bos and self.bos_id is not None else []

@@ -5,6 +5,10 @@ A token file is a flat little-endian array of uint16 (vocab <= 65535) or uint32 
 giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
 corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
 concatenation.
+
+Fine-tuning data is packed: the file is windows of exactly `packed_seq_len` tokens (its meta says how many), each
+holding whole examples and padding, with `<file>.flags` beside it: a byte per token, TARGET where the next token is
+trained on (the assistant's, same example) and START where an example (or the padding) begins.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 MANIFEST = "manifest.json"
 """The file that makes a directory of token shards a corpus: the shards in order, their sizes and checksums."""
+
+
+TARGET, START = 1, 2
+"""The bits of a packed file's flags."""
 
 
 def shard_name(index: int) -> str:
@@ -79,6 +87,13 @@ class TokenFile:
         self.tokens = np.memmap(self.path, dtype=_DTYPES[dtype], mode="r")
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")
+        self.packed_seq_len: int | None = self.meta.get("packed_seq_len")
+        self.flags = None
+        if self.packed_seq_len is not None:
+            flags_path = f"{self.path}.flags"
+            if not os.path.isfile(flags_path) or os.path.getsize(flags_path) != len(self.tokens):
+                raise ValueError(f"{flags_path} is missing or not one byte per token: prepare the data again")
+            self.flags = np.memmap(flags_path, dtype=np.uint8, mode="r")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -91,6 +106,10 @@ class TokenFile:
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """tokens[start : start + length] for each start, as int64 rows."""
         return self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+
+    def flag_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """flags[start : start + length] for each start, of a packed file."""
+        return self.flags[starts[:, None] + np.arange(length)]
 
 
 class TokenShards:
@@ -113,6 +132,7 @@ class TokenShards:
         self.offsets = np.cumsum([0] + [len(shard) for shard in self.shards])
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
+        self.packed_seq_len = None  # fine-tuning data is one packed file
         self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
 
     def __len__(self) -> int:

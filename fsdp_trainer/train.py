@@ -15,26 +15,27 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, check_disk_room
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
-from fsdp_trainer.data import Mixture, TokenLoader, open_data
+from fsdp_trainer.data import MicroBatch, Mixture, TokenLoader, open_data
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics, require_wandb
-from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.model import IGNORE, Transformer, count_params
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.parallel import (
     DistEnv,
     close_distributed,
     init_distributed,
     materialize,
-    mean_over_ranks,
     parallelize,
     set_gradient_sync,
     silent_ranks,
+    sum_over_ranks,
 )
 from fsdp_trainer.tokens import Tokens
 
@@ -44,7 +45,7 @@ logger = logging.getLogger("fsdp_trainer")
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[MicroBatch],
     lr: float,
     grad_clip: float,
     loss_chunks: int = 1,
@@ -54,8 +55,10 @@ def train_step(
     device tensors (no host sync).
 
     Gradients are freed at the start of the step, not the end (as torchtitan does), so after it they are there to be
-    measured. The loss of each micro-batch is divided by their number and FSDP averages gradients over ranks, so the
-    gradient is that of the mean loss over the whole global batch, however it is split.
+    measured. The loss is the sum of the cross-entropy of every target in the global batch (all micro-batches, all
+    ranks) divided by the number of targets in it, so the gradient is the same however the batch is split, and a
+    micro-batch with few targets (fine-tuning: few assistant tokens) weighs as little as it holds. Pretraining windows
+    have a known number of targets; packed examples count theirs, in one all-reduce queued before backward.
 
     A step whose global loss or gradient norm is not finite leaves weights and AdamW state untouched, decided on the
     device: the fused AdamW kernel skips its update where `found_inf` is set (the mechanism torch.amp.GradScaler
@@ -68,12 +71,19 @@ def train_step(
     fp16 = scaler is not None and scaler.is_enabled()
     optimizer.zero_grad(set_to_none=True)
     set_lr(optimizer, lr)
-    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for i, (inputs, targets) in enumerate(micro_batches):
+    world = dist.get_world_size()
+    device = micro_batches[0].inputs.device
+    packed = micro_batches[0].documents is not None
+    if packed:
+        targets = sum_over_ranks(sum((batch.targets != IGNORE).sum() for batch in micro_batches).float())
+    else:
+        targets = torch.tensor(float(sum(batch.targets.numel() for batch in micro_batches) * world), device=device)
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        loss = model(inputs, targets, loss_chunks)
-        share = loss / len(micro_batches)
+        loss = model(batch.inputs, batch.targets, loss_chunks, batch.documents, reduction="sum")
+        share = loss * world / targets  # FSDP averages gradients over ranks: undo its division by the world size
         (scaler.scale(share) if fp16 else share).backward()
         loss_sum += loss.detach()
     if fp16:
@@ -81,7 +91,7 @@ def train_step(
     grad_norm = clip_grad_norm_(model, grad_clip)
     # One scalar all-reduce a step (queued on the device, no host sync) gives every rank the global loss, for the
     # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
-    loss = mean_over_ranks(loss_sum / len(micro_batches))
+    loss = sum_over_ranks(loss_sum) / targets
     bad_loss, bad_grads = ~torch.isfinite(loss), ~torch.isfinite(grad_norm)  # both global
     optimizer.found_inf = (bad_loss | bad_grads).float()
     optimizer.step()
@@ -90,7 +100,10 @@ def train_step(
         nonfinite, overflow = bad_loss, bad_grads & ~bad_loss
     else:
         nonfinite, overflow = bad_loss | bad_grads, torch.zeros_like(bad_loss)
-    return {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "overflow": overflow}
+    stats = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "overflow": overflow}
+    if packed:
+        stats["supervised_tokens"] = targets
+    return stats
 
 
 class NonFiniteError(RuntimeError):
@@ -170,19 +183,21 @@ class TrainState(Stateful):
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: DistEnv) -> torch.Tensor:
-    """Mean loss over the first train.eval_steps global micro-batches of the validation file (the same every time)."""
+    """Loss over the targets of the first train.eval_steps global micro-batches of the validation file (the same every
+    time); fine-tuning data: over the supervised tokens."""
     data = recipe.data
     loader = TokenLoader(
         val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
     )
-    total = torch.zeros((), device=env.device)
+    total, targets = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     for _ in range(recipe.train.eval_steps):
-        ((inputs, targets),) = loader.next_batch()
-        total += model(inputs, targets, recipe.train.loss_chunks)
+        (batch,) = loader.next_batch()
+        total += model(batch.inputs, batch.targets, recipe.train.loss_chunks, batch.documents, reduction="sum")
+        targets += (batch.targets != IGNORE).sum()
     for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
         if isinstance(module, FSDPModule):
             module.reshard()
-    return mean_over_ranks(total / recipe.train.eval_steps)
+    return sum_over_ranks(total) / sum_over_ranks(targets)
 
 
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:

@@ -46,7 +46,7 @@ def global_batch(token_file, world_size, micro, accum, steps, seed=0):
     for _ in range(steps):
         rows = []
         for loader in loaders:
-            for inputs, targets in loader.next_batch():
+            for inputs, targets, _ in loader.next_batch():
                 assert inputs.shape == targets.shape == (micro, 10) and inputs.dtype == torch.int64
                 assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
                 rows += [tuple(r) for r in inputs.tolist()]
@@ -73,7 +73,7 @@ def test_state_dict_resumes_the_stream_on_another_world_size(token_file):
     for _ in range(7):
         run.next_batch()
     state = run.state_dict()
-    expected = torch.cat([inputs for inputs, _ in run.next_batch()])
+    expected = torch.cat([inputs for inputs, *_ in run.next_batch()])
     # Resume on 2 ranks with micro 2: together they produce the same sequences.
     resumed = [TokenLoader(token_file, 10, 2, 1, r, 2, seed=3) for r in range(2)]
     for loader in resumed:
@@ -122,9 +122,7 @@ def two_sources(tmp_path):
 
 def _sources_drawn(loader, steps) -> list[int]:
     """The source (0 = A, 1 = B) of each sequence of `steps` global batches of one rank's loader."""
-    return [
-        int(inputs[i, 0] >= 1000) for _ in range(steps) for inputs, _ in loader.next_batch() for i in range(len(inputs))
-    ]
+    return [int(first >= 1000) for _ in range(steps) for batch in loader.next_batch() for first in batch.inputs[:, 0]]
 
 
 def test_a_mixture_draws_each_source_by_its_weight_over_any_window(two_sources):
@@ -151,7 +149,7 @@ def test_a_mixture_is_the_same_global_batch_at_any_world_size_and_resumes(two_so
     for _ in range(7):
         run.next_batch()
     state = run.state_dict()
-    expected = sorted(map(tuple, torch.cat([x for x, _ in run.next_batch()]).tolist()))
+    expected = sorted(map(tuple, torch.cat([x for x, *_ in run.next_batch()]).tolist()))
     resumed = [TokenLoader(mixture(), 10, 2, 1, r, 2, seed=3) for r in range(2)]
     for loader in resumed:
         loader.load_state_dict(state)

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.runner import torchrun_command, train_command
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.data import MicroBatch
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.parallel import materialize, parallelize
@@ -55,23 +56,31 @@ def test_nonfinite_steps_are_skipped_and_counted(tiny_data, tmp_path):
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
 
 
-def _batch(seed: int, poisoned: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batch(seed: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(seed)
     inputs = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
     targets = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
-    if poisoned:  # every target ignored: the mean loss is 0/0 = NaN, while the gradients stay finite (zero)
-        targets = torch.full_like(targets, -100)
-    return [(inputs, targets)]
+    return [MicroBatch(inputs, targets)]
 
 
-def _train(batches, world_size):
+def _nan(module, args, output):
+    return output * float("nan")
+
+
+def _train(batches, world_size, poisoned_step=None):
     mesh = init_device_mesh("cpu", (world_size,))
     with torch.device("meta"):
         model = Transformer(CFG)
     parallelize(model, ParallelConfig(mixed_precision="fp32"), mesh)
     materialize(model, torch.device("cpu"), seed=0)
     optimizer = build_optimizer(model, OptimConfig())
-    flags = [train_step(model, optimizer, b, lr=1e-2, grad_clip=1.0)["nonfinite"].item() for b in batches]
+    flags = []
+    for step, batch in enumerate(batches):
+        # The poisoned step's final hidden states are NaN on this rank: its loss and gradients are NaN here only.
+        poison = model.model.norm.register_forward_hook(_nan) if step == poisoned_step else None
+        flags.append(train_step(model, optimizer, batch, lr=1e-2, grad_clip=1.0)["nonfinite"].item())
+        if poison is not None:
+            poison.remove()
     state = [p.to_local() for p in model.parameters()]
     state += [v.to_local() for s in optimizer.state.values() for v in s.values() if v.ndim]
     return flags, state, [s["step"].item() for s in optimizer.state.values()]
@@ -79,8 +88,8 @@ def _train(batches, world_size):
 
 def _skip_is_exact(rank, world_size):
     # Rank 1's loss is NaN in the middle step: both ranks must skip it, and end exactly where a run without it ends.
-    batches = [_batch(0, False), _batch(1, poisoned=rank == 1), _batch(2, False)]
-    flags, state, steps = _train(batches, world_size)
+    batches = [_batch(0), _batch(1), _batch(2)]
+    flags, state, steps = _train(batches, world_size, poisoned_step=1 if rank == 1 else None)
     assert flags == [False, True, False]
     _, ref_state, ref_steps = _train([batches[0], batches[2]], world_size)
     assert steps == ref_steps == [2.0] * len(steps)  # the skipped step did not count for AdamW's bias correction

@@ -37,7 +37,7 @@ def corpus(chars: int) -> str:
         return f.read(chars)
 
 
-def save_hf_tokenizer(out_dir, family: str):
+def save_hf_tokenizer(out_dir, family: str, chat_template: str = CHAT_TEMPLATE):
     """Train a byte-level BPE of 600 pieces and save it as transformers does (tokenizer.json, tokenizer_config.json,
     chat_template.jinja); Llama's template adds BOS to every text, Qwen3 has none."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -56,7 +56,7 @@ def save_hf_tokenizer(out_dir, family: str):
             single=f"{bos} $A", special_tokens=[(bos, tk.token_to_id(bos))]
         )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
     return fast
 

@@ -11,7 +11,7 @@ sentencepiece one is trained there only when none exists. See fsdp_trainer.prepa
 from __future__ import annotations
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
-from fsdp_trainer.prepare import BUNDLED_CORPUS, prepare
+from fsdp_trainer.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, prepare
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--input",
         nargs="+",
-        default=[str(BUNDLED_CORPUS)],
-        help="text files: .txt (one document each) or .jsonl (a document per record), gzipped or not",
+        help="files or globs: .txt (one document each), .jsonl (a document or conversation per record, gzipped or "
+        "not), .parquet (one per row); default: the bundled Shakespeare corpus (--format chat: its conversations)",
     )
     parser.add_argument("--text_key", default="text", help="the field of a .jsonl record that holds its text")
     parser.add_argument("--val_fraction", type=float, default=0.05, help="tail of each document kept for validation")
@@ -41,11 +41,26 @@ def main(argv: list[str] | None = None) -> None:
         default=False,
         help="skip (and count) records without text instead of stopping at the first",
     )
+    parser.add_argument(
+        "--format",
+        default="text",
+        help="text: documents; chat: conversations ({messages: [{role, content}]} or {prompt, response} records), "
+        "rendered with the tokenizer's chat template and packed into data.seq_len windows",
+    )
+    parser.add_argument(
+        "--train_on", default="assistant", help="chat: the tokens trained on, assistant (its turns) or all"
+    )
+    parser.add_argument(
+        "--long_examples",
+        default="truncate",
+        help="chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted",
+    )
     recipe, args = parse_args(parser, argv)
+    inputs = args.input or [str(BUNDLED_CHAT if args.format == "chat" else BUNDLED_CORPUS)]
     with one_line_errors():
         prepare(
             recipe,
-            args.input,
+            inputs,
             args.val_fraction,
             args.vocab_size,
             args.force,
@@ -53,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
             args.workers,
             args.shard_tokens,
             args.skip_bad_records,
+            args.format,
+            args.train_on,
+            args.long_examples,
         )
 
 

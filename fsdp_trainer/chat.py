@@ -1,0 +1,207 @@
+"""Conversations -> fine-tuning examples, and examples -> packed windows (numpy only, like all of data preparation).
+
+A record is `{"messages": [{"role": ..., "content": ...}, ...]}` (the HF / OpenAI chat format) or
+`{"prompt": ..., "response": ...}` (one user turn and the assistant's answer). It is rendered with the tokenizer's
+own chat template (`chat_template` of tokenizer_config.json, or chat_template.jinja), through jinja2 the way
+transformers renders it, or for a tokenizer without one with DEFAULT_TEMPLATE. The tokens trained on are the
+assistant's turns: each from the end of the generation prompt the template puts before it to the end of the turn
+(its end-of-turn token included, so the model learns to stop); with train_on="all", every token.
+
+Examples are packed into windows of exactly seq_len tokens, whole (best fit among a few open windows), so none is
+split across windows; one longer than seq_len is truncated to it, or dropped; one left with no token to train on is
+dropped (and counted). tokens.py says how a packed file is laid
+out; the model attends block-causally within each window, so an example never sees its neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import numpy as np
+
+from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.tokens import START, TARGET
+
+ROLES = ("system", "user", "assistant", "tool")
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""For a tokenizer without a chat template (a sentencepiece model): each turn as `<|role|>`, a newline, the content
+and a newline. The tokenizer's EOS id follows each assistant turn, so the model learns where an answer ends."""
+
+TRAIN_ON = ("assistant", "all")
+
+
+class BadConversation(ValueError):
+    """A record that cannot become an example; the message says why (the caller names the file and record)."""
+
+
+def _template_environment():
+    """jinja2 as transformers' apply_chat_template sets it up, so templates written for it render the same."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise BadConversation(f"the chat template refused it: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env
+
+
+def conversation_of(record: object) -> list[dict]:
+    """The messages of a record (parsed JSON or a parquet row), checked."""
+    if not isinstance(record, dict):
+        raise BadConversation("not a JSON object")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list):
+            raise BadConversation("'messages' is not a list")
+    elif isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    else:
+        raise BadConversation("no 'messages' list and no 'prompt' / 'response' text pair")
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise BadConversation(f"message {k} has no text 'content'")
+        if message.get("role") not in ROLES:
+            raise BadConversation(f"message {k} has role {message.get('role')!r}, not one of {', '.join(ROLES)}")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise BadConversation("no assistant turn: nothing to train on")
+    return messages
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template and says which tokens are trained on."""
+
+    def __init__(self, tokenizer: Tokenizer, train_on: str = "assistant"):
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"--train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
+        self.tokenizer, self.train_on = tokenizer, train_on
+        source = getattr(tokenizer, "chat_template", None)
+        self.template = _template_environment().from_string(source or DEFAULT_TEMPLATE)
+        # The template's own end-of-turn token ends each answer (Llama 3's <|eot_id|>, Qwen3's <|im_end|>); with the
+        # default template, the tokenizer's EOS does.
+        self.end_of_answer = [tokenizer.eos_id] if source is None and tokenizer.eos_id is not None else []
+        self.start = [tokenizer.bos_id] if source is None and tokenizer.add_bos and tokenizer.bos_id is not None else []
+        specials = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
+        self.specials = {key: tokenizer.token(i) for key, i in specials.items() if i is not None}
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.specials)
+        except BadConversation:
+            raise
+        except Exception as e:  # a template is code: any error it raises is this record's
+            raise BadConversation(f"the chat template failed: {type(e).__name__}: {e}") from e
+
+    def answer_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Where in the rendered conversation `text` each assistant turn lies, as character spans: from the end of
+        the conversation before it with the generation prompt, to the end of the conversation through it."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            if not text.startswith(before) or not through.startswith(before):
+                raise BadConversation(
+                    f"the chat template does not render message {i} (assistant) after the conversation before it "
+                    "and its generation prompt, so its tokens cannot be told apart"
+                )
+            end = len(through)
+            if not text.startswith(through):
+                # Templates that render the last turn differently (Qwen3 gives it an empty <think> block): the turn
+                # ends where its content, followed by the text the template closes the turn with, ends.
+                content = message["content"].strip()
+                closing = through[through.rfind(content) + len(content) :] if content else ""
+                at = text.find(content, len(before)) if content else -1
+                if at < 0 or not text.startswith(closing, at + len(content)):
+                    raise BadConversation(f"cannot find where the chat template puts message {i} (assistant)")
+                end = at + len(content) + len(closing)
+            spans.append((len(before), end))
+        return spans
+
+    def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, trained) of one record: the rendered conversation's token ids and, for each, whether it is a target
+        of the loss. Each span is tokenized on its own (a template's turns meet at special tokens, so the ids are
+        those of the whole text)."""
+        messages = conversation_of(record)
+        text = self.render(messages)
+        ids, trained = list(self.start), [False] * len(self.start)
+        position = 0
+        for start, end in self.answer_spans(text, messages):
+            prompt = self.tokenizer.encode(text[position:start])
+            answer = self.tokenizer.encode(text[start:end]) + self.end_of_answer
+            ids += prompt + answer
+            trained += [self.train_on == "all"] * len(prompt) + [True] * len(answer)
+            position = end
+        rest = self.tokenizer.encode(text[position:])
+        ids += rest
+        trained += [self.train_on == "all"] * len(rest)
+        return np.array(ids, dtype=np.int64), np.array(trained, dtype=bool)
+
+
+class Packer:
+    """Examples -> windows of exactly seq_len tokens and their flags (tokens.py), each example whole in one window.
+
+    Best fit: an example goes to the open window it fills most; when none has room, a new window opens, and when
+    `open_windows` are already open, the fullest is closed (written) first; at the end the open ones are written in
+    the order they were opened. The rest of a window is padding (`pad_id`). Deterministic: the same examples in the
+    same order give the same windows."""
+
+    def __init__(self, seq_len: int, pad_id: int, long_examples: str = "truncate", open_windows: int = 64):
+        if long_examples not in ("truncate", "drop"):
+            raise ValueError(f"--long_examples={long_examples!r} must be truncate or drop")
+        self.seq_len, self.pad_id, self.long_examples, self.open_windows = seq_len, pad_id, long_examples, open_windows
+        self.open: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]] = []  # (ids, flags, [free]) per window
+        self.examples = self.truncated = self.dropped = self.untrained = self.targets = self.windows = self.placed = 0
+
+    def add(self, ids: np.ndarray, trained: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Place one example; returns the windows (tokens, flags) this closed."""
+        if len(ids) > self.seq_len:
+            if self.long_examples == "drop":
+                self.dropped += 1
+                return []
+            ids, trained = ids[: self.seq_len], trained[: self.seq_len]
+            self.truncated += 1
+        if not trained[1:].any():  # truncation cut every answer: nothing to learn, and a batch of such would be 0/0
+            self.untrained += 1
+            return []
+        flags = np.zeros(len(ids), dtype=np.uint8)
+        flags[0] = START
+        flags[:-1] |= np.where(trained[1:], TARGET, 0).astype(np.uint8)  # position j predicts token j + 1
+        self.examples += 1
+        self.placed += len(ids)
+        self.targets += int(trained[1:].sum())
+        fits = [(free[0], k) for k, (_, _, free) in enumerate(self.open) if free[0] >= len(ids)]
+        closed = []
+        if fits:
+            window = self.open[min(fits)[1]]
+        else:
+            if len(self.open) == self.open_windows:
+                fullest = min(range(len(self.open)), key=lambda k: self.open[k][2][0])
+                closed.append(self._close(self.open.pop(fullest)))
+            window = ([], [], [self.seq_len])
+            self.open.append(window)
+        window[0].append(ids)
+        window[1].append(flags)
+        window[2][0] -= len(ids)
+        return closed
+
+    def _close(self, window) -> tuple[np.ndarray, np.ndarray]:
+        ids, flags, (free,) = window
+        if free:  # the padding is an example of its own, trained on nothing
+            ids = ids + [np.full(free, self.pad_id, dtype=np.int64)]
+            flags = flags + [np.concatenate([[START], np.zeros(free - 1)]).astype(np.uint8)]
+        self.windows += 1
+        return np.concatenate(ids), np.concatenate(flags)
+
+    def finish(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The windows still open, in the order they were opened."""
+        closed, self.open = [self._close(window) for window in self.open], []
+        return closed

@@ -1,0 +1,276 @@
+"""Instruction fine-tuning: conversations rendered with the tokenizer's own chat template, the loss on the assistant's
+tokens only, examples packed into windows that attend block-causally, and the loss normalised over the whole global
+batch. References: the template's text typed out by hand, transformers (its chat rendering and its model, one example
+at a time), a single-process run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_trainer.chat import ChatEncoder, Packer
+from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.model import IGNORE, Transformer
+from fsdp_trainer.tokenizer import load_tokenizer
+from fsdp_trainer.tokens import START, TARGET, TokenFile
+from tests.helpers import read_metrics, train_cli, train_losses
+from tests.test_hf import tool
+from tests.test_real_models import save_hf_checkpoint, save_hf_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+# ChatML as Qwen3 writes it, down to its quirk: the last assistant turn gets an empty <think> block.
+CHATML = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and loop.last %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    "{{ m['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Answer in verse."},
+    {"role": "user", "content": "Who goes there?"},
+    {"role": "assistant", "content": "Nay, answer me: stand, and unfold yourself."},
+    {"role": "user", "content": "Long live the king!"},
+    {"role": "assistant", "content": "Bernardo?"},
+]
+
+
+@pytest.fixture(scope="module")
+def chatml_tokenizer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chatml")
+    hf = save_hf_tokenizer(out, "qwen3", CHATML)
+    return out, hf
+
+
+def test_assistant_tokens_and_nothing_else_are_trained(chatml_tokenizer):
+    path, hf = chatml_tokenizer
+    ids, trained = ChatEncoder(load_tokenizer(path)).encode({"messages": CONVERSATION})
+
+    # The text is transformers' rendering of the template, and the ids those of the whole text.
+    text = hf.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids.tolist() == hf(text, add_special_tokens=False).input_ids
+    # The trained tokens, typed out from the template: each answer with its end of turn, the generation prompt not.
+    pieces = [
+        ("<|im_start|>system\nAnswer in verse.<|im_end|>\n<|im_start|>user\nWho goes there?<|im_end|>\n", False),
+        ("<|im_start|>assistant\n", False),
+        ("Nay, answer me: stand, and unfold yourself.<|im_end|>\n", True),
+        ("<|im_start|>user\nLong live the king!<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\nBernardo?<|im_end|>\n", True),
+    ]
+    expected = [flag for piece, flag in pieces for _ in hf(piece, add_special_tokens=False).input_ids]
+    assert "".join(piece for piece, _ in pieces) == text
+    assert trained.tolist() == expected
+
+    all_ids, all_trained = ChatEncoder(load_tokenizer(path), "all").encode({"messages": CONVERSATION})
+    assert all_ids.tolist() == ids.tolist() and all_trained.all()
+
+
+def test_prompt_response_pairs_and_the_default_template(chatml_tokenizer, tiny_data):
+    path, hf = chatml_tokenizer
+    pair = ChatEncoder(load_tokenizer(path)).encode({"prompt": "Who goes there?", "response": "Bernardo?"})
+    messages = [{"role": "user", "content": "Who goes there?"}, {"role": "assistant", "content": "Bernardo?"}]
+    assert pair[0].tolist() == hf(hf.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids
+
+    # A sentencepiece model has no template: `<|role|>` lines, and EOS after each answer, trained on.
+    sp = load_tokenizer(tiny_data.parent / "tokenizer.model")
+    ids, trained = ChatEncoder(sp).encode({"prompt": "Who goes there?", "response": "Bernardo?"})
+    prompt = sp.encode("<|user|>\nWho goes there?\n<|assistant|>\n")
+    answer = sp.encode("Bernardo?\n") + [sp.eos_id]
+    assert ids.tolist() == prompt + answer
+    assert trained.tolist() == [False] * len(prompt) + [True] * len(answer)
+
+
+def test_packing_keeps_examples_whole_best_fit_and_counts_long_ones():
+    packer = Packer(seq_len=10, pad_id=0, open_windows=2)
+    examples = [np.arange(1, n + 1) + 100 * k for k, n in enumerate([6, 5, 3, 12, 4, 2])]
+    closed = []
+    for ids in examples:
+        closed += packer.add(ids, np.ones(len(ids), bool))
+    windows = closed + packer.finish()
+    # 6 -> w1; 5 -> w2; 3 -> w1 (best fit: 4 free there, 5 in w2); 12 truncated to 10: w1 (full) closes, new w3;
+    # 4 -> w2 (1 free left); 2: w2 too full, two windows open -> w2 (fullest, 1 free) closes, 2 -> new w4 ... wait:
+    # w3 is full (0 free) so it is the fullest and closes first.
+    # 6 -> a new window A; 5 does not fit A's 4 free -> B; 3 -> A (best fit: 4 free there, 5 in B); 12, truncated to
+    # 10, fits nowhere and 2 windows are open -> A (the fullest) is written, 10 -> C; 4 -> B; 2 fits nowhere -> C
+    # (full) is written, 2 -> D; the end writes B and D, in the order they were opened.
+    assert [w[0].tolist() for w in windows] == [
+        [1, 2, 3, 4, 5, 6, 201, 202, 203, 0],
+        list(range(301, 311)),
+        [101, 102, 103, 104, 105, 401, 402, 403, 404, 0],
+        [501, 502] + [0] * 8,
+    ]
+    assert (packer.examples, packer.truncated, packer.windows, packer.placed) == (6, 1, 4, 6 + 5 + 3 + 10 + 4 + 2)
+    # Each position is a target where its next token is in the same example; each example and the padding start.
+    T, S = TARGET, START
+    assert windows[0][1].tolist() == [S | T, T, T, T, T, 0, S | T, T, 0, S]
+    drop = Packer(seq_len=10, pad_id=0, long_examples="drop")
+    assert drop.add(np.arange(11), np.ones(11, bool)) == [] and drop.dropped == 1 and drop.finish() == []
+
+
+def test_a_window_of_two_examples_gives_each_the_logits_it_would_get_alone():
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    a, b = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 9))
+    packed = torch.cat([a, b], dim=1)
+    documents = torch.tensor([[0] * 7 + [1] * 9])
+    with torch.no_grad():
+        logits = torch.cat([model(a), model(b)], dim=1)
+        packed_logits = model(packed, documents=documents)
+        plain = model(packed)
+    assert (packed_logits - logits).abs().max() <= 1e-5
+    assert (plain[:, 7:] - logits[:, 7:]).abs().max() > 1e-2  # without the mask, b would see a
+
+    # The loss given documents is that of each example alone, over the targets that are not IGNORE.
+    targets = torch.roll(packed, -1, 1)
+    targets[0, [5, 6, 15]] = IGNORE  # a's last two (a prompt-like span, the end), b's end
+    expected = F.cross_entropy(logits[0], targets[0], ignore_index=IGNORE)
+    loss = model(packed, targets, documents=documents)
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    assert torch.allclose(model(packed, targets, 3, documents), expected, rtol=1e-5)  # chunked the same
+
+
+def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags):
+    """A recipe on conversations, prepared with --format chat."""
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    recipe = {
+        "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 640},
+        "parallel": {"mixed_precision": "fp32"},
+        "data": {
+            "train_path": str(tmp_path / "data" / "train.bin"),
+            "val_path": str(tmp_path / "data" / "val.bin"),
+            "tokenizer_path": str(tokenizer_dir),
+            "seq_len": seq_len,
+            "micro_batch_size": 2,
+        },
+        "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
+        "train": {"steps": 6, "log_every": 1, "eval_every": 3, "eval_steps": 1},
+        "checkpoint": {"every": 0},
+    }
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    proc = tool(
+        "prepare_data.py",
+        "--recipe",
+        tmp_path / "recipe.yaml",
+        "--format",
+        "chat",
+        "--input",
+        tmp_path / "chat.jsonl",
+        "--val_fraction",
+        "0.2",
+        *flags,
+    )
+    return tmp_path / "recipe.yaml", proc
+
+
+def shakespeare_conversations(n: int) -> list[dict]:
+    import gzip
+
+    from fsdp_trainer.prepare import BUNDLED_CHAT
+
+    with gzip.open(BUNDLED_CHAT, "rt") as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_with_accumulation_and_resume_is_exact(tmp_path, chatml_tokenizer):
+    """The loss is over the global batch's supervised tokens, so 2 ranks x micro 2 equal 1 rank x micro 2 x
+    accumulation 2, though the micro-batches hold different numbers of them; a run stopped at step 3 and resumed on
+    one rank ends where the straight run ends."""
+    recipe, proc = _chat_data(tmp_path, chatml_tokenizer[0], shakespeare_conversations(120), 96)
+    assert "truncated" in proc.stdout and TokenFile(tmp_path / "data" / "train.bin").packed_seq_len == 96
+    train_cli(["--recipe", str(recipe), "--train.out_dir", str(tmp_path / "two")], nproc=2)
+    # One rank: 2 micro-batches of 2 per step, and 2 evaluation batches: the 4 windows 2 ranks x 1 batch see.
+    one = ["--recipe", str(recipe), "--data.grad_accum_steps", "2", "--train.eval_steps", "2"]
+    train_cli([*one, "--train.out_dir", str(tmp_path / "one")])
+    losses, reference = train_losses(tmp_path / "two"), train_losses(tmp_path / "one")
+    assert len(losses) == 6
+    for step, ref in reference.items():
+        assert losses[step] == pytest.approx(ref, rel=1e-5), step
+    records = read_metrics(tmp_path / "two")
+    counts = [r["supervised_tokens"] for r in records if "loss" in r]
+    assert len(set(counts)) > 1 and all(0 < c < 4 * 96 for c in counts)
+    vals = [[r["val_loss"] for r in read_metrics(tmp_path / run) if "val_loss" in r] for run in ("one", "two")]
+    assert len(vals[0]) == 2 and vals[1] == pytest.approx(vals[0], rel=1e-5)
+
+    # Stop at step 3 on 2 ranks, resume on 1 (accumulation 2: the same global batch).
+    ckpt = ["--checkpoint.every", "3", "--train.out_dir", str(tmp_path / "resumed")]
+    train_cli(["--recipe", str(recipe), *ckpt, "--train.steps", "3"], nproc=2)
+    train_cli([*one, *ckpt])
+    resumed = train_losses(tmp_path / "resumed")
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5), step
+
+
+@pytest.mark.slow
+def test_fine_tune_an_imported_checkpoint_on_conversations(tmp_path):
+    """The README's walk-through on a Qwen3 checkpoint and ChatML tokenizer built here: import, prepare the
+    conversations, train; the validation loss equals transformers' on the same packed windows, each example alone,
+    over the assistant's tokens (fp32, relative gap <= 1e-5)."""
+    hf_in, imported = tmp_path / "hf_in", tmp_path / "imported"
+    hf_tokenizer = save_hf_tokenizer(hf_in, "qwen3", CHATML)
+    original = save_hf_checkpoint(hf_in, "qwen3", vocab_size=len(hf_tokenizer) + 8)
+    tool("import_hf.py", hf_in, imported)
+    # Short turns (the test model has 64 positions): the first line of each.
+    conversations = [
+        {"messages": [{**m, "content": m["content"].splitlines()[-1][:40]} for m in c["messages"]]}
+        for c in shakespeare_conversations(60)
+    ] + [{"prompt": "Who goes there?", "response": "Bernardo?"}]
+    recipe, _ = _chat_data(tmp_path, imported, conversations, 64)
+    run = tmp_path / "run"
+    launch = ["--recipe", str(recipe), "--recipe", str(imported / "model.yaml"), "--checkpoint.resume", str(imported)]
+    # A learning rate of 1e-20 leaves the fp32 weights as imported: the evaluation is the imported model's.
+    overrides = ["--optim.lr", "1e-20", "--optim.min_lr", "0", "--train.steps", "1", "--train.eval_every", "1"]
+    train_cli([*launch, *overrides, "--train.eval_steps", "1", "--train.out_dir", str(run)], nproc=2)
+    [val_loss] = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
+
+    # The first 2 x 2 windows of the validation file (2 ranks x micro-batch 2), each example through transformers on
+    # its own.
+    val = TokenFile(tmp_path / "data" / "val.bin")
+    assert len(val) >= 4 * 64
+    tokens = torch.from_numpy(val.tokens[: 4 * 64].astype(np.int64)).view(4, 64)
+    flags = torch.from_numpy(np.array(val.flags[: 4 * 64])).view(4, 64)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row, row_flags in zip(tokens, flags, strict=True):
+            starts = [int(i) for i in torch.nonzero(row_flags & START).flatten()] + [64]
+            for start, end in zip(starts[:-1], starts[1:], strict=True):
+                logits = original(row[None, start:end]).logits[0]
+                targets = torch.where((row_flags[start:end] & TARGET) > 0, torch.roll(row[start:end], -1), IGNORE)
+                total += F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum").item()
+                count += int((targets != IGNORE).sum())
+    reference = total / count
+    assert abs(val_loss - reference) / reference <= 1e-5, (val_loss, reference)
+
+
+def test_bad_conversations_are_named_by_file_and_line(tmp_path, chatml_tokenizer):
+    good = {"prompt": "a", "response": "b"}
+    cases = {
+        "no assistant turn: nothing to train on": {"messages": [{"role": "user", "content": "hi"}]},
+        "message 1 has role 'narrator', not one of system, user, assistant, tool": {
+            "messages": [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"}]
+        },
+        "the chat template refused it: no system turns here": {
+            "messages": [{"role": "system", "content": "s"}, *CONVERSATION[1:3]]
+        },
+    }
+    refuse_system = "{% if m['role'] == 'system' %}{{ raise_exception('no system turns here') }}{% endif %}"
+    strict = CHATML.replace("{% for m in messages %}", "{% for m in messages %}" + refuse_system)
+    tokenizer_dir = tmp_path / "strict"
+    save_hf_tokenizer(tokenizer_dir, "qwen3", strict)
+    for message, record in cases.items():
+        out = tmp_path / message[:10].replace(" ", "_")
+        out.mkdir()
+        with pytest.raises(AssertionError) as failure:  # tool(): the command failed, with this stderr
+            _chat_data(out, tokenizer_dir, [good, good, record], 32)
+        stderr = str(failure.value)
+        assert stderr.strip() == (
+            f"error: {out}/chat.jsonl:3: {message}; fix it or pass --skip_bad_records to skip and count such records"
+        ), stderr
+        assert not (out / "data" / "train.bin").exists()
