@@ -136,9 +136,12 @@ def test_a_window_of_two_examples_gives_each_the_logits_it_would_get_alone():
     assert torch.allclose(model(packed, targets, 3, documents), expected, rtol=1e-5)  # chunked the same
 
 
-def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags):
-    """A recipe on conversations, prepared with --format chat."""
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags, input_file=None):
+    """A recipe on conversations (written to chat.jsonl, unless an input_file is given), prepared with --format chat."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    if input_file is None:
+        input_file = tmp_path / "chat.jsonl"
+        input_file.write_text("".join(json.dumps(c) + "\n" for c in conversations))
     recipe = {
         "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "vocab_size": 640},
         "parallel": {"mixed_precision": "fp32"},
@@ -161,7 +164,7 @@ def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags):
         "--format",
         "chat",
         "--input",
-        tmp_path / "chat.jsonl",
+        input_file,
         "--val_fraction",
         "0.2",
         *flags,
@@ -274,3 +277,18 @@ def test_bad_conversations_are_named_by_file_and_line(tmp_path, chatml_tokenizer
             f"error: {out}/chat.jsonl:3: {message}; fix it or pass --skip_bad_records to skip and count such records"
         ), stderr
         assert not (out / "data" / "train.bin").exists()
+
+
+def test_parquet_conversations_pack_as_jsonl_ones(tmp_path, chatml_tokenizer):
+    """A parquet `messages` column (a list of structs) and `prompt` / `response` columns give the same bytes as the
+    same records in jsonl."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    conversations = shakespeare_conversations(30)
+    _chat_data(tmp_path / "jsonl", chatml_tokenizer[0], conversations, 128)
+    parquet = tmp_path / "chat.parquet"
+    pq.write_table(pa.Table.from_pylist(conversations), parquet, row_group_size=7)
+    _chat_data(tmp_path / "parquet", chatml_tokenizer[0], None, 128, input_file=parquet)
+    for name in ("train.bin", "train.bin.flags", "val.bin", "val.bin.flags"):
+        assert (tmp_path / "parquet" / "data" / name).read_bytes() == (tmp_path / "jsonl" / "data" / name).read_bytes()
