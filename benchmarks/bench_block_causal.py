@@ -1,0 +1,108 @@
+"""Block-causal attention for packed examples: what it costs against plain causal attention.
+
+    python benchmarks/bench_block_causal.py --recipe recipes/debug.yaml --example_tokens 128 --repeats 5 \
+        --data.seq_len 1024 --model.max_seq_len 1024 --data.micro_batch_size 4
+
+One process, the recipe's model in its compute dtype: forward + backward of the loss on random windows, with
+`documents` (windows cut into examples of about `example_tokens` tokens: block-causal mask, per-example positions) and
+without (is_causal), alternating which goes first, `repeats` rounds of `steps` steps each after a warm-up. Also the
+attention alone (scaled_dot_product_attention of one layer's shapes, forward + backward). Reports the median time of
+each and their ratio, as a markdown table.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.model import Transformer, block_causal
+
+
+def documents_of(batch: int, seq_len: int, example_tokens: int, generator: torch.Generator) -> torch.Tensor:
+    """Example ids of windows cut into examples of uniform random length in [1, 2 * example_tokens]."""
+    lengths = torch.randint(1, 2 * example_tokens + 1, (batch, seq_len), generator=generator)
+    starts = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for row in range(batch):
+        at = 0
+        for length in lengths[row].tolist():
+            if at >= seq_len:
+                break
+            starts[row, at] = True
+            at += length
+    return starts.cumsum(1)
+
+
+def timed(fn, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = recipe_parser("benchmarks/bench_block_causal.py", __doc__.split("\n\n")[0])
+    parser.add_argument("--example_tokens", type=int, default=128, help="mean tokens of a packed example")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    recipe, args = parse_args(parser, argv)
+    cfg, data = recipe.model, recipe.data
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.parallel.mixed_precision, torch.float32)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    model.init_weights(seed=0)
+    g = torch.Generator().manual_seed(0)
+    B, T = data.micro_batch_size, data.seq_len
+    tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    documents = documents_of(B, T, args.example_tokens, g)
+
+    def step(docs):
+        model.zero_grad(set_to_none=True)
+        model(tokens, targets, recipe.train.loss_chunks, docs).backward()
+
+    head_dim = cfg.resolved_head_dim
+    q = torch.randn(B, cfg.n_heads, T, head_dim, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, cfg.n_kv_heads, T, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    _, mask = block_causal(documents)
+    gqa = cfg.n_kv_heads != cfg.n_heads
+
+    def attention(with_mask):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask if with_mask else None, is_causal=not with_mask, enable_gqa=gqa
+        )
+        out.sum().backward()
+
+    cases = {
+        "model, causal": lambda: step(None),
+        "model, block-causal": lambda: step(documents),
+        "attention, causal": lambda: attention(False),
+        "attention, block-causal": lambda: attention(True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()  # warm-up
+    for repeat in range(args.repeats):
+        for name in list(cases) if repeat % 2 == 0 else list(cases)[::-1]:
+            times[name].append(timed(cases[name], args.steps))
+    n_examples = int(documents[:, -1].sum()) + B
+    print(
+        f"{B} x {T} tokens, {n_examples} examples (mean {B * T / n_examples:.0f} tokens), {cfg.n_layers} layers, "
+        f"dim {cfg.dim}, {recipe.parallel.mixed_precision}, {torch.get_num_threads()} threads"
+    )
+    print("| what | causal, ms | block-causal, ms | ratio (median of rounds) |")
+    print("|---|---|---|---|")
+    for what in ("model", "attention"):
+        plain, masked = times[f"{what}, causal"], times[f"{what}, block-causal"]
+        ratio = statistics.median(m / p for m, p in zip(masked, plain, strict=True))
+        print(
+            f"| {what} forward + backward | {statistics.median(plain) * 1e3:.1f} | "
+            f"{statistics.median(masked) * 1e3:.1f} | {ratio:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
