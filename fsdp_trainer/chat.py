@@ -126,6 +126,10 @@ class ChatEncoder:
             spans.append((len(before), end))
         return spans
 
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The ids a reply to `messages` is generated from: the conversation and the template's generation prompt."""
+        return self.start + self.tokenizer.encode(self.render(messages, add_generation_prompt=True))
+
     def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
         """(ids, trained) of one record: the rendered conversation's token ids and, for each, whether it is a target
         of the loss. Each span is tokenized on its own (a template's turns meet at special tokens, so the ids are

@@ -230,6 +230,7 @@ def test_fine_tune_an_imported_checkpoint_on_conversations(tmp_path):
     launch = ["--recipe", str(recipe), "--recipe", str(imported / "model.yaml"), "--checkpoint.resume", str(imported)]
     # A learning rate of 1e-20 leaves the fp32 weights as imported: the evaluation is the imported model's.
     overrides = ["--optim.lr", "1e-20", "--optim.min_lr", "0", "--train.steps", "1", "--train.eval_every", "1"]
+    overrides += ["--checkpoint.every", "1"]
     train_cli([*launch, *overrides, "--train.eval_steps", "1", "--train.out_dir", str(run)], nproc=2)
     [val_loss] = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
 
@@ -250,6 +251,28 @@ def test_fine_tune_an_imported_checkpoint_on_conversations(tmp_path):
                 count += int((targets != IGNORE).sum())
     reference = total / count
     assert abs(val_loss - reference) / reference <= 1e-5, (val_loss, reference)
+
+    # generate.py --chat: the prompt through the template's generation prompt, the reply alone printed (greedy, so
+    # the same as transformers' greedy continuation of the same rendering).
+    reply = tool(
+        "generate.py",
+        run,
+        "--chat",
+        "true",
+        "--prompt",
+        "Who goes there?",
+        "--max_new_tokens",
+        "6",
+        "--temperature",
+        "0",
+    ).stdout
+    rendered = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who goes there?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = torch.tensor([hf_tokenizer(rendered, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        greedy = original.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=hf_tokenizer.eos_token_id)
+    assert reply == hf_tokenizer.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
 
 
 def test_bad_conversations_are_named_by_file_and_line(tmp_path, chatml_tokenizer):
