@@ -74,10 +74,12 @@ def train_step(
     world = dist.get_world_size()
     device = micro_batches[0].inputs.device
     packed = micro_batches[0].documents is not None
+    # The global number of targets: a device tensor, or for plain windows a Python number (a tensor made from it
+    # would be a host-to-device copy every step).
     if packed:
         targets = sum_over_ranks(sum((batch.targets != IGNORE).sum() for batch in micro_batches).float())
     else:
-        targets = torch.tensor(float(sum(batch.targets.numel() for batch in micro_batches) * world), device=device)
+        targets = float(sum(batch.targets.numel() for batch in micro_batches) * world)
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
