@@ -199,10 +199,14 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW, or Muon for the blocks' matrices beside AdamW for the rest; linear warmup and cosine decay."""
 
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every parameter. muon: Muon (momentum, then Newton-Schulz orthogonalization of each matrix)
+    for the 2-D weights of the blocks, AdamW (with lr, weight_decay, betas) for embeddings, the output layer and
+    norms."""
     lr: float = 3e-4
-    """Peak learning rate, reached after warmup_steps."""
+    """Peak learning rate (of AdamW), reached after warmup_steps."""
     min_lr: float = 3e-5
     """Learning rate at the last step of the cosine decay."""
     warmup_steps: int = 100
@@ -215,6 +219,14 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    muon_lr: float = 0.02
+    """Muon only: peak learning rate of the blocks' matrices; it follows the same warmup and decay as lr."""
+    muon_momentum: float = 0.95
+    """Muon only: momentum of the gradient before orthogonalization."""
+    muon_nesterov: bool = True
+    """Muon only: orthogonalize the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."""
+    muon_weight_decay: float = 0.0
+    """Muon only: decoupled weight decay of the blocks' matrices."""
     loss_scale: float = 65536.0
     """fp16 only: the initial loss scale of torch.amp.GradScaler. A step whose scaled gradients overflow is skipped
     and the scale halved; after 2000 steps without one it doubles. Skips are counted in metrics.jsonl
@@ -227,6 +239,8 @@ class OptimConfig:
         _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
         _require(self.loss_scale > 0, f"optim.loss_scale={self.loss_scale} must be positive")
+        _require(self.muon_lr > 0, f"optim.muon_lr={self.muon_lr} must be positive")
+        _require(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must lie in [0, 1)")
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
 
 
