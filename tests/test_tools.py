@@ -205,3 +205,52 @@ def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_p
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)  # same numbers, chunked or not
     # One slice of 64 tokens: ceil(64 / 3) = 22 of them.
     assert rows[1]["planned_logits_gb"] == pytest.approx(rows[0]["planned_logits_gb"] * 22 / 64)
+
+
+def test_bench_block_causal_times_both_attentions(tiny_data):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "bench_block_causal.py"),
+            "--recipe",
+            str(tiny_data),
+            "--repeats",
+            "2",
+            "--steps",
+            "1",
+            "--example_tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| model", "| attention"))]
+    assert [r[0].strip() for r in rows] == ["model forward + backward", "attention forward + backward"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_optimizer_times_adamw_and_muon_under_torchrun(tiny_data):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(BENCHMARKS / "bench_optimizer.py"),
+            "--recipe",
+            str(tiny_data),
+            "--repeats",
+            "2",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines() if "| " in line}
+    assert float(rows["AdamW (fused)"][0]) >= 0 and float(rows["Muon (+ AdamW for embeddings, head, norms)"][1]) > 0
+    assert "2 rank(s), FULL_SHARD" in proc.stdout
