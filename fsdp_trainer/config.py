@@ -312,6 +312,10 @@ class WandbConfig:
     """online: stream to the server; offline: write under OUT_DIR/wandb for `wandb sync`; disabled: log nothing."""
     tags: list[str] = field(default_factory=list)
     """Tags of the run."""
+    rewind: bool = False
+    """A resumed run rewinds its W&B run to the checkpoint's step (resume_from), so the steps an interrupted attempt
+    logged after it are replaced, not kept. Needs W&B's run rewind, in private preview: ask W&B support to enable it.
+    Off: the run resumes (resume=allow) and those steps keep their first values, each logged once."""
 
 
 @dataclass

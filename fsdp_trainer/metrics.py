@@ -275,7 +275,7 @@ class WandbRun:
     and drops what is logged at a step it already has, so the steps an interrupted attempt logged after its checkpoint
     keep their first values and appear once; with an exact resume they are the same numbers (speed aside)."""
 
-    def __init__(self, recipe: Recipe, resumed_from: str | os.PathLike | None):
+    def __init__(self, recipe: Recipe, resumed_from: str | os.PathLike | None, start_step: int = 0):
         import wandb
 
         cfg, out_dir = recipe.wandb, recipe.train.out_dir
@@ -283,6 +283,10 @@ class WandbRun:
         previous = json.loads(Path(saved).read_text())["id"] if saved and os.path.isfile(saved) else None
         self.run_id = previous or uuid.uuid4().hex[:12]  # W&B ids are lowercase letters and digits
         os.makedirs(out_dir, exist_ok=True)
+        if previous and cfg.rewind:  # the same run, its history cut back to the checkpoint's step
+            continuing = {"resume_from": f"{previous}?_step={start_step}"}
+        else:
+            continuing = {"id": self.run_id, "resume": "allow" if previous else None}
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,
@@ -290,9 +294,8 @@ class WandbRun:
             mode=cfg.mode,
             tags=list(cfg.tags),
             dir=out_dir,
-            id=self.run_id,
-            resume="allow" if previous else None,
             config=dataclasses.asdict(recipe),
+            **continuing,
         )
 
     def write(self, record: dict) -> None:
@@ -364,7 +367,7 @@ class Metrics:
         tensorboard = TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
         if recipe.train.progress_bar and sys.stdout.isatty():
             self.bar = ProgressBar(recipe.train.steps, start_step)
-        self.wandb = WandbRun(recipe, resumed_from) if uses_wandb(recipe) else None
+        self.wandb = WandbRun(recipe, resumed_from, start_step) if uses_wandb(recipe) else None
         self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.wandb]
         self.sinks = [sink for sink in [*self.sinks, self.bar] if sink is not None]
         n_params = count_params(recipe.model)

@@ -122,6 +122,13 @@ def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(
     assert again["id"] == init["id"] and again["resume"] == "allow"
     assert min(c["step"] for c in _wandb_calls(log) if c["call"] == "log") > 4
 
+    # With rewind (W&B's preview feature), the run is resumed from the checkpoint's step instead.
+    log.unlink()
+    rewind = {**flags, "wandb": {**WANDB, "rewind": True}}
+    train_cli(run_args(tiny_data, out, 8, **rewind), nproc=2, env=_with_package("fake_wandb", log))
+    (rewound,) = [c for c in _wandb_calls(log) if c["call"] == "init"]
+    assert rewound["resume_from"] == f"{init['id']}?_step=6" and "id" not in rewound and "resume" not in rewound
+
 
 def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path):
     log = tmp_path / "wandb.jsonl"

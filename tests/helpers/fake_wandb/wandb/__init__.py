@@ -23,4 +23,4 @@ class Run:
 
 def init(**kwargs) -> Run:
     _record(call="init", pid=os.getpid(), **kwargs)
-    return Run(kwargs["id"])
+    return Run(kwargs.get("id") or kwargs["resume_from"].split("?")[0])
