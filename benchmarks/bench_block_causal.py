@@ -6,8 +6,9 @@
 One process, the recipe's model in its compute dtype: forward + backward of the loss on random windows, with
 `documents` (windows cut into examples of about `example_tokens` tokens: block-causal mask, per-example positions) and
 without (is_causal), alternating which goes first, `repeats` rounds of `steps` steps each after a warm-up. Also the
-attention alone (scaled_dot_product_attention of one layer's shapes, forward + backward). Reports the median time of
-each and their ratio, as a markdown table.
+attention alone (scaled_dot_product_attention of one layer's shapes, forward + backward), and its forward alone with
+the block-causal mask as a compiled flex_attention BlockMask (what compiled GPU runs use; torch 2.13 has no
+flex_attention backward on CPUs). Reports the median time of each and their ratio, as a markdown table.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.model import Transformer, block_causal
@@ -68,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     q = torch.randn(B, cfg.n_heads, T, head_dim, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, cfg.n_kv_heads, T, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
     _, mask = block_causal(documents)
+    _, block_mask = block_causal(documents, flex=True)
     gqa = cfg.n_kv_heads != cfg.n_heads
+    compiled_flex = torch.compile(flex_attention)
 
     def attention(with_mask):
         out = F.scaled_dot_product_attention(
@@ -76,11 +80,24 @@ def main(argv: list[str] | None = None) -> None:
         )
         out.sum().backward()
 
+    q0, k0, v0 = q.detach(), k.detach(), v.detach()  # flex_attention refuses inputs that want a CPU backward
+
+    @torch.no_grad()
+    def attention_forward(kind):
+        if kind == "flex":
+            return compiled_flex(q0, k0, v0, block_mask=block_mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q0, k0, v0, attn_mask=mask if kind == "mask" else None, is_causal=kind == "causal", enable_gqa=gqa
+        )
+
     cases = {
         "model, causal": lambda: step(None),
         "model, block-causal": lambda: step(documents),
         "attention, causal": lambda: attention(False),
         "attention, block-causal": lambda: attention(True),
+        "forward, causal": lambda: attention_forward("causal"),
+        "forward, block-causal": lambda: attention_forward("mask"),
+        "forward, flex": lambda: attention_forward("flex"),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for fn in cases.values():
@@ -95,12 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("| what | causal, ms | block-causal, ms | ratio (median of rounds) |")
     print("|---|---|---|---|")
-    for what in ("model", "attention"):
-        plain, masked = times[f"{what}, causal"], times[f"{what}, block-causal"]
+    rows = {
+        "model forward + backward": ("model, causal", "model, block-causal"),
+        "attention forward + backward": ("attention, causal", "attention, block-causal"),
+        "attention forward": ("forward, causal", "forward, block-causal"),
+        "attention forward, flex_attention (compiled)": ("forward, causal", "forward, flex"),
+    }
+    for what, (plain_case, masked_case) in rows.items():
+        plain, masked = times[plain_case], times[masked_case]
         ratio = statistics.median(m / p for m, p in zip(masked, plain, strict=True))
         print(
-            f"| {what} forward + backward | {statistics.median(plain) * 1e3:.1f} | "
-            f"{statistics.median(masked) * 1e3:.1f} | {ratio:.2f} |"
+            f"| {what} | {statistics.median(plain) * 1e3:.1f} | {statistics.median(masked) * 1e3:.1f} | {ratio:.2f} |"
         )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
@@ -72,7 +73,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head. Given a
-    boolean `mask` (B, 1, T, T), a query attends only to the keys it marks (packed examples: block-causal)."""
+    `mask`, a query attends only to the keys it marks (packed examples: block-causal): a boolean (B, 1, T, T) through
+    scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks the mask empties."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -102,7 +104,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
         gqa = self.n_kv_heads != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
 
@@ -175,15 +180,23 @@ def chunked_cross_entropy(
     return sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
 
 
-def block_causal(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def block_causal(documents: torch.Tensor, flex: bool = False) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
     """For windows packed with several examples: `documents` (B, T) numbers the example of each position (equal for
     the consecutive positions of one example). Returns each position's place in its own example (B, T), which the
-    rotary angles use, and the attention mask (B, 1, T, T): a position sees the earlier positions of its own example
-    and nothing else, so each example gets the logits it would get alone."""
-    index = torch.arange(documents.shape[1], device=documents.device)
+    rotary angles use, and the attention mask: a position sees the earlier positions of its own example and nothing
+    else, so each example gets the logits it would get alone. A boolean (B, 1, T, T), or with `flex` the same as a
+    flex_attention BlockMask (blocks of 128 x 128 positions, those it empties skipped)."""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    if flex:
+
+        def same_example_causal(b, h, q, k):
+            return (documents[b, q] == documents[b, k]) & (q >= k)
+
+        return positions, create_block_mask(same_example_causal, B, None, T, T, device=documents.device)
     same_document = documents[:, :, None] == documents[:, None, :]
     return positions, (same_document & (index[:, None] >= index[None, :]))[:, None]
 
@@ -198,6 +211,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.flex_attention = False
+        """Packed examples through flex_attention instead of a boolean mask: fast only compiled, so parallel.py turns
+        it on with torch.compile, on GPUs."""
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
         cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -219,7 +235,7 @@ class Transformer(nn.Module):
         if documents is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
         else:
-            positions, mask = block_causal(documents)
+            positions, mask = block_causal(documents, self.flex_attention)
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, head_dim)
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for block in self.model.layers.values():

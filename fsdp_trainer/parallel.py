@@ -334,6 +334,9 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> No
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)
+        # Packed examples then attend through flex_attention, compiled into a kernel that skips the blocks the mask
+        # empties (eager, it is slower than the boolean mask); torch 2.13 has no flex_attention backward on CPUs.
+        model.flex_attention = mesh.device_type == "cuda"
     apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks)
 
 

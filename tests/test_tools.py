@@ -226,8 +226,13 @@ def test_bench_block_causal_times_both_attentions(tiny_data):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| model", "| attention"))]
-    assert [r[0].strip() for r in rows] == ["model forward + backward", "attention forward + backward"]
-    assert all(float(r[1]) > 0 and float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert [r[0].strip() for r in rows] == [
+        "model forward + backward",
+        "attention forward + backward",
+        "attention forward",
+        "attention forward, flex_attention (compiled)",
+    ]
+    assert all(float(r[1]) >= 0 and float(r[2]) >= 0 and float(r[3]) > 0 for r in rows)  # ms to 0.1, ratio exact
 
 
 @pytest.mark.slow
