@@ -11,13 +11,15 @@ from fsdp_trainer.config import ModelConfig, OptimConfig, parse_recipe
 from fsdp_trainer.model import Transformer, block_matrices, count_params
 from fsdp_trainer.optim import (
     NS_COEFFICIENTS,
+    assign_owners,
     build_optimizer,
     clip_grad_norm_,
     lr_at,
+    newton_schulz_flops,
     optimizer_state_bytes,
     orthogonalize,
 )
-from tests.helpers import read_metrics, run_args, train_cli, train_losses
+from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 
 def test_warmup_then_cosine_to_min_lr():
@@ -149,3 +151,20 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tiny_data, tmp_
 def _run(tiny_data, out_dir, extra=(), nproc=1, **sections):
     train_cli([*run_args(tiny_data, out_dir, **sections), *extra], nproc=nproc)
     return train_losses(out_dir)
+
+
+def test_newton_schulz_work_is_spread_evenly_over_ranks():
+    """Every rank computes the same owners from names and shapes; the busiest rank gets its share of the FLOPs."""
+    model = parse_recipe(["--recipe", str(REPO / "recipes" / "125m.yaml")]).model
+    with torch.device("meta"):
+        named = [
+            (n, tuple(p.shape)) for n, p in Transformer(model).named_parameters() if ".layers." in n and p.ndim == 2
+        ]
+    names, shapes = [n for n, _ in named], [s for _, s in named]
+    for world in (2, 3, 8):
+        owners = assign_owners(names, shapes, world)
+        assert owners == assign_owners(names[::-1], shapes[::-1], world)[::-1]  # the order given does not matter
+        load = [
+            sum(newton_schulz_flops(s) for s, o in zip(shapes, owners, strict=True) if o == r) for r in range(world)
+        ]
+        assert max(load) <= 1.05 * sum(load) / world
