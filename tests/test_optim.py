@@ -1,4 +1,5 @@
-"""Schedule values from the formula, parameter groups, and clipping against torch's reference."""
+"""Schedule values from the formula, parameter groups, clipping against torch's reference, and Muon against torch's
+and under FSDP."""
 
 from __future__ import annotations
 
@@ -9,16 +10,8 @@ import torch
 
 from fsdp_trainer.config import ModelConfig, OptimConfig, parse_recipe
 from fsdp_trainer.model import Transformer, block_matrices, count_params
-from fsdp_trainer.optim import (
-    NS_COEFFICIENTS,
-    assign_owners,
-    build_optimizer,
-    clip_grad_norm_,
-    lr_at,
-    newton_schulz_flops,
-    optimizer_state_bytes,
-    orthogonalize,
-)
+from fsdp_trainer.muon import NS_COEFFICIENTS, assign_owners, newton_schulz_flops, orthogonalize
+from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at, optimizer_state_bytes
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 
