@@ -207,24 +207,18 @@ def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_p
     assert rows[1]["planned_logits_gb"] == pytest.approx(rows[0]["planned_logits_gb"] * 22 / 64)
 
 
-def test_bench_block_causal_times_both_attentions(tiny_data):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_block_causal.py"),
-            "--recipe",
-            str(tiny_data),
-            "--repeats",
-            "2",
-            "--steps",
-            "1",
-            "--example_tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-    )
+def run_bench(script: str, *args, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """A benchmark script, under torchrun when given nproc; fails the test with its stderr if it fails."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*(launcher if nproc else [sys.executable]), str(BENCHMARKS / script), *map(str, args)]
+    proc = subprocess.run(command, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_bench_block_causal_times_both_attentions(tiny_data):
+    args = ["--recipe", tiny_data, "--repeats", 2, "--steps", 1, "--example_tokens", 8]
+    proc = run_bench("bench_block_causal.py", *args)
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| model", "| attention"))]
     assert [r[0].strip() for r in rows] == [
         "model forward + backward",
@@ -237,25 +231,7 @@ def test_bench_block_causal_times_both_attentions(tiny_data):
 
 @pytest.mark.slow
 def test_bench_optimizer_times_adamw_and_muon_under_torchrun(tiny_data):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(BENCHMARKS / "bench_optimizer.py"),
-            "--recipe",
-            str(tiny_data),
-            "--repeats",
-            "2",
-            "--steps",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench_optimizer.py", "--recipe", tiny_data, "--repeats", 2, "--steps", 1, nproc=2)
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines() if "| " in line}
     assert float(rows["AdamW (fused)"][0]) >= 0 and float(rows["Muon (+ AdamW for embeddings, head, norms)"][1]) > 0
     assert "2 rank(s), FULL_SHARD" in proc.stdout
