@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from fsdp_trainer.chat import ChatEncoder, Packer
 from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.data import Mixture, TokenLoader
 from fsdp_trainer.model import IGNORE, Transformer, block_causal
 from fsdp_trainer.tokenizer import load_tokenizer
 from fsdp_trainer.tokens import START, TARGET, TokenFile
@@ -334,3 +335,26 @@ def test_flex_attention_block_mask_gives_the_boolean_masks_logits():
         model.flex_attention = True
         flex = model(tokens, documents=documents)
     assert (flex - boolean).abs().max() <= 1e-5
+
+
+def test_a_mixture_of_packed_files_reads_whole_windows_with_their_targets(tmp_path, chatml_tokenizer):
+    """Packed sources mix like plain ones: each sample is one window of one source, with that window's targets
+    (next tokens where flagged, IGNORE elsewhere) and example numbers."""
+    pair = {"prompt": "Who goes there?", "response": "Bernardo?"}
+    for name, conversations in (("a", shakespeare_conversations(20)), ("b", [pair] * 12)):
+        _chat_data(tmp_path / name, chatml_tokenizer[0], conversations, 64)
+    files = [TokenFile(tmp_path / name / "data" / "train.bin") for name in "ab"]
+    windows = {}  # each window of either file -> (which file, its flags)
+    for source, f in enumerate(files):
+        for k in range(len(f) // 64):
+            windows[tuple(f.tokens[k * 64 : (k + 1) * 64])] = source, np.array(f.flags[k * 64 : (k + 1) * 64])
+    loader = TokenLoader(Mixture(files, [0.5, 0.5], ["a", "b"], seed=0), seq_len=64, micro_batch_size=8)
+    (batch,) = loader.next_batch()
+    sources = set()
+    for inputs, targets, documents in zip(*batch, strict=True):
+        source, flags = windows[tuple(inputs.tolist())]  # a whole window of one of the files
+        sources.add(source)
+        expected = np.where(flags & TARGET, np.roll(inputs.numpy(), -1), IGNORE)
+        assert targets.tolist() == expected.tolist()
+        assert documents.tolist() == np.cumsum((flags & START) > 0).tolist()
+    assert len(sources) == 2  # both sources drawn
