@@ -33,6 +33,15 @@ DEFAULT_TEMPLATE = (
 and a newline. The tokenizer's EOS id follows each assistant turn, so the model learns where an answer ends."""
 
 TRAIN_ON = ("assistant", "all")
+LONG_EXAMPLES = ("truncate", "drop")
+
+
+def check_options(train_on: str = "assistant", long_examples: str = "truncate") -> None:
+    """The options of preparing conversations (prepare_data.py's --train_on and --long_examples), checked."""
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"--train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
+    if long_examples not in LONG_EXAMPLES:
+        raise ValueError(f"--long_examples={long_examples!r} must be one of {', '.join(LONG_EXAMPLES)}")
 
 
 class BadConversation(ValueError):
@@ -79,15 +88,15 @@ class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and says which tokens are trained on."""
 
     def __init__(self, tokenizer: Tokenizer, train_on: str = "assistant"):
-        if train_on not in TRAIN_ON:
-            raise ValueError(f"--train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
+        check_options(train_on=train_on)
         self.tokenizer, self.train_on = tokenizer, train_on
         source = getattr(tokenizer, "chat_template", None)
         self.template = _template_environment().from_string(source or DEFAULT_TEMPLATE)
         # The template's own end-of-turn token ends each answer (Llama 3's <|eot_id|>, Qwen3's <|im_end|>); with the
         # default template, the tokenizer's EOS does.
         self.end_of_answer = [tokenizer.eos_id] if source is None and tokenizer.eos_id is not None else []
-        self.start = [tokenizer.bos_id] if source is None and tokenizer.add_bos and tokenizer.bos_id is not None else []
+        # A template writes its own BOS (Llama 3's starts with {{ bos_token }}); the default one gets the tokenizer's.
+        self.start = tokenizer.encode_prompt("") if source is None else []
         specials = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id}
         self.specials = {key: tokenizer.token(i) for key, i in specials.items() if i is not None}
 
@@ -159,8 +168,7 @@ class Packer:
     same order give the same windows."""
 
     def __init__(self, seq_len: int, pad_id: int, long_examples: str = "truncate", open_windows: int = 64):
-        if long_examples not in ("truncate", "drop"):
-            raise ValueError(f"--long_examples={long_examples!r} must be truncate or drop")
+        check_options(long_examples=long_examples)
         self.seq_len, self.pad_id, self.long_examples, self.open_windows = seq_len, pad_id, long_examples, open_windows
         self.open: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]] = []  # (ids, flags, [free]) per window
         self.examples = self.truncated = self.dropped = self.untrained = self.targets = self.windows = self.placed = 0

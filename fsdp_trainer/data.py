@@ -177,6 +177,7 @@ class TokenLoader:
             self.sources = [_Epochs(token_file, seq_len, [seed], shuffle)]
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
+        self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 
@@ -186,11 +187,11 @@ class TokenLoader:
             rows = self.sources[0].read(global_ids)
         else:
             which, local = self.mixture.assign(global_ids)
-            shape = (2, self.seq_len) if self.sources[0].packed else (self.seq_len + 1,)
+            shape = (2, self.seq_len) if self.packed else (self.seq_len + 1,)
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        if self.sources[0].packed:  # (B, 2, T): tokens, flags
+        if self.packed:  # (B, 2, T): tokens, flags
             tokens, flags = rows[:, 0], rows[:, 1]
             targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
             documents = np.cumsum((flags & START) > 0, axis=1)
@@ -198,7 +199,7 @@ class TokenLoader:
         rows = torch.from_numpy(rows)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
-        if self.sources[0].packed:
+        if self.packed:
             return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
         return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.chat import TRAIN_ON, ChatEncoder, Packer
+from fsdp_trainer.chat import ChatEncoder, Packer, check_options
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import file_sha256, write_atomic
 from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
@@ -245,11 +245,7 @@ def _process(task: Task) -> Result:
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         ids = np.concatenate(encoded or [np.zeros(0, np.int64)]).astype(w["dtype"])
         trained = np.concatenate(trained or [np.zeros(0, bool)])
-        indices = np.array(indices, dtype=np.int64)
-        to_val = is_validation(indices, w["val_fraction"])
-        token_to_val = np.repeat(to_val, lengths)
-        train = Part(indices[~to_val], lengths[~to_val], ids[~token_to_val], trained[~token_to_val])
-        val = Part(indices[to_val], lengths[to_val], ids[token_to_val], trained[token_to_val])
+        train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained)
         return Result(train, val, bad, len(indices), sum(len(r) for r in task.records if isinstance(r, bytes)))
     texts, indices, bad = [], [], []
     for i, record in enumerate(task.records):
@@ -271,11 +267,21 @@ def _process(task: Task) -> Result:
         train = Part(indices, np.array([cut]), ids[:cut])
         val = Part(indices, lengths - cut, ids[cut:])
     else:
-        to_val = is_validation(indices, w["val_fraction"])
-        token_to_val = np.repeat(to_val, lengths)
-        train = Part(indices[~to_val], lengths[~to_val], ids[~token_to_val])
-        val = Part(indices[to_val], lengths[to_val], ids[token_to_val])
+        train, val = _split_documents(indices, lengths, ids)
     return Result(train, val, bad, len(texts), sum(len(t) for t in texts))
+
+
+def _split_documents(
+    indices: np.ndarray, lengths: np.ndarray, ids: np.ndarray, trained: np.ndarray | None = None
+) -> tuple[Part, Part]:
+    """Whole documents to training or validation (is_validation), their ids (and training mask) with them."""
+    to_val = is_validation(indices, _worker["val_fraction"])
+    token_to_val = np.repeat(to_val, lengths)
+
+    def part(take: np.ndarray, token_take: np.ndarray) -> Part:
+        return Part(indices[take], lengths[take], ids[token_take], None if trained is None else trained[token_take])
+
+    return part(~to_val, ~token_to_val), part(to_val, token_to_val)
 
 
 def process(
@@ -695,10 +701,7 @@ def prepare(
 def _check_chat_inputs(recipe: Recipe, files: list[str], train_on: str, long_examples: str) -> None:
     """Conversations need their model's tokenizer, records (not plain text) and one output file per split."""
     data = recipe.data
-    if train_on not in TRAIN_ON:
-        raise ValueError(f"--train_on={train_on!r} must be one of {', '.join(TRAIN_ON)}")
-    if long_examples not in ("truncate", "drop"):
-        raise ValueError(f"--long_examples={long_examples!r} must be truncate or drop")
+    check_options(train_on, long_examples)
     if not os.path.exists(data.tokenizer_path):
         raise ValueError(
             f"data.tokenizer_path={data.tokenizer_path} does not exist: conversations are tokenized with the model's "

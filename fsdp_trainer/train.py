@@ -191,15 +191,16 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
     loader = TokenLoader(
         val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
     )
-    total, targets = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
+    summed = torch.zeros(2, device=env.device)  # the loss summed over targets, and their number
     for _ in range(recipe.train.eval_steps):
         (batch,) = loader.next_batch()
-        total += model(batch.inputs, batch.targets, recipe.train.loss_chunks, batch.documents, reduction="sum")
-        targets += (batch.targets != IGNORE).sum()
+        summed[0] += model(batch.inputs, batch.targets, recipe.train.loss_chunks, batch.documents, reduction="sum")
+        summed[1] += (batch.targets != IGNORE).sum()
     for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
         if isinstance(module, FSDPModule):
             module.reshard()
-    return sum_over_ranks(total) / sum_over_ranks(targets)
+    total, targets = sum_over_ranks(summed)  # one all-reduce
+    return total / targets
 
 
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
