@@ -17,6 +17,15 @@ from tests.helpers import REPO, TINY_MODEL, run_args, train_cli, train_losses
 BENCHMARKS = REPO / "benchmarks"
 
 
+def run_bench(script: str, *args, nproc: int | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """A benchmark script (in `cwd`), under torchrun when given nproc; fails the test with its stderr if it fails."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = [*(launcher if nproc else [sys.executable]), str(BENCHMARKS / script), *map(str, args)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
     out = tmp_path / "bench.json"
@@ -146,26 +155,8 @@ def test_plot_draws_several_runs(tiny_data, tmp_path):
 
 def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, tmp_path):
     out = tmp_path / "checkpoint.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_checkpoint.py"),
-            "--recipe",
-            str(tiny_data),
-            "--nproc",
-            "2",
-            "--repeats",
-            "2",
-            "--work_dir",
-            str(tmp_path / "ckpts"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--recipe", tiny_data, "--nproc", 2, "--repeats", 2, "--work_dir", tmp_path / "ckpts", "--out", out]
+    proc = run_bench("bench_checkpoint.py", *args, cwd=tmp_path)
     report = json.loads(out.read_text())
     assert sorted(report["summary"]) == ["async_crc", "async_plain", "sync_crc", "sync_plain"]
     assert len(report["saves"]) == 2 * 2 * 2 and len(report["verify_split_s"]) == len(report["verify_all_s"]) == 2
@@ -178,42 +169,13 @@ def test_bench_checkpoint_times_both_writers_and_both_verifications(tiny_data, t
 
 def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_path):
     out = tmp_path / "chunks.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "bench_loss_chunks.py"),
-            "--recipe",
-            str(tiny_data),
-            "--chunks",
-            "[3]",
-            "--repeats",
-            "1",
-            "--steps",
-            "1",
-            "--parallel.mixed_precision",
-            "fp32",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["--recipe", tiny_data, "--chunks", "[3]", "--repeats", 1, "--steps", 1, "--out", out]
+    run_bench("bench_loss_chunks.py", *args, "--parallel.mixed_precision", "fp32", cwd=tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert [r["loss_chunks"] for r in rows] == [1, 3] and rows[0]["ratio_to_1"] == 1.0
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)  # same numbers, chunked or not
     # One slice of 64 tokens: ceil(64 / 3) = 22 of them.
     assert rows[1]["planned_logits_gb"] == pytest.approx(rows[0]["planned_logits_gb"] * 22 / 64)
-
-
-def run_bench(script: str, *args, nproc: int | None = None) -> subprocess.CompletedProcess:
-    """A benchmark script, under torchrun when given nproc; fails the test with its stderr if it fails."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*(launcher if nproc else [sys.executable]), str(BENCHMARKS / script), *map(str, args)]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def test_bench_block_causal_times_both_attentions(tiny_data):
