@@ -146,6 +146,11 @@ class ParallelConfig:
     expandable_segments: bool = False
     """CUDA's caching allocator grows segments in place instead of allocating new ones: less fragmentation when
     shapes vary (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True). Nothing to do on CPU."""
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy: the sharded fp32 weights, their gradients and the optimizer state live in host memory
+    (pinned), each block's shard is copied to the GPU for its all-gather and its gradient shard back, and the optimizer
+    steps on the host with all the cores a rank has. Fits a model whose state the GPUs cannot hold, for host<->device
+    traffic every step. On a CPU-only machine it runs, unpinned, and saves nothing: host and device are one memory."""
     timeout_s: float = 600.0
     """Seconds a collective may wait for a peer before the run fails (instead of hanging on a dead rank)."""
 

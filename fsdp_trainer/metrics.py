@@ -99,6 +99,11 @@ def peak_memory_gb(device: torch.device) -> float:
     """Peak memory of this rank: allocated by the caching allocator on CUDA, resident set size on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
+    return peak_host_memory_gb()
+
+
+def peak_host_memory_gb() -> float:
+    """Peak resident set size of this process: host memory (with parallel.cpu_offload, the training state's)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
@@ -203,6 +208,7 @@ TENSORBOARD_TAGS = {
     "step_time_s": "speed/step_time_s",
     "step_time_max_s": "speed/step_time_max_s",
     "peak_mem_gb": "memory/peak_gb",
+    "peak_host_mem_gb": "memory/peak_host_gb",
     "params_gb": "memory/params_gb",
     "grads_gb": "memory/grads_gb",
     "optimizer_gb": "memory/optimizer_gb",
@@ -408,7 +414,9 @@ class Metrics:
     ) -> dict:
         """One record of the steps since the last: loss, gradient norm (host syncs), throughput, peak memory (the
         largest rank's) and the median and largest step time."""
-        (peak_mem_gb,) = max_over_ranks([peak_memory_gb(self.env.device)], self.env.device)
+        cuda = self.env.device.type == "cuda"  # else the device's memory is the host's
+        probes = [peak_memory_gb(self.env.device), *([peak_host_memory_gb()] if cuda else [])]
+        peaks = max_over_ranks(probes, self.env.device)
         now = self.clock()
         tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
         step_times = self.step_timer.durations()
@@ -422,7 +430,8 @@ class Metrics:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.env.world_size,
             "mfu": mfu,
-            "peak_mem_gb": peak_mem_gb,
+            "peak_mem_gb": peaks[0],
+            **({"peak_host_mem_gb": peaks[1]} if cuda else {}),
             # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
             "step_time_s": statistics.median(step_times) if step_times else None,
             "step_time_max_s": max(step_times) if step_times else None,

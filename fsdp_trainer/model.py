@@ -247,7 +247,12 @@ class Transformer(nn.Module):
         return loss if reduction == "sum" else loss / (targets != IGNORE).sum()
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0, fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    def init_weights(
+        self,
+        seed: int = 0,
+        fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
         """Initialise every parameter and buffer in place; calling it twice gives the same model.
 
         | tensor                                        | init                                      |
@@ -259,7 +264,8 @@ class Transformer(nn.Module):
 
         Each tensor's values come from its own generator seeded by (seed, parameter name), so the model is the same
         however it is sharded. `fill(param, full_values)` writes a full-shape tensor into a parameter; parallel.py
-        passes one that keeps only this rank's shard. The default copies.
+        passes one that keeps only this rank's shard. The default copies. The values are drawn on `device` (default:
+        each parameter's own), since the same generator gives other numbers on a GPU than on a CPU.
         """
         fill = fill or (lambda param, values: param.copy_(values))
         cfg = self.cfg
@@ -272,8 +278,9 @@ class Transformer(nn.Module):
             std = cfg.init_std
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std = std / math.sqrt(2 * cfg.n_layers)
-            gen = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            where = device or param.device
+            gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            values = torch.empty(param.shape, dtype=torch.float32, device=where)
             nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=gen)
             fill(param, values.to(param.dtype))
         cos, sin = rope_tables(

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -146,6 +146,11 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if use_cuda and cfg.cpu_offload:
+        # Gradient clipping, Muon's exchanges and the checkpoint's reads meet the offloaded shards on the host, where
+        # NCCL cannot reduce: the group gets gloo for CPU tensors beside NCCL (both with the timeout below).
+        backend = f"cuda:{backend},cpu:gloo"
+        _use_host_cores(local_world_size)
 
     timeout = timedelta(seconds=cfg.timeout_s)
     if "RANK" in os.environ:
@@ -183,6 +188,14 @@ def _use_expandable_segments() -> None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
+
+
+def _use_host_cores(ranks_per_node: int) -> None:
+    """Give the optimizer step on the host (parallel.cpu_offload) this rank's share of the node's cores: torchrun
+    starts workers with OMP_NUM_THREADS=1, which would leave the step on one core while the GPU waits."""
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks_per_node)
+    torch.set_num_threads(threads)
+    logger.info(f"parallel.cpu_offload: the optimizer steps on the host with {threads} threads per rank")
 
 
 def close_distributed() -> None:
@@ -299,15 +312,24 @@ def apply_compile(model: Transformer) -> None:
 
 
 def apply_fsdp(
-    model: Transformer, mesh: DeviceMesh, sharding: str, mixed_precision: str, prefetch_blocks: int = 1
+    model: Transformer,
+    mesh: DeviceMesh,
+    sharding: str,
+    mixed_precision: str,
+    prefetch_blocks: int = 1,
+    cpu_offload: bool = False,
 ) -> None:
     """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
-    prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward)."""
+    prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward);
+    with cpu_offload, the shards, their gradients and so the optimizer state stay in host memory."""
     plan = SHARDING[sharding]
     # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
     # gradient reduction stay fp32 whatever it is.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(mixed_precision), reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
+    if cpu_offload:
+        # Pinned host memory lets the copies overlap compute; pinning needs an accelerator, so not on a CPU-only mesh.
+        shard = partial(shard, offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda"))
     blocks = list(model.model.layers.values())
     if not blocks:
         raise ValueError("apply_fsdp found no Transformer block to wrap")
@@ -337,7 +359,7 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> No
         # Packed examples then attend through flex_attention, compiled into a kernel that skips the blocks the mask
         # empties (eager, it is slower than the boolean mask); torch 2.13 has no flex_attention backward on CPUs.
         model.flex_attention = mesh.device_type == "cuda"
-    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks)
+    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
 
 
 def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
@@ -349,10 +371,19 @@ def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
         param.copy_(values)
 
 
-def materialize(model: Transformer, device: torch.device, seed: int) -> None:
-    """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size."""
-    model.to_empty(device=device)
-    model.init_weights(seed=seed, fill=_fill_local_shard)
+def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+    """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size.
+
+    With cpu_offload the shards are allocated in host memory, where FSDP2 requires them, and the buffers (the rotary
+    tables) on the device, where the compute reads them; the values are still drawn on the device, so a run with
+    offload starts from the same weights as one without.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, torch.empty_like(buffer, device=device))  # stays the same (non-)persistent buffer
+    model.init_weights(seed=seed, fill=_fill_local_shard, device=device)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

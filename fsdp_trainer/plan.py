@@ -1,13 +1,13 @@
 """Will it fit? Predicted memory per rank for every sharding x activation-checkpointing choice of a recipe.
 
     python -m fsdp_trainer.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80] [--device cuda]
+        [--host_mem_gb 200]
 
-Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step) and
-recommends the fastest configuration that fits. The terms, per rank, for P parameters, S ranks sharing one copy of
-the model (the world for FULL_SHARD, SHARD_GRAD_OP and SHARD_OP, 1 for NO_SHARD, the ranks of a node for
-HYBRID_SHARD), a = 2
-bytes (bf16) or 4 (fp32), t = micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward
-widths, V the vocabulary:
+Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step, and on
+GPUs the same with the state offloaded to the host) and recommends the fastest configuration that fits. The terms,
+per rank, for P parameters, S ranks sharing one copy of the model (the world for FULL_SHARD, SHARD_GRAD_OP and
+SHARD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf16) or 4 (fp32), t = micro_batch_size
+x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
@@ -27,6 +27,9 @@ widths, V the vocabulary:
   the larger of (activations + logits) and these;
 - accumulated gradients, with grad_accum_steps > 1 in the sharded modes: FSDP keeps every micro-step's unsharded
   gradients in fp32 until the last one reduce-scatters them, 4P for the whole step;
+- offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
+  cross to the device before every all-gather and their fp32 gradients back once per step:
+  (4 x gathers + 4)P/S bytes per step each way taken together (`host<->device`); the device keeps the rest;
 - runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
@@ -75,6 +78,9 @@ class Estimate:
     sent_gb: float  # per rank per optimizer step
     internode_gb: float  # of which between nodes
     accumulated_gb: float = 0.0  # unsharded fp32 gradients held over the micro-steps of a step
+    offload: bool = False  # parallel.cpu_offload: the training state in host memory
+    host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
+    host_traffic_gb: float = 0.0  # host<->device copies per optimizer step (offload on a GPU)
 
     @property
     def total_gb(self) -> float:
@@ -83,6 +89,14 @@ class Estimate:
         # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed.
         transient = max(self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb)
         return self.state_gb + self.gathered_gb + self.accumulated_gb + transient + self.runtime_gb
+
+
+def gathers_per_step(sharding: str, accum: int) -> int:
+    """How often a rank all-gathers its parameter shards per optimizer step: in forward and, when they were freed
+    after it, again in backward, on every micro-step but under ZeRO-1, which keeps them over the step."""
+    plan = SHARDING[sharding]
+    gathers = 2 if plan.reshard_after_forward else 1
+    return gathers if plan.gathered_for_the_step else gathers * accum
 
 
 def comm_bytes_per_rank(
@@ -96,11 +110,9 @@ def comm_bytes_per_rank(
     """
     plan = SHARDING[sharding]
     replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
-    gathers = 2 if plan.reshard_after_forward else 1
-    gathers_per_step = gathers if plan.gathered_for_the_step else gathers * accum  # ZeRO-1: once per step
     sent = replicas_sent = 0.0
     if shard_group > 1:
-        per_param = gathers_per_step * compute_bytes + GRADIENT_BYTES
+        per_param = gathers_per_step(sharding, accum) * compute_bytes + GRADIENT_BYTES
         sent += per_param * n_params * (shard_group - 1) / shard_group
     if replicas > 1:
         replicas_sent = 2 * GRADIENT_BYTES * (n_params / shard_group) * (replicas - 1) / replicas  # all-reduce
@@ -129,7 +141,9 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
     return saved[ac], full
 
 
-def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str) -> Estimate:
+def estimate(
+    recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
+) -> Estimate:
     cfg, data = recipe.model, recipe.data
     _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
     a = compute_dtype(recipe.parallel.mixed_precision).itemsize
@@ -157,23 +171,38 @@ def estimate(recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, de
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
     accumulated = GRADIENT_BYTES * n_params if data.grad_accum_steps > 1 and shard_group > 1 else 0
+    host = traffic = 0
+    if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
+        # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
+        host, state = state, 0
+        traffic = (MASTER_WEIGHT_BYTES * gathers_per_step(sharding, data.grad_accum_steps) + GRADIENT_BYTES) * (
+            n_params / shard_group
+        )
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
-        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb,
+        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, offload, host / gb, traffic / gb,
     )  # fmt: skip
 
 
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
+    """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
-    return [estimate(recipe, nproc, nnodes, s, ac, device) for ac in AC_MODES for s in shardings]
+    offloads = (False, True) if device == "cuda" else (False,)
+    return [
+        estimate(recipe, nproc, nnodes, s, ac, device, offload)
+        for offload in offloads
+        for ac in AC_MODES
+        for s in shardings
+    ]
 
 
-def recommend(estimates: list[Estimate], device_mem_gb: float) -> Estimate | None:
-    """The fastest that fits: the least recomputation first (AC costs compute on every step), then the fewest bytes
+def recommend(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float = math.inf) -> Estimate | None:
+    """The fastest that fits: without offload if anything fits so (the host's optimizer step and the copies cost far
+    more than recomputation), then the least recomputation (AC costs compute on every step), then the fewest bytes
     over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
-    fits = [e for e in estimates if e.total_gb <= device_mem_gb]
-    key = lambda e: (AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)  # noqa: E731
+    fits = [e for e in estimates if e.total_gb <= device_mem_gb and e.host_gb <= host_mem_gb]
+    key = lambda e: (e.offload, AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)  # noqa: E731
     return min(fits, key=key, default=None)
 
 
@@ -184,17 +213,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--device_mem_gb", type=float | None, help="memory per device (default: the GPU's, or RAM / nproc)"
     )
+    parser.add_argument(
+        "--host_mem_gb",
+        type=float | None,
+        help="host memory per rank, for offload (default: this machine's RAM / nproc)",
+    )
     parser.add_argument("--device", type=Literal["cuda", "cpu"] | None, help="default: cuda if a GPU is visible")
     recipe, args = parse_args(parser, argv)
     if args.nproc < 1 or args.nnodes < 1:
         sys.exit("error: --nproc and --nnodes must be >= 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     mem = args.device_mem_gb
     if mem is None:
         if device == "cuda" and torch.cuda.is_available():
             mem = torch.cuda.get_device_properties(0).total_memory / 1e9
         else:
-            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
+            mem = host_mem
     estimates = plan(recipe, args.nproc, args.nnodes, device)
     n_params = count_params(recipe.model)
     data = recipe.data
@@ -205,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
-        "| runtime | total GB / rank | fits | sent GB / step (between nodes) |"
+        "| runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
+        "| host<->device GB / step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
         terms = (
             e.state_gb,
@@ -219,17 +255,28 @@ def main(argv: list[str] | None = None) -> None:
             e.accumulated_gb,
         )
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
-        fits = "yes" if e.total_gb <= mem else "no"
-        print(f"| {e.sharding} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) |")
-    best = recommend(estimates, mem)
+        fits = "yes" if e.total_gb <= mem and e.host_gb <= host_mem else "no"
+        name = f"{e.sharding} + offload" if e.offload else e.sharding
+        print(
+            f"| {name} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) | {e.host_gb:.2f} | "
+            f"{e.host_traffic_gb:.2f} |"
+        )
+    best = recommend(estimates, mem, host_mem)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)
-        sys.exit(
-            f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC, "
-            f"{smallest.total_gb:.1f} GB): lower data.micro_batch_size (and raise data.grad_accum_steps) or add devices"
+        offload, host = (
+            (" + offload", f", and {smallest.host_gb:.1f} GB on a host of {host_mem:.1f}")
+            if smallest.offload
+            else ("", "")
         )
+        sys.exit(
+            f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC{offload}, "
+            f"{smallest.total_gb:.1f} GB{host}): lower data.micro_batch_size (and raise data.grad_accum_steps) or add "
+            "devices"
+        )
+    offload = " --parallel.cpu_offload true" if best.offload else ""
     print(
-        f"recommended: --parallel.sharding {best.sharding} --parallel.activation_checkpointing {best.ac} "
+        f"recommended: --parallel.sharding {best.sharding} --parallel.activation_checkpointing {best.ac}{offload} "
         f"({best.total_gb:.1f} of {mem:.1f} GB)"
     )
 

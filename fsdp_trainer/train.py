@@ -94,7 +94,9 @@ def train_step(
     # One scalar all-reduce a step (queued on the device, no host sync) gives every rank the global loss, for the
     # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
     loss = sum_over_ranks(loss_sum) / targets
-    bad_loss, bad_grads = ~torch.isfinite(loss), ~torch.isfinite(grad_norm)  # both global
+    # Under parallel.cpu_offload the gradients, so their norm and the optimizer step, are on the host, and the loss's
+    # flag joins them there: a wait for the device that the host's optimizer step implies anyway.
+    bad_loss, bad_grads = (~torch.isfinite(loss)).to(grad_norm.device), ~torch.isfinite(grad_norm)  # both global
     optimizer.found_inf = (bad_loss | bad_grads).float()
     optimizer.step()
     if fp16:
@@ -102,7 +104,7 @@ def train_step(
         nonfinite, overflow = bad_loss, bad_grads & ~bad_loss
     else:
         nonfinite, overflow = bad_loss | bad_grads, torch.zeros_like(bad_loss)
-    stats = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite, "overflow": overflow}
+    stats = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite.to(device), "overflow": overflow.to(device)}
     if packed:
         stats["supervised_tokens"] = targets
     return stats
@@ -211,7 +213,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     with torch.device("meta"):
         model = Transformer(recipe.model)
     parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, cfg.seed)
+    materialize(model, env.device, cfg.seed, recipe.parallel.cpu_offload)
     optimizer = build_optimizer(model, recipe.optim)
     scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, env.device)  # fp16 only; else a no-op
 

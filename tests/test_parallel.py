@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
+from fsdp_trainer import parallel
 from fsdp_trainer.config import ModelConfig, ParallelConfig
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.parallel import SHARDING, materialize, parallelize, set_gradient_sync
@@ -16,14 +18,29 @@ from tests.helpers import run_distributed
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=77, max_seq_len=32)
 
 
-def _check_sharded_model(rank, world_size, sharding, ac):
+def _check_sharded_model(rank, world_size, sharding, ac, cpu_offload=False):
     shape = (world_size,) if SHARDING[sharding].replicas == "one" else (world_size, 1)
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     with torch.device("meta"):
         model = Transformer(CFG)
-    parallelize(model, ParallelConfig(sharding=sharding, activation_checkpointing=ac, mixed_precision="fp32"), mesh)
-    materialize(model, torch.device("cpu"), seed=5)
+    policies = []
+    real_fully_shard = parallel.fully_shard
+
+    def fully_shard(module, **kwargs):  # records the offload policy each FSDP unit gets
+        policies.append(kwargs.get("offload_policy"))
+        return real_fully_shard(module, **kwargs)
+
+    parallel.fully_shard = fully_shard
+    cfg = ParallelConfig(
+        sharding=sharding, activation_checkpointing=ac, mixed_precision="fp32", cpu_offload=cpu_offload
+    )
+    parallelize(model, cfg, mesh)
+    parallel.fully_shard = real_fully_shard
+    materialize(model, torch.device("cpu"), seed=5, cpu_offload=cpu_offload)
+    # Every block and the root: offloaded, unpinned (pinning needs an accelerator), or not at all.
+    expected = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
+    assert policies == [expected] * (CFG.n_layers + 1)
 
     # The full weights equal a single-process init with the same seed, under the HF names.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -47,6 +64,10 @@ def _check_sharded_model(rank, world_size, sharding, ac):
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP", "NO_SHARD"])
 def test_sharded_init_equals_single_process_init(sharding):
     run_distributed(_check_sharded_model, sharding, "none")
+
+
+def test_cpu_offload_shards_in_host_memory_with_the_same_init():
+    run_distributed(_check_sharded_model, "FULL_SHARD", "none", True)
 
 
 def _gathered_between_micro_steps(rank, world_size, sharding):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_trainer.config import ModelConfig, Recipe
+from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.plan import activation_bytes_per_token, estimate, plan, recommend
 from tests.helpers import REPO
@@ -66,8 +66,9 @@ def test_state_follows_zero_formulas_and_sharding_order():
     recipe.parallel.prefetch_blocks = 1
     e = estimate(recipe, nproc=4, nnodes=2, sharding="FULL_SHARD", ac="none", device="cuda")
     assert deeper.gathered_gb - e.gathered_gb == pytest.approx(2 * 2 * n_block / 1e9)
-    by_key = {(e.sharding, e.ac): e for e in plan(recipe, nproc=4, nnodes=2, device="cuda")}
-    assert len(by_key) == 15  # 5 shardings x 3 AC modes
+    by_key = {(e.sharding, e.ac, e.offload): e for e in plan(recipe, nproc=4, nnodes=2, device="cuda")}
+    assert len(by_key) == 30  # 5 shardings x 3 AC modes x offload or not
+    by_key = {(sharding, ac): e for (sharding, ac, offload), e in by_key.items() if not offload}
     assert by_key["FULL_SHARD", "none"].gathered_gb < by_key["SHARD_GRAD_OP", "none"].gathered_gb
     assert by_key["FULL_SHARD", "full"].activations_gb < by_key["FULL_SHARD", "selective"].activations_gb
     assert by_key["FULL_SHARD", "selective"].activations_gb < by_key["FULL_SHARD", "none"].activations_gb
@@ -92,7 +93,9 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
     recipe = Recipe()
     recipe.parallel.mixed_precision, recipe.data.grad_accum_steps = precision, accum
     n_params = count_params(recipe.model)
-    estimates = {e.sharding: e for e in plan(recipe, nproc=8, nnodes=1, device="cuda") if e.ac == "none"}
+    estimates = {
+        e.sharding: e for e in plan(recipe, nproc=8, nnodes=1, device="cuda") if e.ac == "none" and not e.offload
+    }
     a = 2 if precision == "bf16" else 4
     assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)
     assert estimates["FULL_SHARD"].sent_gb == pytest.approx((2 * accum * a + 4) * n_params * 7 / 8 / 1e9)
@@ -117,11 +120,48 @@ def test_chunked_loss_counts_one_slice_of_logits():
     assert sliced.total_gb < whole.total_gb and sliced.state_gb == whole.state_gb
 
 
+@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("accum", [1, 8])
+def test_cpu_offload_moves_the_state_to_the_host_for_copies_every_step(sharding, accum):
+    """On a GPU, offload takes the 16 bytes of state per parameter (/ S) off the device and onto the host, and copies
+    the fp32 shards to the device for every all-gather and their fp32 gradients back once per step; on a CPU, host
+    and device are one memory, so there is nothing to move and the plan does not list it."""
+    recipe = Recipe()
+    recipe.data.grad_accum_steps = accum
+    n_params, world = count_params(recipe.model), 4
+    shard_group = 1 if sharding == "NO_SHARD" else world
+    kept = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cuda")
+    moved = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cuda", offload=True)
+    assert moved.host_gb == pytest.approx(kept.state_gb) == pytest.approx(16 * n_params / shard_group / 1e9)
+    assert moved.state_gb == 0 and moved.total_gb == pytest.approx(kept.total_gb - kept.state_gb)
+    gathers = {"FULL_SHARD": 2 * accum, "SHARD_OP": 1, "NO_SHARD": accum}[sharding]  # ZeRO-1 once per step
+    assert moved.host_traffic_gb == pytest.approx((4 * gathers + 4) * n_params / shard_group / 1e9)
+    assert moved.sent_gb == kept.sent_gb and kept.host_gb == kept.host_traffic_gb == 0
+    on_cpu = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cpu", offload=True)
+    assert on_cpu.host_gb == on_cpu.host_traffic_gb == 0 and on_cpu.state_gb == kept.state_gb
+    assert not any(e.offload for e in plan(recipe, nproc=world, nnodes=1, device="cpu"))
+
+
+def test_offload_is_recommended_only_when_nothing_else_fits():
+    """The 8b recipe on one GPU: its 128 GB of state fit no 80 GB device, so offload is the way, if the host can
+    hold the state; at 200 GB per device it fits without, and the planner does not offload."""
+    estimates = plan(parse_recipe(["--recipe", str(REPO / "recipes" / "8b.yaml")]), nproc=1, nnodes=1, device="cuda")
+    best = recommend(estimates, 80, host_mem_gb=1000)
+    assert best.offload and best.total_gb <= 80 and best.host_gb > 80
+    assert recommend(estimates, 80, host_mem_gb=100) is None  # nor does the host hold it
+    assert not recommend(estimates, 200, host_mem_gb=1000).offload
+
+
 def test_plan_cli_recommends_or_says_what_to_change():
     cmd = [sys.executable, "-m", "fsdp_trainer.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"), "--nproc", "8",
-           "--device", "cuda"]  # fmt: skip
+           "--device", "cuda", "--host_mem_gb", "8"]  # fmt: skip
     fits = subprocess.run([*cmd, "--device_mem_gb", "80"], capture_output=True, text=True, cwd=REPO)
     assert fits.returncode == 0, fits.stderr
     assert "| FULL_SHARD | full |" in fits.stdout and "recommended: --parallel.sharding " in fits.stdout
+    assert "| FULL_SHARD + offload | full |" in fits.stdout
     tiny = subprocess.run([*cmd, "--device_mem_gb", "8"], capture_output=True, text=True, cwd=REPO)
     assert tiny.returncode == 1 and tiny.stderr.startswith("nothing fits in 8.0 GB per device")
+    # 16 GB: ZeRO-3 + full AC needs 27, 11 with the state on the host, where 64 GB hold its 16 (and 8 do not).
+    offload = subprocess.run([*cmd[:-1], "64", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
+    assert offload.returncode == 0, offload.stderr
+    assert "--parallel.cpu_offload true" in offload.stdout

@@ -97,6 +97,26 @@ def test_chunked_loss_under_fsdp_matches_one_process(tiny_data, tmp_path, tie):
     assert len(val[0]) == 2 and val[1] == pytest.approx(val[0], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_cpu_offload_runs_on_cpu_matches_one_process_and_resumes_exactly(tiny_data, tmp_path, reference_losses):
+    """parallel.cpu_offload runs FSDP2's CPUOffloadPolicy on a CPU-only machine (unpinned, since pinning needs an
+    accelerator): the losses of one process (fp32, reduction order only), the ZeRO-3 state per rank, and a run cut at
+    step 5 and resumed, without offload (the checkpoint is the same either way), logs bitwise the losses of one that
+    never stopped."""
+    offload = {"sharding": "FULL_SHARD", "cpu_offload": True}
+    whole = _run(tiny_data, tmp_path / "whole", nproc=2, parallel=offload)
+    for step, ref in reference_losses.items():
+        assert whole[step] == pytest.approx(ref, rel=1e-5), step
+    state = next(r for r in read_metrics(tmp_path / "whole") if "state_gb" in r)
+    assert state["state_gb"] == pytest.approx(16 * count_params(ModelConfig(**TINY_MODEL)) / 2 / 1e9, rel=0.01)
+    constant_lr = {"warmup_steps": 0, "lr": 3e-3, "min_lr": 3e-3}  # a run cut at 5 follows the 10-step schedule
+    flags = {"parallel": offload, "optim": constant_lr, "checkpoint": {"every": 5}}
+    uncut = _run(tiny_data, tmp_path / "uncut", 10, nproc=2, **flags)
+    _run(tiny_data, tmp_path / "cut", 5, nproc=2, **flags)
+    flags["parallel"] = {"sharding": "FULL_SHARD", "cpu_offload": False}
+    assert _run(tiny_data, tmp_path / "cut", 10, nproc=2, **flags) == uncut
+
+
 FP16 = {"mixed_precision": "fp16"}
 
 
