@@ -107,6 +107,7 @@ def run_ours(
         "tokens_per_s": tokens / elapsed,
         "tokens_per_cpu_s": tokens / (last["cpu_s"] - first["cpu_s"]),
         "peak_mem_gb": max(r["peak_mem_gb"] for r in lines),
+        **({"peak_host_mem_gb": max(r["peak_host_mem_gb"] for r in lines)} if "peak_host_mem_gb" in last else {}),
         "mfu": last["mfu"],
         "loss": last["loss"],
         # A window logs its median step time; the median of those is the run's within a step or two.

@@ -28,10 +28,17 @@ def optimizer_state_bytes(cfg: OptimConfig, n_params: int, n_block_matrix_params
     return OPTIMIZER_STATE_BYTES * n_params
 
 
-def build_loss_scaler(cfg: OptimConfig, mixed_precision: str, device: torch.device) -> torch.amp.GradScaler:
+def build_loss_scaler(cfg: OptimConfig, mixed_precision: str, grads_device: torch.device) -> torch.amp.GradScaler:
     """fp16's dynamic loss scaling, starting at optim.loss_scale; disabled (every call a no-op) in bf16 and fp32,
-    whose range needs none. GradScaler checks DTensor gradients for inf/NaN with one answer on every rank."""
-    return torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale, enabled=mixed_precision == "fp16")
+    whose range needs none. GradScaler checks DTensor gradients for inf/NaN with one answer on every rank.
+
+    The scale lives where the gradients do (the host under parallel.cpu_offload): GradScaler would otherwise create it
+    on the loss's device and hand the host's unscaling kernel a non-blocking device-to-host copy of it, which that
+    kernel can read before it lands. A first scale() of a tensor on that device places it there.
+    """
+    scaler = torch.amp.GradScaler(grads_device.type, init_scale=cfg.loss_scale, enabled=mixed_precision == "fp16")
+    scaler.scale(torch.ones((), device=grads_device))
+    return scaler
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

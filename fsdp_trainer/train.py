@@ -215,7 +215,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, cfg.seed, recipe.parallel.cpu_offload)
     optimizer = build_optimizer(model, recipe.optim)
-    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, env.device)  # fp16 only; else a no-op
+    # fp16 only, else a no-op; under parallel.cpu_offload the gradients are on the host.
+    grads_device = torch.device("cpu") if recipe.parallel.cpu_offload else env.device
+    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, grads_device)
 
     # Data, training state and where they are saved; resume from a checkpoint (auto | none | PATH).
     loader = TokenLoader(

@@ -59,24 +59,27 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
-    """Per rank: FULL_SHARD holds 16 bytes x P / 2 of parameters, gradients and AdamW state, NO_SHARD all 16 x P."""
+    """Per rank: FULL_SHARD (here offloaded, which on a CPU moves nothing) holds 16 bytes x P / 2 of parameters,
+    gradients and AdamW state, NO_SHARD all 16 x P; a config it cannot read is one line naming it."""
     out = tmp_path / "memory.json"
+    command = [sys.executable, str(BENCHMARKS / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
+               "--steps", "2", "--out", str(out), "--configs"]  # fmt: skip
+    bad = subprocess.run([*command, "FULL_SHARD/fp32/none/pinned"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "--configs: 'FULL_SHARD/fp32/none/pinned' is not SHARDING" in bad.stderr
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
-         "--steps", "2", "--configs", "FULL_SHARD/fp32/none", "NO_SHARD/bf16/full", "--out", str(out)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [*command, "FULL_SHARD/fp32/none/offload", "NO_SHARD/bf16/full"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     n_params = count_params(ModelConfig(**TINY_MODEL))
-    assert rows["FULL_SHARD/fp32/none"]["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
+    assert rows["FULL_SHARD/fp32/none/offload"]["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
     assert rows["NO_SHARD/bf16/full"]["state_gb"] == pytest.approx(16 * n_params / 1e9, rel=1e-3)
     for row in rows.values():
         assert (
             row["optimizer_gb"] == pytest.approx(2 * row["params_gb"], rel=1e-3)
             and row["plan_total_gb"] > row["state_gb"]
         )
-    assert "| FULL_SHARD/fp32/none |" in proc.stdout
+    assert "| FULL_SHARD/fp32/none/offload |" in proc.stdout
 
 
 @pytest.mark.slow

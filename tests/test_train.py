@@ -166,6 +166,19 @@ def test_fp16_resume_is_exact_with_the_scaler_state(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_fp16_with_cpu_offload_scales_and_skips_like_without(tiny_data, tmp_path):
+    """fp16 under parallel.cpu_offload: the scaler lives with the gradients on the host; the same overflows, the same
+    backoff and the same losses as without offload."""
+    runs = {}
+    for offload in (False, True):
+        flags = {"parallel": {**FP16, "cpu_offload": offload}, "optim": {"loss_scale": 2.0**22}}
+        out = tmp_path / str(offload)
+        losses = _run(tiny_data, out, 8, nproc=2, **flags)
+        runs[offload] = losses, [(r["overflow_steps"], r["loss_scale"]) for r in read_metrics(out) if "loss" in r]
+    assert runs[True] == runs[False] and runs[True][1][-1][0] > 0  # it did overflow
+
+
+@pytest.mark.slow
 def test_hybrid_shard_on_one_node_matches_one_process(tiny_data, tmp_path, reference_losses):
     losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": "HYBRID_SHARD"})
     for step, ref in reference_losses.items():
