@@ -128,10 +128,8 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", world_size)
     setup_logging(rank)
-    use_cuda = torch.cuda.is_available() and cfg.backend != "gloo"
-    backend = {"auto": "nccl" if use_cuda else "gloo"}.get(cfg.backend, cfg.backend)
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("parallel.backend=nccl needs CUDA, and no GPU is visible; use auto or gloo")
+    backend = process_group_backend(cfg, torch.cuda.is_available())
+    use_cuda = backend != "gloo"
     if cfg.sharding == "HYBRID_SHARD" and world_size % local_world_size:
         raise ValueError(
             f"parallel.sharding=HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the ranks per "
@@ -147,9 +145,6 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     else:
         device = torch.device("cpu")
     if use_cuda and cfg.cpu_offload:
-        # Gradient clipping, Muon's exchanges and the checkpoint's reads meet the offloaded shards on the host, where
-        # NCCL cannot reduce: the group gets gloo for CPU tensors beside NCCL (both with the timeout below).
-        backend = f"cuda:{backend},cpu:gloo"
         _use_host_cores(local_world_size)
 
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -177,6 +172,25 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
 
 
+def process_group_backend(cfg: ParallelConfig, cuda_available: bool) -> str:
+    """The backend string for init_process_group: gloo on CPUs, NCCL on GPUs, and under parallel.cpu_offload NCCL for
+    GPU tensors beside gloo for host ones (`cuda:nccl,cpu:gloo`): gradient clipping and Muon's exchanges meet the
+    offloaded shards on the host, where NCCL cannot reduce. Raises ValueError for nccl without a GPU."""
+    if cfg.backend == "nccl" and not cuda_available:
+        raise ValueError("parallel.backend=nccl needs CUDA, and no GPU is visible; use auto or gloo")
+    if cfg.backend == "gloo" or not cuda_available:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl"
+
+
+def _use_host_cores(ranks_per_node: int) -> None:
+    """Give the optimizer step on the host (parallel.cpu_offload) this rank's share of the node's cores: torchrun
+    starts workers with OMP_NUM_THREADS=1, which would leave the step on one core while the GPU waits."""
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks_per_node)
+    torch.set_num_threads(threads)
+    logger.info(f"parallel.cpu_offload: the optimizer steps on the host with {threads} threads per rank")
+
+
 def _use_expandable_segments() -> None:
     """Switch CUDA's caching allocator to expandable segments, through its documented environment variable: read when
     the allocator starts, which is why this runs before the first CUDA call that allocates."""
@@ -188,14 +202,6 @@ def _use_expandable_segments() -> None:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "expandable_segments" not in conf:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
-
-
-def _use_host_cores(ranks_per_node: int) -> None:
-    """Give the optimizer step on the host (parallel.cpu_offload) this rank's share of the node's cores: torchrun
-    starts workers with OMP_NUM_THREADS=1, which would leave the step on one core while the GPU waits."""
-    threads = max(1, len(os.sched_getaffinity(0)) // ranks_per_node)
-    torch.set_num_threads(threads)
-    logger.info(f"parallel.cpu_offload: the optimizer steps on the host with {threads} threads per rank")
 
 
 def close_distributed() -> None:

@@ -116,3 +116,35 @@ def test_expandable_segments_joins_the_users_allocator_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA was initialized before the trainer could set it; export"):
         parallel._use_expandable_segments()
+
+
+@pytest.mark.parametrize(
+    "backend, offload, cuda, expected",
+    [
+        ("auto", False, True, "nccl"),
+        ("auto", True, True, "cuda:nccl,cpu:gloo"),  # clipping and Muon reduce the offloaded host tensors
+        ("nccl", True, True, "cuda:nccl,cpu:gloo"),
+        ("auto", True, False, "gloo"),  # a CPU-only machine: one memory, one backend
+        ("gloo", True, True, "gloo"),
+    ],
+)
+def test_process_group_backend(backend, offload, cuda, expected):
+    assert parallel.process_group_backend(ParallelConfig(backend=backend, cpu_offload=offload), cuda) == expected
+
+
+def test_nccl_without_a_gpu_is_refused_by_name():
+    with pytest.raises(ValueError, match="parallel.backend=nccl needs CUDA"):
+        parallel.process_group_backend(ParallelConfig(backend="nccl"), cuda_available=False)
+
+
+def test_offload_gives_the_hosts_optimizer_step_a_share_of_the_cores(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1; under offload each of a node's ranks gets its share of the cores instead."""
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(16)))
+    before = torch.get_num_threads()
+    try:
+        parallel._use_host_cores(ranks_per_node=4)
+        assert torch.get_num_threads() == 4
+        parallel._use_host_cores(ranks_per_node=32)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
