@@ -290,12 +290,6 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
 
-def block_matrices(cfg: ModelConfig) -> list[torch.Tensor]:
-    """The 2-D weights of one block (q/k/v/o, gate/up/down), on the meta device: what Muon updates."""
-    with torch.device("meta"):
-        return [p for p in Block(cfg).parameters() if p.ndim == 2]
-
-
 def count_params(cfg: ModelConfig, one_block: bool = False) -> int:
     """Parameters of the model (tied weights counted once), or of one of its blocks, from the config alone."""
     with torch.device("meta"):

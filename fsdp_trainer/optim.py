@@ -21,11 +21,17 @@ OPTIMIZER_STATE_BYTES = 8
 MUON_STATE_BYTES = 4
 
 
-def optimizer_state_bytes(cfg: OptimConfig, n_params: int, n_block_matrix_params: int) -> int:
-    """Bytes of optimizer state of a model of n_params, n_block_matrix_params of them in the blocks' 2-D weights."""
-    if cfg.name == "muon":
-        return MUON_STATE_BYTES * n_block_matrix_params + OPTIMIZER_STATE_BYTES * (n_params - n_block_matrix_params)
-    return OPTIMIZER_STATE_BYTES * n_params
+def updated_by_muon(name: str, param: torch.Tensor) -> bool:
+    """Whether Muon (optim.name=muon) updates a parameter: the 2-D weights inside the blocks (q/k/v/o, gate/up/down),
+    whatever wrappers add to their names. Embeddings, the output layer and the norms stay on AdamW."""
+    return param.ndim == 2 and ".layers." in name
+
+
+def optimizer_state_bytes(cfg: OptimConfig, model: nn.Module) -> int:
+    """Bytes of optimizer state for a model's parameters (a model on the meta device will do)."""
+    params = list(model.named_parameters())  # tied weights once
+    muon = sum(p.numel() for name, p in params if cfg.name == "muon" and updated_by_muon(name, p))
+    return MUON_STATE_BYTES * muon + OPTIMIZER_STATE_BYTES * (sum(p.numel() for _, p in params) - muon)
 
 
 def build_loss_scaler(cfg: OptimConfig, mixed_precision: str, grads_device: torch.device) -> torch.amp.GradScaler:
@@ -49,7 +55,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     (pytorch#149205).
     """
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    muon = {name for name, p in named if cfg.name == "muon" and p.ndim == 2 and ".layers." in name}
+    muon = {name for name, p in named if cfg.name == "muon" and updated_by_muon(name, p)}
     groups = [
         {"params": [p for n, p in named if p.ndim >= 2 and n not in muon], "weight_decay": cfg.weight_decay},
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},

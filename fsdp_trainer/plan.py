@@ -56,7 +56,7 @@ from typing import Literal
 import torch
 
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
-from fsdp_trainer.model import block_matrices, count_params
+from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.parallel import SHARDING
 
@@ -152,8 +152,8 @@ def estimate(
     prefetch = recipe.parallel.prefetch_blocks
     tokens = data.micro_batch_size * data.seq_len
 
-    n_matrices = cfg.n_layers * sum(p.numel() for p in block_matrices(cfg))
-    optimizer = optimizer_state_bytes(recipe.optim, n_params, n_matrices)
+    with torch.device("meta"):
+        optimizer = optimizer_state_bytes(recipe.optim, Transformer(cfg))
     state = ((MASTER_WEIGHT_BYTES + GRADIENT_BYTES) * n_params + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers

@@ -165,3 +165,17 @@ def test_plan_cli_recommends_or_says_what_to_change():
     offload = subprocess.run([*cmd[:-1], "64", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
     assert offload.returncode == 0, offload.stderr
     assert "--parallel.cpu_offload true" in offload.stdout
+
+
+def test_muon_state_is_one_buffer_per_block_matrix():
+    """optim.name=muon: 4 bytes of momentum per weight of the blocks' projections, AdamW's 8 for the rest, beside the
+    fp32 weight and gradient (8 bytes), all / 2 ranks."""
+    recipe = Recipe()
+    recipe.optim.name = "muon"
+    n_params = count_params(recipe.model)
+    with torch.device("meta"):
+        named = Transformer(recipe.model).named_parameters()
+        projections = sum(p.numel() for n, p in named if n.endswith("_proj.weight"))
+    e = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert e.state_gb == pytest.approx((8 * n_params + 4 * projections + 8 * (n_params - projections)) / 2 / 1e9)
+    assert 0 < projections < n_params
