@@ -156,30 +156,43 @@ def _shard_group(p: torch.Tensor) -> dist.ProcessGroup | None:
 
 
 def _orthogonalize_sharded(params, names, directions, dtype: torch.dtype) -> list[torch.Tensor]:
-    """orthogonalize() of each whole matrix, given this rank's rows of it; returns this rank's rows of the results."""
+    """orthogonalize() of each whole matrix, given this rank's rows of it; returns this rank's rows of the results.
+
+    Memory: all gathers are in flight at once (they overlap), so each input row block is dropped from `directions`
+    once its padded copy is made, and an owner's gathered matrix once orthogonalized; what stays is about 12 bytes
+    per matrix weight / N (sent rows, gathered matrices, received rows) plus one matrix's iteration.
+    """
     out: list[torch.Tensor | None] = [None] * len(params)
     groups = [_shard_group(p) for p in params]
     sizes = {dist.get_world_size(group) for group in groups if group is not None}  # one mesh: one size
     owners = assign_owners(names, [tuple(p.shape) for p in params], sizes.pop()) if sizes else []
     pending = []
-    for i, (p, group, local) in enumerate(zip(params, groups, directions, strict=True)):
+    for i, (p, group) in enumerate(zip(params, groups, strict=True)):
+        local, directions[i] = directions[i], None
         if group is None:
             out[i] = orthogonalize(local, dtype=dtype)
             continue
         world, me, owner = dist.get_world_size(group), dist.get_rank(group), owners[i]
         rows_per_rank = -(-p.shape[0] // world)  # FSDP splits rows like torch.chunk: the last ranks may hold fewer
         padded = F.pad(local, (0, 0, 0, rows_per_rank - local.shape[0])).contiguous()
+        del local
         pieces = [torch.empty_like(padded) for _ in range(world)] if me == owner else None
         work = dist.gather(padded, pieces, group=group, group_dst=owner, async_op=True)
         pending.append((i, p, group, world, me, owner, padded, pieces, work))
     scatters = []
-    for i, p, group, world, me, owner, padded, pieces, work in pending:
+    for k in range(len(pending)):
+        (i, p, group, world, me, owner, padded, pieces, work), pending[k] = pending[k], None
         work.wait()
         chunks = None
         if me == owner:
-            full = orthogonalize(torch.cat(pieces)[: p.shape[0]], dtype=dtype)
+            whole = torch.cat(pieces)[: p.shape[0]]
+            del pieces
+            full = orthogonalize(whole, dtype=dtype)
+            del whole
             chunks = list(F.pad(full, (0, 0, 0, padded.shape[0] * world - p.shape[0])).chunk(world))
+            del full
         received = torch.empty_like(padded)
+        del padded
         work = dist.scatter(received, chunks, group=group, group_src=owner, async_op=True)
         scatters.append((i, received, work, _local(p).shape[0]))
     for i, received, work, rows in scatters:

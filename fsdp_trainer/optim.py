@@ -34,6 +34,20 @@ def optimizer_state_bytes(cfg: OptimConfig, model: nn.Module) -> int:
     return MUON_STATE_BYTES * muon + OPTIMIZER_STATE_BYTES * (sum(p.numel() for _, p in params) - muon)
 
 
+def optimizer_step_bytes(cfg: OptimConfig, model: nn.Module, shard_group: int) -> int:
+    """Bytes one rank allocates for the length of an optimizer step (a model on the meta device will do): none for
+    fused AdamW, which updates in place. Muon's exchange of whole matrices (muon.py) holds the rows it sends, the
+    matrices it owns and the rows it receives, fp32, about 12 bytes per matrix weight / shard_group (one process:
+    each direction and result, 4 + 4), and one matrix's Newton-Schulz iteration: x and two products of its size,
+    three of the Gram's (CPU measurement: docs/benchmarks.md)."""
+    if cfg.name != "muon":
+        return 0
+    shapes = [sorted(p.shape) for name, p in model.named_parameters() if updated_by_muon(name, p)]
+    matrices = sum(m * n for m, n in shapes)
+    held = 12 * matrices // shard_group if shard_group > 1 else 8 * matrices
+    return held + max(4 * (3 * m * n + 3 * m * m) for m, n in shapes)
+
+
 def build_loss_scaler(cfg: OptimConfig, mixed_precision: str, grads_device: torch.device) -> torch.amp.GradScaler:
     """fp16's dynamic loss scaling, starting at optim.loss_scale; disabled (every call a no-op) in bf16 and fp32,
     whose range needs none. GradScaler checks DTensor gradients for inf/NaN with one answer on every rank.

@@ -30,6 +30,9 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
 - offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
   cross to the device before every all-gather and their fp32 gradients back once per step:
   (4 x gathers + 4)P/S bytes per step each way taken together (`host<->device`); the device keeps the rest;
+- optimizer step: what the step allocates, after backward has freed the activations and gradient buffers (so the
+  peak counts the largest of the three): nothing for fused AdamW; Muon's exchange of whole matrices about 12 bytes
+  per matrix weight / S (the rows sent and received, the matrices a rank owns, fp32) plus one matrix's iteration;
 - runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
@@ -57,7 +60,7 @@ import torch
 
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes
+from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_trainer.parallel import SHARDING
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
@@ -78,6 +81,7 @@ class Estimate:
     sent_gb: float  # per rank per optimizer step
     internode_gb: float  # of which between nodes
     accumulated_gb: float = 0.0  # unsharded fp32 gradients held over the micro-steps of a step
+    optimizer_step_gb: float = 0.0  # allocated for the optimizer step (Muon's exchange of whole matrices)
     offload: bool = False  # parallel.cpu_offload: the training state in host memory
     host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
     host_traffic_gb: float = 0.0  # host<->device copies per optimizer step (offload on a GPU)
@@ -86,8 +90,11 @@ class Estimate:
     def total_gb(self) -> float:
         # The saved activations are all alive when backward starts, next to the logits' memory (freed once the output
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
-        # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed.
-        transient = max(self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb)
+        # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed, and
+        # the optimizer step's own allocations come after that.
+        transient = max(
+            self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb, self.optimizer_step_gb
+        )
         return self.state_gb + self.gathered_gb + self.accumulated_gb + transient + self.runtime_gb
 
 
@@ -153,7 +160,9 @@ def estimate(
     tokens = data.micro_batch_size * data.seq_len
 
     with torch.device("meta"):
-        optimizer = optimizer_state_bytes(recipe.optim, Transformer(cfg))
+        meta_model = Transformer(cfg)
+    optimizer = optimizer_state_bytes(recipe.optim, meta_model)
+    optimizer_step = optimizer_step_bytes(recipe.optim, meta_model, shard_group)
     state = ((MASTER_WEIGHT_BYTES + GRADIENT_BYTES) * n_params + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
@@ -174,14 +183,16 @@ def estimate(
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
-        host, state = state, 0
+        # The optimizer steps on the host too, with what it allocates.
+        host, state, optimizer_step = state + optimizer_step, 0, 0
         traffic = (MASTER_WEIGHT_BYTES * gathers_per_step(sharding, data.grad_accum_steps) + GRADIENT_BYTES) * (
             n_params / shard_group
         )
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
-        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, offload, host / gb, traffic / gb,
+        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
+        traffic / gb,
     )  # fmt: skip
 
 
@@ -240,10 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
-        "| runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
+        "| optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
         "| host<->device GB / step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in estimates:
         terms = (
             e.state_gb,
@@ -253,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
             e.backward_gb,
             e.grad_buffers_gb,
             e.accumulated_gb,
+            e.optimizer_step_gb,
         )
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
         fits = "yes" if e.total_gb <= mem and e.host_gb <= host_mem else "no"

@@ -179,3 +179,8 @@ def test_muon_state_is_one_buffer_per_block_matrix():
     e = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
     assert e.state_gb == pytest.approx((8 * n_params + 4 * projections + 8 * (n_params - projections)) / 2 / 1e9)
     assert 0 < projections < n_params
+    # The step's exchange: 12 bytes per matrix weight / 2, and the iteration on the largest (the feed-forward's).
+    m, n = sorted((recipe.model.dim, recipe.model.ffn_dim))
+    assert e.optimizer_step_gb == pytest.approx((12 * projections / 2 + 4 * (3 * m * n + 3 * m * m)) / 1e9)
+    recipe.optim.name = "adamw"  # fused, in place
+    assert estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda").optimizer_step_gb == 0
