@@ -130,9 +130,15 @@ class Muon(torch.optim.Optimizer):
                 new_buf = torch.where(found_inf > 0, buf, new_buf)
             buf.copy_(new_buf)
             directions.append(grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf)
-        # Whole matrices: gather each to its owner, orthogonalize there, scatter the rows back.
-        dtype = self.ns_dtype or (torch.bfloat16 if params and params[0].is_cuda else torch.float32)
-        updates = _orthogonalize_sharded(params, names, directions, dtype)
+        # Whole matrices: gather each to its owner, orthogonalize there, scatter the rows back. Newton-Schulz runs on
+        # the mesh's device, the GPU also when parallel.cpu_offload keeps the shards on the host (where it would take
+        # seconds a step).
+        if not params:
+            return
+        p = params[0]
+        device = torch.device(p.device_mesh.device_type) if isinstance(p, DTensor) else p.device
+        dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        updates = _orthogonalize_sharded(params, names, directions, dtype, device)
         for p, update in zip(params, updates, strict=True):
             rows, cols = p.shape
             w = _local(p)
@@ -155,8 +161,9 @@ def _shard_group(p: torch.Tensor) -> dist.ProcessGroup | None:
     return None
 
 
-def _orthogonalize_sharded(params, names, directions, dtype: torch.dtype) -> list[torch.Tensor]:
-    """orthogonalize() of each whole matrix, given this rank's rows of it; returns this rank's rows of the results.
+def _orthogonalize_sharded(params, names, directions, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """orthogonalize() of each whole matrix on `device`, given this rank's rows of it; returns this rank's rows of the
+    results, where the rows were.
 
     Memory: all gathers are in flight at once (they overlap), so each input row block is dropped from `directions`
     once its padded copy is made, and an owner's gathered matrix once orthogonalized; what stays is about 12 bytes
@@ -170,7 +177,7 @@ def _orthogonalize_sharded(params, names, directions, dtype: torch.dtype) -> lis
     for i, (p, group) in enumerate(zip(params, groups, strict=True)):
         local, directions[i] = directions[i], None
         if group is None:
-            out[i] = orthogonalize(local, dtype=dtype)
+            out[i] = orthogonalize(local.to(device), dtype=dtype).to(local.device)
             continue
         world, me, owner = dist.get_world_size(group), dist.get_rank(group), owners[i]
         rows_per_rank = -(-p.shape[0] // world)  # FSDP splits rows like torch.chunk: the last ranks may hold fewer
@@ -187,7 +194,7 @@ def _orthogonalize_sharded(params, names, directions, dtype: torch.dtype) -> lis
         if me == owner:
             whole = torch.cat(pieces)[: p.shape[0]]
             del pieces
-            full = orthogonalize(whole, dtype=dtype)
+            full = orthogonalize(whole.to(device), dtype=dtype).to(whole.device)
             del whole
             chunks = list(F.pad(full, (0, 0, 0, padded.shape[0] * world - p.shape[0])).chunk(world))
             del full
