@@ -166,24 +166,16 @@ def test_fp16_resume_is_exact_with_the_scaler_state(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fp16", "muon"])
-def test_cpu_offload_changes_no_number_of_fp16_or_muon(tiny_data, tmp_path, mode):
-    """Under parallel.cpu_offload, fp16's scaler lives with the gradients on the host and Muon orthogonalizes on the
-    mesh's device: the same losses (and fp16's same overflows and backoff) as without offload."""
-    extra = {"parallel": FP16, "optim": {"loss_scale": 2.0**22}} if mode == "fp16" else {"optim": {"name": "muon"}}
+def test_fp16_with_cpu_offload_scales_and_skips_like_without(tiny_data, tmp_path):
+    """fp16 under parallel.cpu_offload: the scaler lives with the gradients on the host; the same overflows, the same
+    backoff and the same losses as without offload."""
     runs = {}
     for offload in (False, True):
+        flags = {"parallel": {**FP16, "cpu_offload": offload}, "optim": {"loss_scale": 2.0**22}}
         out = tmp_path / str(offload)
-        losses = _run(
-            tiny_data, out, 8, nproc=2, **{**extra, "parallel": {**extra.get("parallel", {}), "cpu_offload": offload}}
-        )
-        runs[offload] = (
-            losses,
-            [(r.get("overflow_steps"), r.get("loss_scale")) for r in read_metrics(out) if "loss" in r],
-        )
-    assert runs[True] == runs[False]
-    if mode == "fp16":
-        assert runs[True][1][-1][0] > 0  # it did overflow
+        losses = _run(tiny_data, out, 8, nproc=2, **flags)
+        runs[offload] = losses, [(r["overflow_steps"], r["loss_scale"]) for r in read_metrics(out) if "loss" in r]
+    assert runs[True] == runs[False] and runs[True][1][-1][0] > 0  # it did overflow
 
 
 @pytest.mark.slow
