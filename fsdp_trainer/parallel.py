@@ -345,6 +345,7 @@ def apply_fsdp(
         shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
     shard(model, reshard_after_forward=False)
     model.sharding_plan = plan  # set_gradient_sync reads it on every micro-step
+    model.cpu_offload = cpu_offload  # materialize reads it: the shards must then be allocated on the host
     if prefetch_blocks > 1:
         # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
         # reversed forward order); an explicit list replaces that, so it starts with the adjacent block.
@@ -377,13 +378,14 @@ def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
         param.copy_(values)
 
 
-def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size.
 
-    With cpu_offload the shards are allocated in host memory, where FSDP2 requires them, and the buffers (the rotary
-    tables) on the device, where the compute reads them; the values are still drawn on the device, so a run with
-    offload starts from the same weights as one without.
+    When parallelize() applied parallel.cpu_offload, the shards are allocated in host memory, where FSDP2 requires
+    them, and the buffers (the rotary tables) on the device, where the compute reads them; the values are still drawn
+    on the device, so a run with offload starts from the same weights as one without.
     """
+    cpu_offload = getattr(model, "cpu_offload", False)
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         for module in model.modules():

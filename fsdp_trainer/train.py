@@ -213,7 +213,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     with torch.device("meta"):
         model = Transformer(recipe.model)
     parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, cfg.seed, recipe.parallel.cpu_offload)
+    materialize(model, env.device, cfg.seed)
     optimizer = build_optimizer(model, recipe.optim)
     # fp16 only, else a no-op; under parallel.cpu_offload the gradients are on the host.
     grads_device = torch.device("cpu") if recipe.parallel.cpu_offload else env.device

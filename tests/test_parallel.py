@@ -37,7 +37,7 @@ def _check_sharded_model(rank, world_size, sharding, ac, cpu_offload=False):
     )
     parallelize(model, cfg, mesh)
     parallel.fully_shard = real_fully_shard
-    materialize(model, torch.device("cpu"), seed=5, cpu_offload=cpu_offload)
+    materialize(model, torch.device("cpu"), seed=5)
     # Every block and the root: offloaded, unpinned (pinning needs an accelerator), or not at all.
     expected = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
     assert policies == [expected] * (CFG.n_layers + 1)
