@@ -135,8 +135,8 @@ class Muon(torch.optim.Optimizer):
         # seconds a step).
         if not params:
             return
-        p = params[0]
-        device = torch.device(p.device_mesh.device_type) if isinstance(p, DTensor) else p.device
+        first = params[0]
+        device = torch.device(first.device_mesh.device_type) if isinstance(first, DTensor) else first.device
         dtype = self.ns_dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         updates = _orthogonalize_sharded(params, names, directions, dtype, device)
         for p, update in zip(params, updates, strict=True):

@@ -97,6 +97,9 @@ class Estimate:
         )
         return self.state_gb + self.gathered_gb + self.accumulated_gb + transient + self.runtime_gb
 
+    def fits(self, device_mem_gb: float, host_mem_gb: float = math.inf) -> bool:
+        return self.total_gb <= device_mem_gb and self.host_gb <= host_mem_gb
+
 
 def gathers_per_step(sharding: str, accum: int) -> int:
     """How often a rank all-gathers its parameter shards per optimizer step: in forward and, when they were freed
@@ -212,7 +215,7 @@ def recommend(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: floa
     """The fastest that fits: without offload if anything fits so (the host's optimizer step and the copies cost far
     more than recomputation), then the least recomputation (AC costs compute on every step), then the fewest bytes
     over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
-    fits = [e for e in estimates if e.total_gb <= device_mem_gb and e.host_gb <= host_mem_gb]
+    fits = [e for e in estimates if e.fits(device_mem_gb, host_mem_gb)]
     key = lambda e: (e.offload, AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)  # noqa: E731
     return min(fits, key=key, default=None)
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             e.optimizer_step_gb,
         )
         cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
-        fits = "yes" if e.total_gb <= mem and e.host_gb <= host_mem else "no"
+        fits = "yes" if e.fits(mem, host_mem) else "no"
         name = f"{e.sharding} + offload" if e.offload else e.sharding
         print(
             f"| {name} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) | {e.host_gb:.2f} | "

@@ -215,9 +215,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, cfg.seed)
     optimizer = build_optimizer(model, recipe.optim)
-    # fp16 only, else a no-op; under parallel.cpu_offload the gradients are on the host.
-    grads_device = torch.device("cpu") if recipe.parallel.cpu_offload else env.device
-    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, grads_device)
+    # fp16 only, else a no-op. The gradients are where the shards are: on the host under parallel.cpu_offload.
+    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
 
     # Data, training state and where they are saved; resume from a checkpoint (auto | none | PATH).
     loader = TokenLoader(
