@@ -33,10 +33,11 @@ def measure(
     nproc: int,
     steps: int,
     config: str,
+    parts: tuple[str, str, str, bool],
     tmp: Path,
     tokens_per_step: int,
 ):
-    sharding, precision, ac, offload = parse_config(config)
+    sharding, precision, ac, offload = parts
     flags = ["--parallel.sharding", sharding, "--parallel.mixed_precision", precision,
              "--parallel.activation_checkpointing", ac, "--parallel.cpu_offload", str(offload).lower()]  # fmt: skip
     result = run_ours(recipe_path, train_path, tokenizer_path, nproc, steps - 1, 1, tokens_per_step,
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe, args = parse_args(parser, argv)
     if args.steps < 2:
         fail("--steps must be >= 2 (the first step is the warmup)")
+    # A typo fails now, not after the runs before it; a config may repeat (to alternate the order of runs).
+    configs = [(config, parse_config(config)) for config in args.configs]
     n_params = count_params(recipe.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the trainer's choice under parallel.backend auto
     rows = []
@@ -73,9 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         Path(recipe_path).write_text(recipe_to_yaml(recipe))
         tokens_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * recipe.data.grad_accum_steps * args.nproc
         train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, 4 * args.steps * tokens_per_step + 1)
-        for config in args.configs:
-            row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, tmp, tokens_per_step)
-            sharding, precision, ac, offload = parse_config(config)
+        for config, parts in configs:
+            row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, parts, tmp,
+                          tokens_per_step)  # fmt: skip
+            sharding, precision, ac, offload = parts
             recipe.parallel.mixed_precision = precision
             planned = estimate(recipe, args.nproc, 1, sharding, ac, device, offload)
             row["formula_state_gb"] = planned.state_gb + planned.host_gb  # offloaded on a GPU: on the host
