@@ -64,8 +64,11 @@ def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
     out = tmp_path / "memory.json"
     command = [sys.executable, str(BENCHMARKS / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
                "--steps", "2", "--out", str(out), "--configs"]  # fmt: skip
-    bad = subprocess.run([*command, "FULL_SHARD/fp32/none/pinned"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*command, "NO_SHARD/fp32/none", "FULL_SHARD/fp32/none/pinned"], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "--configs: 'FULL_SHARD/fp32/none/pinned' is not SHARDING" in bad.stderr
+    assert '"config"' not in bad.stdout  # refused before the good config ran
     proc = subprocess.run(
         [*command, "FULL_SHARD/fp32/none/offload", "NO_SHARD/bf16/full"], capture_output=True, text=True
     )
