@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     recipe, args = parse_args(parser, argv)
     if args.nproc < 1 or args.nnodes < 1:
         sys.exit("error: --nproc and --nnodes must be >= 1")
+    for flag in ("device_mem_gb", "host_mem_gb"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            sys.exit(f"error: --{flag} must be positive, not {getattr(args, flag)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     mem = args.device_mem_gb

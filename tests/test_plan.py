@@ -165,6 +165,8 @@ def test_plan_cli_recommends_or_says_what_to_change():
     offload = subprocess.run([*cmd[:-1], "64", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
     assert offload.returncode == 0, offload.stderr
     assert "--parallel.cpu_offload true" in offload.stdout
+    negative = subprocess.run([*cmd[:-1], "0", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
+    assert negative.returncode == 1 and negative.stderr == "error: --host_mem_gb must be positive, not 0.0\n"
 
 
 def test_muon_state_is_one_buffer_per_block_matrix():
