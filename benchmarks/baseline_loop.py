@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.metrics import StepTimer, peak_memory_gb
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.parallel import close_distributed, materialize
+from fsdp_trainer.parallel import close_distributed, materialize, precision_on
 
 parser = recipe_parser("benchmarks/baseline_loop.py", __doc__.split("\n\n")[0])
 parser.add_argument("--steps", type=int, default=20)
@@ -39,8 +39,8 @@ if device.type == "cuda":
 
 with torch.device("meta"):
     model = Transformer(mcfg)
-bf16 = recipe.parallel.mixed_precision == "bf16"
-mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+precision, _ = precision_on(recipe.parallel.mixed_precision, device.type)  # auto: what the trainer would choose
+mp = MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=torch.float32)
 for block in model.model.layers.values():
     fully_shard(block, mp_policy=mp)
 fully_shard(model, mp_policy=mp)

@@ -25,6 +25,7 @@ from runner import report_header, run_baseline, run_ours, synthetic_data
 
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
 from fsdp_trainer.metrics import flops_per_token, peak_flops
+from fsdp_trainer.parallel import precision_on
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="random ids, or the recipe's data.train_path")  # fmt: skip
     parser.add_argument("--out", default="bench_out/bench.json")
     recipe, args = parse_args(parser, argv)
+    # Both implementations compute in what the trainer would choose here (auto: what this device does natively).
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    recipe.parallel.mixed_precision, _ = precision_on(recipe.parallel.mixed_precision, device_type)
     if args.steps % args.log_every:
         fail(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
     data = recipe.data
@@ -86,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     cpu_ratios = ratios("tokens_per_cpu_s")
     cpu_ratio = statistics.median(cpu_ratios)
     shape = recipe.model
-    # MFU of both from their tokens/s, against the device's dense bf16 peak (none on CPU and on unknown devices).
-    peak = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
+    # MFU of both from their tokens/s, against the device's dense peak in the precision they computed in (none on CPU
+    # and on unknown devices).
+    peak = peak_flops(torch.device(device_type), recipe.parallel.mixed_precision)
     flops = flops_per_token(shape, data.seq_len)
     for s in summary.values():
         s["mfu"] = s["tokens_per_s_median"] * flops / (peak * args.nproc) if peak else None

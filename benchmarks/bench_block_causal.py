@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.model import Transformer, block_causal
+from fsdp_trainer.parallel import precision_on
 
 
 def documents_of(batch: int, seq_len: int, example_tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     recipe, args = parse_args(parser, argv)
     cfg, data = recipe.model, recipe.data
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.parallel.mixed_precision, torch.float32)
+    recipe.parallel.mixed_precision, _ = precision_on(recipe.parallel.mixed_precision, "cpu")  # it runs on the CPU
+    dtype = compute_dtype(recipe.parallel.mixed_precision)
     torch.manual_seed(0)
     model = Transformer(cfg).to(dtype)
     model.init_weights(seed=0)

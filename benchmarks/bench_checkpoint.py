@@ -34,7 +34,7 @@ from fsdp_trainer.checkpoint import ChecksummedWriter, ModelState, OptimState, v
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize
+from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize, resolve_precision
 
 
 def training_state(recipe, env) -> dict:
@@ -80,6 +80,7 @@ def timed_verify(path: Path, split: bool) -> float:
 def worker(recipe, args) -> None:
     warnings.filterwarnings("ignore", "Detected an existing checkpoint")  # each path is saved to `repeats` times
     env = init_distributed(recipe.parallel)
+    recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
     states = training_state(recipe, env)
     group = dist.new_group(backend="gloo")  # as the Checkpointer does: async writes on a group of their own
     work = Path(args.work_dir)

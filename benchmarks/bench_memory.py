@@ -23,6 +23,7 @@ from runner import report_header, run_ours, synthetic_data
 
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
 from fsdp_trainer.model import count_params
+from fsdp_trainer.parallel import precision_on
 from fsdp_trainer.plan import estimate
 
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, parts, tmp,
                           tokens_per_step)  # fmt: skip
             sharding, precision, ac, offload = parts
-            recipe.parallel.mixed_precision = precision
+            recipe.parallel.mixed_precision, _ = precision_on(precision, device)  # as the run resolved it
             planned = estimate(recipe, args.nproc, 1, sharding, ac, device, offload)
             row["formula_state_gb"] = planned.state_gb + planned.host_gb  # offloaded on a GPU: on the host
             row["plan"], row["plan_total_gb"] = vars(planned), planned.total_gb

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize
+from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize, resolve_precision
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     recipe, args = parse_args(parser, argv)
     env = init_distributed(recipe.parallel)
+    recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
     with torch.device("meta"):
         model = Transformer(recipe.model)
     parallelize(model, recipe.parallel, env.mesh)

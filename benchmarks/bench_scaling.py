@@ -22,6 +22,7 @@ from runner import report_header, run_ours, synthetic_data
 
 from fsdp_trainer.config import compute_dtype, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
 from fsdp_trainer.model import count_params
+from fsdp_trainer.parallel import precision_on
 from fsdp_trainer.plan import comm_bytes_per_rank
 
 
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log_every", type=int, default=3, help="also the warmup length")
     parser.add_argument("--out", default="bench_out/scaling.json")
     base_recipe, args = parse_args(parser, argv)
+    base_recipe.parallel.mixed_precision, _ = precision_on(base_recipe.parallel.mixed_precision, "cpu")  # CPU ranks
     if args.steps % args.log_every:
         fail(f"--steps={args.steps} must be a multiple of --log_every={args.log_every}")
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank at every world size: the per-device work is equal

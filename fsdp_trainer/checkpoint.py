@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from fsdp_trainer.config import Recipe, recipe_to_yaml
+from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, write_atomic
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
 from fsdp_trainer.parallel import DistEnv, PreemptionFlag
@@ -338,6 +338,7 @@ class Checkpointer:
         self.dir = Path(recipe.train.out_dir) / CHECKPOINTS_DIR
         self.states = states
         self.is_main = env.is_main
+        self.precision = recipe.parallel.mixed_precision  # resolved: what this run computes in
         self.attachments = {
             RECIPE_FILE: recipe_to_yaml(recipe).encode(),
             **{name: path.read_bytes() for name, path in tokenizer_files(recipe.data.tokenizer_path).items()},
@@ -371,6 +372,7 @@ class Checkpointer:
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
             path = self._newest_verified()
         check_model_shapes(path, self.states["model"].state_dict())
+        self._check_precision(path)
         saved = saved_entries(path)
         missing = set(self.states) - saved
         if missing:
@@ -380,6 +382,28 @@ class Checkpointer:
         self.last_saved, self.resumed_from = step, path
         logger.info(f"resumed from {path} at step {step}")
         return step
+
+    def _check_precision(self, path: Path) -> None:
+        """A resume in another precision than the checkpoint was trained in (auto resolved otherwise on this hardware,
+        or an override) goes on from the same state, but not as the original run would have: one warning says so.
+        Into fp16 from another precision it cannot: fp16's loss scale is part of the training state."""
+        try:
+            saved = load_sections(checkpoint_recipe(path))["parallel"].mixed_precision
+        except (FileNotFoundError, ValueError):
+            return  # a checkpoint without a readable recipe: nothing recorded to compare with
+        if saved in (AUTO, self.precision):
+            return
+        if self.precision == "fp16":
+            raise CheckpointError(
+                f"checkpoint {path} was trained in {saved} and holds no fp16 loss scale to resume with; set "
+                f"parallel.mixed_precision {saved}"
+            )
+        if self.is_main:
+            logger.warning(
+                f"checkpoint {path} was trained in {saved}, and this run computes in {self.precision}: it goes on from "
+                f"the same state, not bitwise as the original run would have; set parallel.mixed_precision {saved} to "
+                "keep it (if this hardware runs it natively)"
+            )
 
     def _problems(self, path: Path) -> list[str] | None:
         """verify_checkpoint with the files split over the ranks (each reads 1/N of the bytes), and the problems every

@@ -17,15 +17,21 @@ from fsdp_trainer.files import CONFIG_FILE, write_atomic
 
 Precision = Literal["bf16", "fp16", "fp32"]
 COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""The one table of compute dtypes: parallel.mixed_precision and the HF export's --dtype name them; each maps to the
-torch dtype's name (HF's `torch_dtype`). compute_dtype() gives the dtype, whose `.itemsize` is the bytes per element
-the planner counts. Names, not dtypes, so that reading a recipe does not import torch (data preparation never does)."""
+"""The one table of compute dtypes: parallel.mixed_precision (once resolved) and the HF export's --dtype name them;
+each maps to the torch dtype's name (HF's `torch_dtype`). compute_dtype() gives the dtype, whose `.itemsize` is the
+bytes per element the planner counts. Names, not dtypes, so that reading a recipe does not import torch (data
+preparation never does)."""
+AUTO = "auto"
+"""parallel.mixed_precision's default: the precision the device computes natively, resolved at start-up
+(parallel.resolve_precision) and recorded resolved in config.yaml, metrics and checkpoints."""
 
 
 # torch is imported here, not in a TYPE_CHECKING block: jsonargparse executes those while it reads the sections.
 def compute_dtype(name: str) -> torch.dtype:  # noqa: F821
     import torch
 
+    if name == AUTO:  # a programming error, not a user's: the device decides, once it is known
+        raise ValueError("parallel.mixed_precision=auto must be resolved first (parallel.resolve_precision)")
     return getattr(torch, COMPUTE_DTYPES[name])
 
 
@@ -129,9 +135,12 @@ class ParallelConfig:
     """FSDP sharding: ZeRO-3, ZeRO-2 (params stay gathered between forward and backward), ZeRO-1 (params stay
     gathered over all micro-steps of a step, gradients reduce-scattered once; only master weights and optimizer state
     sharded), DDP (replicated), or ZeRO-3 within a node and replicas across nodes."""
-    mixed_precision: Precision = "bf16"
-    """Compute dtype. bf16 and fp16 keep fp32 master weights, optimizer state and gradient reductions; fp16 (for GPUs
-    without bf16: V100, T4) also scales the loss dynamically (optim.loss_scale) so small gradients do not underflow."""
+    mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = AUTO
+    """Compute dtype. auto: what the device computes natively, chosen at start-up and logged: bf16 on GPUs with
+    compute capability >= 8.0 (A100, H100, ...), fp16 on older ones (V100, T4), bf16 on CPUs with bf16 units
+    (AVX512-BF16, AMX, ARM BF16), else fp32 (on an AVX2 CPU bf16 is emulated, 15-80x slower than fp32). bf16 and fp16
+    keep fp32 master weights, optimizer state and gradient reductions; fp16 also scales the loss dynamically
+    (optim.loss_scale) so small gradients do not underflow."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward: never, whole blocks, or everything but matmuls and attention."""
     ac_every: int = 1

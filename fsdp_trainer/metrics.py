@@ -51,27 +51,33 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
 
 
-# Dense bf16 tensor-core peak FLOP/s per device, from the vendors' datasheets (no sparsity). MFU is reported
-# against these for bf16 and fp32 runs alike; an unknown device (and every CPU) gets MFU null.
-PEAK_BF16_FLOPS = {
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "MI300X": 1307e12,
+# Dense peak FLOP/s per device and compute dtype, from the vendors' datasheets (no sparsity): the tensor cores' for
+# bf16 and fp16, the plain FP32 units' for fp32 (torch leaves TF32 off for matmuls unless a user turns it on). A
+# dtype a device lacks (bf16 before compute capability 8.0) and an unknown device (and every CPU) get MFU null.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},  # SXM
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "B200": {"bf16": 2250e12, "fp16": 2250e12, "fp32": 75e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12},
+    "MI300X": {"bf16": 1307e12, "fp16": 1307e12, "fp32": 163.4e12},
+    "V100-PCIE": {"fp16": 112e12, "fp32": 14e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},  # SXM2
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},
 }
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak FLOP/s in the (resolved) compute dtype, or None where unknown."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS.items():  # most specific names come first
+    for key, flops in PEAK_FLOPS.items():  # most specific names come first
         if key in name:
-            return flops
+            return flops.get(precision)
     return None
 
 
@@ -358,7 +364,8 @@ class Metrics:
         self.env, self.model, self.optimizer, self.loader, self.clock = env, model, optimizer, loader, clock
         self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
         self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
-        self.peak = peak_flops(env.device)
+        self.precision = recipe.parallel.mixed_precision  # resolved (auto is decided at start-up)
+        self.peak = peak_flops(env.device, self.precision)
         self.start = self.clock()
         self.cpu_start = time.process_time()
         self.first_step = start_step + 1
@@ -402,7 +409,7 @@ class Metrics:
                 optimizer_state_gb(self.optimizer),
             ]
             state = dict(zip(STATE_KEYS, max_over_ranks(local, self.env.device), strict=True))  # host sync, once
-            self._write({"step": step, **state, "state_gb": sum(state.values())})
+            self._write({"step": step, **state, "state_gb": sum(state.values()), "mixed_precision": self.precision})
 
     def log(
         self,

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import ParallelConfig, compute_dtype
+from fsdp_trainer.config import AUTO, ParallelConfig, Precision, compute_dtype
 from fsdp_trainer.model import Transformer
 
 logger = logging.getLogger("fsdp_trainer")
@@ -170,6 +170,78 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         # does the same).
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
     return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
+
+
+# From the least to the most capable: ranks that disagree (a node of V100s beside A100s) all take the lowest choice.
+_PRECISION_RANK = ("fp32", "fp16", "bf16")
+
+
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The name of this CPU's bf16 matrix units, or None where torch can only emulate bf16 (x86 with AVX2 alone:
+    15-80x slower than fp32). x86: what torch detects (AVX512-BF16, AMX); ARM: the `bf16` feature Linux reports
+    (BFDOT/BFMMLA, which oneDNN's ARM kernels use), since torch 2.13 reports none there."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    try:
+        with open(cpuinfo) as f:
+            features = [line for line in f if line.startswith("Features")]  # ARM's flags line (x86 says "flags")
+    except OSError:
+        return None
+    return "ARM BF16" if any("bf16" in line.split(":", 1)[1].split() for line in features) else None
+
+
+def native_precision(device: torch.device) -> tuple[Precision, str]:
+    """(precision, why): what `device` computes natively, the choice of parallel.mixed_precision=auto."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", f"{name} (compute capability {major}.{minor}) computes bf16 natively"
+        return "fp16", f"{name} (compute capability {major}.{minor}) has no bf16 units; fp16 with loss scaling"
+    units = cpu_bf16_units()
+    if units is not None:
+        return "bf16", f"this CPU computes bf16 natively ({units})"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "fp32", f"this CPU ({capability}) has no bf16 units (AVX512-BF16, AMX): bf16 would be emulated, far slower"
+
+
+def precision_on(requested: str, device_type: str) -> tuple[Precision, str]:
+    """(precision, why) a run on this machine's `device_type` would compute in, for the tools that plan or compare
+    runs without starting one (the planner, the benchmarks): resolve_precision's choice, without the ranks' vote.
+    Planning for GPUs on a machine that has none, auto is taken as bf16, what every GPU since the A100 computes."""
+    if requested != AUTO:
+        return requested, "as set"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "bf16", "auto: a GPU with bf16 units assumed (compute capability >= 8.0; V100 / T4: set fp16)"
+    native, why = native_precision(torch.device(device_type))
+    return native, f"auto: {why}"
+
+
+def resolve_precision(requested: str, env: DistEnv) -> Precision:
+    """parallel.mixed_precision as the run will compute: `auto` becomes what the device computes natively, the same
+    on every rank (the least capable rank's choice: one all-reduce at start-up), said in one log line. An explicit
+    precision the device only emulates runs as asked, with one warning per node naming what to set instead."""
+    native, why = native_precision(env.device)
+    if requested == AUTO:
+        choice = torch.tensor([_PRECISION_RANK.index(native)], device=env.device)
+        dist.all_reduce(choice, op=dist.ReduceOp.MIN)  # ranks must agree: FSDP all-gathers in this dtype
+        resolved = _PRECISION_RANK[int(choice.item())]
+        if resolved != native:
+            why = f"{resolved} is what every rank computes natively (this one: {why})"
+        if env.is_main:
+            logger.info(f"parallel.mixed_precision: auto -> {resolved}: {why}")
+        return resolved
+    emulated = (requested == "bf16" and native != "bf16") or (
+        requested == "fp16" and env.device.type == "cpu" and not torch.cpu._is_amx_fp16_supported()
+    )
+    if emulated and env.local_rank == 0:
+        logger.warning(
+            f"parallel.mixed_precision={requested} runs as asked, but {why}, where {requested} is emulated and slow: "
+            f"set parallel.mixed_precision auto (here {native})"
+        )
+    return requested
 
 
 def process_group_backend(cfg: ParallelConfig, cuda_available: bool) -> str:

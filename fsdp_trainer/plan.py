@@ -61,7 +61,7 @@ import torch
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
-from fsdp_trainer.parallel import SHARDING
+from fsdp_trainer.parallel import SHARDING, precision_on
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
@@ -156,7 +156,7 @@ def estimate(
 ) -> Estimate:
     cfg, data = recipe.model, recipe.data
     _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
-    a = compute_dtype(recipe.parallel.mixed_precision).itemsize
+    a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
     n_params, n_block = count_params(cfg), count_params(cfg, one_block=True)
     n_root = n_params - cfg.n_layers * n_block
     prefetch = recipe.parallel.prefetch_blocks
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             sys.exit(f"error: --{flag} must be positive, not {getattr(args, flag)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     mem = args.device_mem_gb
     if mem is None:
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     n_params = count_params(recipe.model)
     data = recipe.data
     print(
-        f"{recipe.model.family} {n_params / 1e6:,.1f}M params, {recipe.parallel.mixed_precision}, micro-batch "
+        f"{recipe.model.family} {n_params / 1e6:,.1f}M params, {recipe.parallel.mixed_precision} ({why}), micro-batch "
         f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
         f"device(s) of {mem:.1f} GB"
     )

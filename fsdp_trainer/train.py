@@ -33,6 +33,7 @@ from fsdp_trainer.parallel import (
     init_distributed,
     materialize,
     parallelize,
+    resolve_precision,
     set_gradient_sync,
     silent_ranks,
     sum_over_ranks,
@@ -276,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         env = init_distributed(recipe.parallel)
     except (FileNotFoundError, ValueError) as e:
         fail(e)
+    # auto -> what the device computes natively; config.yaml, metrics and checkpoints record the resolved value.
+    recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
     try:
         train(recipe, env, train_file, val_file)
     except (CheckpointError, NonFiniteError) as e:  # every rank finds the same problem: one line each, naming the rank

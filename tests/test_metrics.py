@@ -13,7 +13,7 @@ import torch
 from fsdp_trainer.checkpoint import CHECKSUMS_FILE
 from fsdp_trainer.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from fsdp_trainer.files import METRICS_FILE
-from fsdp_trainer.metrics import WANDB_RUN_FILE, Metrics, StepTimer
+from fsdp_trainer.metrics import WANDB_RUN_FILE, Metrics, StepTimer, peak_flops
 from fsdp_trainer.parallel import close_distributed, init_distributed
 from tests.helpers import TINY_MODEL, read_metrics, run_args, train_cli
 
@@ -141,3 +141,15 @@ def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path)
     # mode: disabled needs no package (a recipe keeps its project and turns W&B off).
     disabled = {**WANDB, "mode": "disabled"}
     train_cli(run_args(tiny_data, tmp_path / "off", 2, wandb=disabled), env=_with_package("no_wandb", log))
+
+
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [("NVIDIA H100 80GB HBM3", "bf16", 989e12), ("NVIDIA H100 PCIe", "fp32", 51e12), ("NVIDIA L40S", "bf16", 362e12),
+     ("NVIDIA L4", "fp16", 121e12), ("Tesla V100-SXM2-32GB", "fp16", 125e12), ("Tesla V100-SXM2-32GB", "bf16", None),
+     ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12), ("Some Future GPU", "bf16", None)],
+)  # fmt: skip
+def test_mfu_is_against_the_peak_of_the_precision_the_run_computes_in(monkeypatch, name, precision, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), precision) == peak
+    assert peak_flops(torch.device("cpu"), precision) is None

@@ -148,3 +148,85 @@ def test_offload_gives_the_hosts_optimizer_step_a_share_of_the_cores(monkeypatch
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# --- parallel.mixed_precision: auto -----------------------------------------------------------------------------------
+
+
+def _fake_cpu(monkeypatch, tmp_path, amx=False, avx512_bf16=False, arm_features=None):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cpuinfo = tmp_path / "cpuinfo"  # ARM's /proc/cpuinfo names its features on a `Features` line
+    cpuinfo.write_text(f"processor\t: 0\nFeatures\t: {arm_features}\n" if arm_features else "flags\t\t: fpu avx2\n")
+    real = parallel.cpu_bf16_units
+    monkeypatch.setattr(parallel, "cpu_bf16_units", lambda: real(str(cpuinfo)))
+
+
+def _fake_gpu(monkeypatch, name, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
+
+
+@pytest.mark.parametrize(
+    "cpu, expected, named",
+    [
+        ({"amx": True, "avx512_bf16": True}, "bf16", "AMX"),  # Sapphire Rapids and later
+        ({"avx512_bf16": True}, "bf16", "AVX512-BF16"),  # Cooper Lake, Zen 4
+        ({}, "fp32", "no bf16 units"),  # AVX2 only: bf16 is emulated, 15-80x slower than fp32
+        ({"arm_features": "fp asimd sve bf16 i8mm"}, "bf16", "ARM BF16"),  # Graviton 3, Neoverse V1
+        ({"arm_features": "fp asimd evtstrm crc32"}, "fp32", "no bf16 units"),  # Graviton 2
+    ],
+)
+def test_auto_precision_on_each_kind_of_cpu(monkeypatch, tmp_path, cpu, expected, named):
+    _fake_cpu(monkeypatch, tmp_path, **cpu)
+    precision, why = parallel.native_precision(torch.device("cpu"))
+    assert precision == expected and named in why
+
+
+@pytest.mark.parametrize(
+    "name, capability, expected",
+    [("NVIDIA H100 80GB HBM3", (9, 0), "bf16"), ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"),
+     ("Tesla V100-SXM2-32GB", (7, 0), "fp16"), ("Tesla T4", (7, 5), "fp16")],
+)  # fmt: skip
+def test_auto_precision_on_each_kind_of_gpu(monkeypatch, name, capability, expected):
+    _fake_gpu(monkeypatch, name, capability)
+    precision, why = parallel.native_precision(torch.device("cuda", 0))
+    assert precision == expected and name in why and f"{capability[0]}.{capability[1]}" in why
+
+
+def _resolve_on_ranks(rank, world_size, bf16_ranks, requested, expected):
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: rank in bf16_ranks
+    parallel.cpu_bf16_units.__defaults__ = ("/nonexistent",)  # no ARM features line on this x86 test machine
+    env = parallel.DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), None, None)
+    assert parallel.resolve_precision(requested, env) == expected
+
+
+@pytest.mark.parametrize(
+    "bf16_ranks, requested, expected",
+    [((0, 1), "auto", "bf16"), ((0,), "auto", "fp32"), ((), "auto", "fp32"), ((), "bf16", "bf16")],
+)
+def test_auto_precision_is_the_same_on_every_rank(bf16_ranks, requested, expected):
+    """Ranks vote: one rank without bf16 units makes every rank compute in fp32 (FSDP gathers in one dtype); an
+    explicit choice is kept as asked."""
+    run_distributed(_resolve_on_ranks, bf16_ranks, requested, expected)
+
+
+def test_explicit_bf16_where_it_is_emulated_runs_with_one_warning(monkeypatch, tmp_path, caplog):
+    _fake_cpu(monkeypatch, tmp_path)
+    env = parallel.DistEnv(0, 1, 0, 1, torch.device("cpu"), None, None)
+    with caplog.at_level("INFO", logger="fsdp_trainer"):
+        assert parallel.resolve_precision("bf16", env) == "bf16"
+        assert parallel.resolve_precision("fp32", env) == "fp32"
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "parallel.mixed_precision=bf16 runs as asked" in warning and "set parallel.mixed_precision auto" in warning
+    assert "(here fp32)" in warning
+
+
+def test_the_planner_and_the_tools_see_what_a_run_would_resolve(monkeypatch, tmp_path):
+    _fake_cpu(monkeypatch, tmp_path)
+    assert parallel.precision_on("auto", "cpu")[0] == "fp32"
+    assert parallel.precision_on("fp16", "cpu") == ("fp16", "as set")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # planning for GPUs from a machine without one
+    assert parallel.precision_on("auto", "cuda")[0] == "bf16"

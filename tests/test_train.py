@@ -12,10 +12,12 @@ import sys
 import termios
 
 import pytest
+import torch
 import yaml
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import count_params
+from fsdp_trainer.parallel import native_precision
 from tests.helpers import REPO, TINY_MODEL, read_metrics, run_args, train_cli, train_losses
 
 
@@ -217,7 +219,7 @@ def test_bf16_on_two_ranks_learns_the_real_corpus(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     out = tmp_path / "run"
-    overrides = {"train": {"log_every": 3, "eval_every": 3}, "parallel": {"mixed_precision": "bf16"}}
+    overrides = {"train": {"log_every": 3, "eval_every": 3}, "parallel": {"mixed_precision": "auto"}}
     proc = train_cli(run_args(tiny_data, out, 6, **overrides), nproc=2)
     records = read_metrics(out)
     steps = [r for r in records if "loss" in r]
@@ -244,9 +246,27 @@ def test_torchrun_writes_config_and_metrics(tiny_data, tmp_path):
     assert all(math.isfinite(r["val_loss"]) for r in evals)
     # config.yaml is the resolved recipe, including the command-line overrides.
     config = yaml.safe_load((out / "config.yaml").read_text())
-    assert config["train"]["steps"] == 6 and config["parallel"]["mixed_precision"] == "bf16"
+    # auto is recorded as what it resolved to on this CPU, in config.yaml and in metrics.jsonl.
+    native = native_precision(torch.device("cpu"))[0]
+    assert config["train"]["steps"] == 6 and config["parallel"]["mixed_precision"] == native
+    assert next(r for r in records if "state_gb" in r)["mixed_precision"] == native
+    assert f"parallel.mixed_precision: auto -> {native}" in proc.stdout
     # Rank 0 logs; rank 1 stays quiet.
     assert "[rank0] step      6" in proc.stdout and "[rank1]" not in proc.stdout
+
+
+def test_a_resume_in_another_precision_says_what_changed(tiny_data, tmp_path):
+    """What auto resolved to is in the checkpoint's recipe: a resume that computes otherwise (another machine, an
+    override) goes on with one warning; into fp16, which needs a loss scale the checkpoint lacks, it stops with one
+    line."""
+    fp32 = {"parallel": {"mixed_precision": "fp32"}, "checkpoint": {"every": 2}}
+    train_cli(run_args(tiny_data, tmp_path, 2, **fp32))
+    to_bf16 = train_cli(run_args(tiny_data, tmp_path, 3, parallel={"mixed_precision": "bf16"}, checkpoint={"every": 3}))
+    assert "was trained in fp32, and this run computes in bf16" in to_bf16.stdout
+    to_fp16 = train_cli(run_args(tiny_data, tmp_path, 4, parallel={"mixed_precision": "fp16"}), check=False)
+    assert to_fp16.returncode == 1
+    (line,) = to_fp16.stderr.strip().splitlines()
+    assert "was trained in bf16 and holds no fp16 loss scale" in line and "mixed_precision bf16" in line
 
 
 def test_config_yaml_reproduces_the_run(tiny_data, tmp_path):
