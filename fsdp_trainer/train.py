@@ -20,7 +20,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer.checkpoint import Checkpointer, CheckpointError, ModelState, OptimState, check_disk_room
+from fsdp_trainer.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    ModelState,
+    OptimState,
+    check_disk_room,
+    resolve_checkpoint,
+)
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
 from fsdp_trainer.data import MicroBatch, Mixture, TokenLoader, open_data
 from fsdp_trainer.files import check_writable
@@ -33,6 +40,7 @@ from fsdp_trainer.parallel import (
     init_distributed,
     materialize,
     parallelize,
+    process_group_backend,
     resolve_precision,
     set_gradient_sync,
     silent_ranks,
@@ -265,15 +273,27 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     logger.info(f"done: run written to {cfg.out_dir}")
 
 
+def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
+    """Everything about a run that can be wrong before any process group exists: the token files against the
+    tokenizer and the model, the W&B package, the output directory and its room, the backend. Returns the opened
+    token files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any
+    worker, and every worker again."""
+    files = open_data(recipe)
+    require_wandb(recipe)
+    check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
+    if recipe.checkpoint.every:
+        check_disk_room(recipe.train.out_dir, count_params(recipe.model))
+    if recipe.checkpoint.resume not in ("auto", "none"):
+        resolve_checkpoint(recipe.checkpoint.resume)  # a path that holds no checkpoint
+    process_group_backend(recipe.parallel, torch.cuda.is_available())
+    return files
+
+
 @record
 def main(argv: list[str] | None = None) -> None:
     recipe = parse_recipe(argv)  # bad recipe: one `error:` line, exit 1
     try:  # still before any collective: one line, exit 1
-        train_file, val_file = open_data(recipe)
-        require_wandb(recipe)
-        check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
-        if recipe.checkpoint.every:
-            check_disk_room(recipe.train.out_dir, count_params(recipe.model))
+        train_file, val_file = check_run(recipe)
         env = init_distributed(recipe.parallel)
     except (FileNotFoundError, ValueError) as e:
         fail(e)
@@ -281,8 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
     try:
         train(recipe, env, train_file, val_file)
-    except (CheckpointError, NonFiniteError) as e:  # every rank finds the same problem: one line each, naming the rank
-        sys.exit(f"error: rank {env.rank}: {e}")
+    except (CheckpointError, NonFiniteError) as e:  # every rank finds the same problem: the node's first rank says it
+        if env.local_rank == 0:
+            print(f"error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Exception as e:
         # Typically a collective that failed because a peer died or hung: say which peers went silent. The traceback
         # follows, and torchrun's summary names the rank that failed first.

@@ -116,7 +116,8 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
     args = _args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": target}, model=flags)
     proc = train_cli(args, check=False)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: rank 0: ") and message in proc.stderr, proc.stderr
+    # A path that holds no checkpoint is found before any process group (no rank named), the rest by every rank.
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

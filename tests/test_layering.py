@@ -29,6 +29,7 @@ ALLOWED = {
     "prepare": {"chat", "config", "files", "tokenizer", "tokens"},
     "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
     "train": {"checkpoint", "config", "data", "files", "metrics", "model", "optim", "parallel", "tokens"},
+    "launch": {"config", "train"},
     "__main__": {"train"},
     "__init__": set(),
 }
