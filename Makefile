@@ -27,7 +27,7 @@ setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) tools/prepare_data.py --recipe $(RECIPE)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m fsdp_trainer.train --recipe $(RECIPE) \
+	$(VENV)/bin/fsdp-train --nproc_per_node=$(NPROC) --recipe $(RECIPE) \
 		--train.out_dir $(OUT) --checkpoint.resume none
 	$(PY) tools/plot.py $(OUT)
 	@echo "Run written to $(OUT)/: config.yaml, metrics.jsonl, metrics.png, checkpoints/. A sample from it:"

@@ -34,7 +34,7 @@ def test_recipe_parses_and_builds(name):
     recipe = parse_recipe(["--recipe", str(RECIPES / name)])
     assert count_params(recipe.model) == EXPECTED_PARAMS[name]
     text = (RECIPES / name).read_text()
-    assert text.startswith("#") and "fsdp_trainer.train" in text.split("\nmodel:")[0]  # opens with how to launch it
+    assert text.startswith("#") and "fsdp-train" in text.split("\nmodel:")[0]  # opens with how to launch it
 
 
 def test_qwen3_recipe_has_qk_norm():
