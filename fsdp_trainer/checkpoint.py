@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
-from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, write_atomic
+from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
 from fsdp_trainer.parallel import DistEnv, PreemptionFlag
 from fsdp_trainer.tokenizer import tokenizer_files
@@ -228,12 +228,12 @@ def is_complete(path: str | os.PathLike) -> bool:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A step directory, or a run / checkpoints directory whose `latest` names one; raises with what is wrong."""
     path = Path(path)
-    for candidate in (path / "latest", path / CHECKPOINTS_DIR / "latest"):
-        if candidate.is_file():
-            target = candidate.parent / candidate.read_text().strip()
-            if not is_complete(target):
-                raise CheckpointError(f"{candidate} names {target}, which is missing or incomplete (no .metadata)")
-            return target
+    target = published_step(path)
+    if target is not None:
+        if not is_complete(target):
+            latest = target.parent / LATEST_FILE
+            raise CheckpointError(f"{latest} names {target}, which is missing or incomplete (no .metadata)")
+        return target
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     if not is_complete(path):
@@ -264,10 +264,10 @@ def checkpoint_recipe(path: Path) -> Path:
     raise FileNotFoundError(f"{path} has no {RECIPE_FILE} and no run {CONFIG_FILE} two levels up")
 
 
-def checkpoint_tokenizer(path: Path, tokenizer_path: str) -> Path | None:
+def checkpoint_tokenizer(path: Path, tokenizer_path: str | None) -> Path | None:
     """Where the tokenizer a checkpoint was trained with is: its own copy (the step directory), else the recipe's
     data.tokenizer_path, if either exists."""
-    for candidate in (path, Path(tokenizer_path)):
+    for candidate in (path, *([Path(tokenizer_path)] if tokenizer_path else [])):
         try:
             tokenizer_files(candidate)
             return candidate
@@ -290,7 +290,7 @@ def check_disk_room(out_dir: str, n_params: int) -> None:
 
 def publish_latest(ckpt_dir: Path, name: str) -> None:
     """Point `latest` at step directory `name` atomically: readers see the old name or the new one, never half."""
-    write_atomic(ckpt_dir / "latest", name + "\n")
+    write_atomic(ckpt_dir / LATEST_FILE, name + "\n")
 
 
 def saved_entries(path: Path) -> set[str]:
@@ -357,7 +357,7 @@ class Checkpointer:
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
         resume = self.cfg.resume
-        has_own = (self.dir / "latest").is_file()
+        has_own = (self.dir / LATEST_FILE).is_file()
         if resume == "none" or (resume == "auto" and not has_own):
             return None
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
@@ -419,7 +419,7 @@ class Checkpointer:
     def _newest_verified(self) -> Path:
         """The step `latest` names if it verifies; else, with one warning naming what failed, the newest older
         published step that does (keep_last kept it); CheckpointError if none does."""
-        latest = (self.dir / "latest").read_text().strip()
+        latest = (self.dir / LATEST_FILE).read_text().strip()
         older = [p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name < latest]
         failed = []
         for name in [latest, *sorted(older, reverse=True)]:
@@ -486,7 +486,7 @@ class Checkpointer:
             error = f"rank {rank}: {type(cause).__name__}: {cause}"
         if self.is_main:
             shutil.rmtree(path, ignore_errors=True)
-        latest = self.dir / "latest"
+        latest = self.dir / LATEST_FILE
         kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no checkpoint was saved"
         raise CheckpointError(f"saving checkpoint {path} failed ({error}); {kept}")
 
@@ -501,7 +501,7 @@ class Checkpointer:
     def _prune(self) -> None:
         if not self.cfg.keep_last:
             return
-        latest = (self.dir / "latest").read_text().strip()
+        latest = (self.dir / LATEST_FILE).read_text().strip()
         published = sorted(p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name <= latest)
         for name in published[: -self.cfg.keep_last]:
             shutil.rmtree(self.dir / name, ignore_errors=True)

@@ -190,10 +190,11 @@ class DataConfig:
     """Training token file written by tools/prepare_data.py (a `.meta.json` must sit beside it)."""
     val_path: str | None = "data/shakespeare/val.bin"
     """Validation token file; null disables evaluation."""
-    tokenizer_path: str = "data/shakespeare/tokenizer.model"
+    tokenizer_path: str | None = "data/shakespeare/tokenizer.model"
     """The tokenizer the token files are made with: a sentencepiece `.model`, an HF `tokenizer.json`, or a directory
     holding either (an HF checkpoint, an imported model); tools/prepare_data.py trains a sentencepiece one here only
-    when nothing exists yet."""
+    when nothing exists yet. null: the tokenizer saved with the checkpoint the run starts from (checkpoint.resume: an
+    imported model, a run), which config.yaml then records."""
     seq_len: int = 256
     """Tokens per training sequence."""
     micro_batch_size: int = 8

@@ -3,7 +3,8 @@
 OUT_DIR/config.yaml      the fully resolved recipe (config.write_config)
 OUT_DIR/metrics.jsonl    one JSON object per logged step (metrics.py)
 OUT_DIR/tensorboard/     the same scalars as TensorBoard events (metrics.py)
-OUT_DIR/checkpoints/     step directories and `latest`, whose layout only checkpoint.py knows
+OUT_DIR/checkpoints/     step directories and `latest`, the name of the newest complete one: checkpoint.py writes
+                         them; published_step() below is the one reader of `latest` that needs no torch
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
 
 
 def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
@@ -24,6 +26,16 @@ def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(content.encode() if isinstance(content, str) else content)
     os.replace(tmp, path)
+
+
+def published_step(path: str | os.PathLike) -> Path | None:
+    """The step directory `latest` names in a checkpoints directory, or in a run directory's checkpoints/; None where
+    neither has a `latest`. Whether that step is complete is checkpoint.py's business."""
+    path = Path(path)
+    for latest in (path / LATEST_FILE, path / CHECKPOINTS_DIR / LATEST_FILE):
+        if latest.is_file():
+            return latest.parent / latest.read_text().strip()
+    return None
 
 
 def check_writable(out_dir: str, rank: int) -> None:

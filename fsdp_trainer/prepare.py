@@ -43,7 +43,7 @@ import numpy as np
 from fsdp_trainer.chat import ChatEncoder, Packer, check_options
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import file_sha256, write_atomic
-from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
+from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
 from fsdp_trainer.tokens import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
 
 BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
@@ -587,6 +587,7 @@ def prepare(
     tokenizer at data.tokenizer_path (trained there first if there is none). With format="chat", the inputs are
     conversations, written packed into data.seq_len windows (see chat.py)."""
     data = recipe.data
+    data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, recipe.checkpoint.resume, recipe.train.out_dir)
     if not 0 <= val_fraction < 1:
         raise ValueError(f"--val_fraction={val_fraction} must lie in [0, 1)")
     if shard_tokens < 1:

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from fsdp_trainer.files import file_sha256
+from fsdp_trainer.files import CONFIG_FILE, file_sha256, published_step
 
 FILE_NAME = "tokenizer.model"
 """What a sentencepiece model is called inside a checkpoint and an HF directory."""
@@ -52,6 +52,44 @@ def tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
         beside = {name: path.with_name(name) for name in HF_FILES[1:] if path.with_name(name).is_file()}
         return {HF_FILE: path, **beside}
     return {FILE_NAME: path}
+
+
+def saved_tokenizer(checkpoint: str | os.PathLike) -> Path | None:
+    """The tokenizer that travels with a checkpoint: in the directory itself (an imported model, a step directory) or
+    in the step its `latest` names (a run directory, its checkpoints/); None if there is none."""
+    path = Path(checkpoint)
+    for candidate in (path, published_step(path)):
+        if candidate is not None and candidate.is_dir():
+            try:
+                tokenizer_files(candidate)
+                return candidate
+            except FileNotFoundError:
+                continue
+    return None
+
+
+def run_tokenizer_path(tokenizer_path: str | None, resume: str, out_dir: str) -> str:
+    """data.tokenizer_path, or where it is null the tokenizer of the checkpoint the run starts from: the one
+    checkpoint.resume names, else (a run resumed with auto) the one the run recorded in its config.yaml or saved with
+    its latest checkpoint. Raises ValueError naming both keys when there is none."""
+    if tokenizer_path is not None:
+        return tokenizer_path
+    if resume not in ("auto", "none") and (found := saved_tokenizer(resume)) is not None:
+        return str(found)
+    if resume != "none":
+        import yaml
+
+        config = Path(out_dir) / CONFIG_FILE
+        recorded = yaml.safe_load(config.read_text())["data"]["tokenizer_path"] if config.is_file() else None
+        if recorded is not None and os.path.exists(recorded):
+            return recorded
+        if (found := saved_tokenizer(out_dir)) is not None:
+            return str(found)
+    raise ValueError(
+        f"data.tokenizer_path is null, which means the tokenizer of the checkpoint the run starts from, and "
+        f"checkpoint.resume={resume} names no checkpoint that carries one: set data.tokenizer_path, or "
+        "checkpoint.resume to the directory tools/import_hf.py wrote"
+    )
 
 
 def fingerprint(path: str | os.PathLike) -> str:

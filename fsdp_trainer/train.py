@@ -46,6 +46,7 @@ from fsdp_trainer.parallel import (
     silent_ranks,
     sum_over_ranks,
 )
+from fsdp_trainer.tokenizer import run_tokenizer_path
 from fsdp_trainer.tokens import Tokens
 
 logger = logging.getLogger("fsdp_trainer")
@@ -278,13 +279,16 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     tokenizer and the model, the W&B package, the output directory and its room, the backend. Returns the opened
     token files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any
     worker, and every worker again."""
+    # null: the tokenizer that travels with the checkpoint the run starts from, recorded resolved in config.yaml.
+    data, resume = recipe.data, recipe.checkpoint.resume
+    data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
     files = open_data(recipe)
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     if recipe.checkpoint.every:
         check_disk_room(recipe.train.out_dir, count_params(recipe.model))
-    if recipe.checkpoint.resume not in ("auto", "none"):
-        resolve_checkpoint(recipe.checkpoint.resume)  # a path that holds no checkpoint
+    if resume not in ("auto", "none"):
+        resolve_checkpoint(resume)  # a path that holds no checkpoint
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files
 

@@ -8,6 +8,7 @@ import torch
 
 from fsdp_trainer.data import Mixture, TokenLoader
 from fsdp_trainer.prepare import Part, ShardWriter
+from fsdp_trainer.tokenizer import run_tokenizer_path
 from fsdp_trainer.tokens import TokenFile, open_tokens, write_token_file
 
 
@@ -157,3 +158,22 @@ def test_a_mixture_is_the_same_global_batch_at_any_world_size_and_resumes(two_so
     other_weights = TokenLoader(Mixture(two_sources, [1.0, 1.0], ["a", "b"], seed=3), 10, 4, seed=3)
     with pytest.raises(ValueError, match="different fingerprint"):
         other_weights.load_state_dict(state)
+
+
+def test_a_null_tokenizer_path_is_the_one_that_came_with_the_checkpoint(tmp_path):
+    """data.tokenizer_path: null takes the tokenizer saved with checkpoint.resume (an import directory holds it at its
+    top, a run in the step its `latest` names), else what the run recorded; with nothing to take it from, one line."""
+    imported = tmp_path / "my_import"
+    imported.mkdir()
+    (imported / "tokenizer.json").write_text("{}")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000004" / "tokenizer.model").write_bytes(b"sp")
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")
+    assert run_tokenizer_path("tok.model", "none", str(run)) == "tok.model"  # named: used as it is
+    assert run_tokenizer_path(None, str(imported), str(tmp_path / "new")) == str(imported)
+    assert run_tokenizer_path(None, "auto", str(run)) == str(run / "checkpoints" / "step_00000004")
+    (run / "config.yaml").write_text(f"data:\n  tokenizer_path: {imported}\n")  # what the first attempt resolved
+    assert run_tokenizer_path(None, "auto", str(run)) == str(imported)
+    with pytest.raises(ValueError, match="data.tokenizer_path is null.*checkpoint.resume=none names no checkpoint"):
+        run_tokenizer_path(None, "none", str(run))

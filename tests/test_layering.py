@@ -28,7 +28,7 @@ ALLOWED = {
     "chat": {"tokenizer", "tokens"},
     "prepare": {"chat", "config", "files", "tokenizer", "tokens"},
     "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
-    "train": {"checkpoint", "config", "data", "files", "metrics", "model", "optim", "parallel", "tokens"},
+    "train": {"checkpoint", "config", "data", "files", "metrics", "model", "optim", "parallel", "tokenizer", "tokens"},
     "launch": {"config", "train"},
     "__main__": {"train"},
     "__init__": set(),

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from fsdp_trainer.prepare import BUNDLED_CORPUS
 from fsdp_trainer.tokens import TokenFile
@@ -159,8 +160,11 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
         str(imported),
         "--train.out_dir",
         str(run),
+        "--data.tokenizer_path",  # as the fine-tuning recipes: the tokenizer that came with the imported checkpoint
+        "null",
     ]
     train_cli(launch)
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["tokenizer_path"] == str(imported)
     [val_loss] = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r]
 
     # transformers' loss on the same windows: the first 2 evaluation batches of 2 sequences of the validation file.

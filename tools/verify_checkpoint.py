@@ -18,6 +18,7 @@ from jsonargparse import ArgumentParser
 
 from fsdp_trainer.checkpoint import checkpoint_status, checkpoint_steps
 from fsdp_trainer.config import one_line_errors
+from fsdp_trainer.files import published_step
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         status, detail = checkpoint_status(step)
         bad += status in ("corrupted", "incomplete")
         print(f"{step.name}  {status:<10}  {detail} ({time.perf_counter() - start:.2f} s)", flush=True)
-    latest = steps[-1].parent / "latest"
-    if latest.is_file():
-        print(f"latest -> {latest.read_text().strip()}")
+    latest = published_step(steps[-1].parent)
+    if latest is not None:
+        print(f"latest -> {latest.name}")
     sys.exit(1 if bad else 0)
 
 
