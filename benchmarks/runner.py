@@ -97,7 +97,7 @@ def run_ours(
     ]
     run(torchrun_command([*TRAINER, *args], nproc))
     records = [json.loads(line) for line in open(out / METRICS_FILE)]
-    lines = [r for r in records if "loss" in r]
+    lines = [r for r in records if "loss" in r and r["step"] >= log_every]  # (step 1 is always logged too)
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
     elapsed = last["elapsed_s"] - first["elapsed_s"]
     state = next(r for r in records if "state_gb" in r)

@@ -285,7 +285,10 @@ class TrainConfig:
     metrics.jsonl (`skipped_steps`) and go on."""
     progress_bar: bool = True
     """On a terminal, show a progress bar with ETA on rank 0 (log lines still go to metrics.jsonl); off a terminal
-    (CI, Slurm, a pipe) only the log lines are printed."""
+    (CI, Slurm, a pipe) only the log lines are printed, and the progress lines of progress_every_s."""
+    progress_every_s: float = 60.0
+    """Off a terminal, print a progress line (step, seconds per step, ETA; from the host's clock, no sync) when this
+    many seconds pass without a log line, so a slow run shows it is alive between log steps (0 = never)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps={self.steps} must be >= 0")
@@ -293,6 +296,7 @@ class TrainConfig:
         _require(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0")
         _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
         _require(self.loss_chunks >= 1, f"train.loss_chunks={self.loss_chunks} must be >= 1")
+        _require(self.progress_every_s >= 0, f"train.progress_every_s={self.progress_every_s} must be >= 0")
 
 
 @dataclass

@@ -370,6 +370,7 @@ class Metrics:
         self.cpu_start = time.process_time()
         self.first_step = start_step + 1
         self.step_timer = StepTimer(env.device, clock)
+        self.total_steps, self.progress_every_s = recipe.train.steps, recipe.train.progress_every_s
         self.sinks: list = []
         self.bar: ProgressBar | None = None
         self.wandb: WandbRun | None = None
@@ -393,7 +394,21 @@ class Metrics:
     def restart_clock(self, step: int) -> None:
         """Start the throughput window at `step` (after start-up, a resume, a log step or an evaluation)."""
         self.last_time, self.last_step = self.clock(), step
+        self.last_line = self.last_time
         self.step_timer.restart()
+
+    def _progress_line(self, step: int) -> None:
+        """Off a terminal, where no bar moves: a line when progress_every_s pass without one (host clock, no sync)."""
+        now = self.clock()
+        if not self.progress_every_s or now - self.last_line < self.progress_every_s or step <= self.last_step:
+            return
+        self.last_line = now
+        per_step = (now - self.last_time) / (step - self.last_step)
+        eta = round(per_step * (self.total_steps - step))
+        logger.info(
+            f"step {step:>6} of {self.total_steps} | {per_step:.2f} s/step | eta {eta // 3600}h{eta // 60 % 60:02d}m"
+            f"{eta % 60:02d}s"
+        )
 
     def step_done(self, step: int) -> None:
         """Called after every step: times it and moves the progress bar (no sync). After this process's first step,
@@ -402,6 +417,8 @@ class Metrics:
         self.step_timer.mark()
         if self.bar is not None:
             self.bar.update(step)
+        elif self.env.is_main:
+            self._progress_line(step)
         if step == self.first_step:
             local = [
                 local_gb(self.model.parameters()),

@@ -248,6 +248,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from)
     ckpt.attachments.update(metrics.attachments())  # the W&B run id goes with every checkpoint
 
+    first_step = state.step + 1  # logged whatever log_every says: the first sign of life (and of the loss)
+    if recipe.parallel.compile and env.is_main:
+        logger.info("parallel.compile: the first step compiles the blocks and takes longer (minutes on a CPU)")
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)
@@ -256,7 +259,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             state.finish_step(stats)
             metrics.step_done(state.step)
             last = state.step == cfg.steps
-            if state.step % cfg.log_every == 0 or last:  # the host syncs of a step, on log steps only
+            if state.step % cfg.log_every == 0 or last or state.step == first_step:  # host syncs: log steps only
                 metrics.log(state.step, stats, lr, state.settle(), state.loss_scaling())
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
                 metrics.log_eval(state.step, evaluate(model, val_file, recipe, env))

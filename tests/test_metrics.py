@@ -76,6 +76,31 @@ def test_a_log_record_carries_the_median_and_largest_step_time_of_its_window(tmp
     assert lines[-1]["step_time_s"] == pytest.approx(record["step_time_s"])
 
 
+def test_off_a_terminal_a_slow_run_prints_progress_between_log_steps(tmp_path, capsys):
+    recipe = Recipe(
+        model=ModelConfig(**TINY_MODEL),
+        parallel=ParallelConfig(mixed_precision="fp32"),
+        data=DataConfig(seq_len=32, micro_batch_size=2),
+        train=TrainConfig(out_dir=str(tmp_path), steps=100, progress_bar=False, progress_every_s=60),
+    )
+    env = init_distributed(recipe.parallel)
+    try:
+        clock = FakeClock()
+        model = torch.nn.Linear(4, 4)
+        metrics = Metrics(recipe, env, model, torch.optim.SGD(model.parameters()), clock=clock)
+        for step in range(1, 8):  # 25 s a step: a line once 60 s have passed since the last one
+            clock.now += 25
+            metrics.step_done(step)
+        metrics.close()
+    finally:
+        close_distributed()
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "s/step" in line]
+    assert lines == [
+        "step      3 of 100 | 25.00 s/step | eta 0h40m25s",
+        "step      6 of 100 | 25.00 s/step | eta 0h39m10s",
+    ]
+
+
 # --- Weights & Biases, through a stand-in package that records each call (tests/helpers/fake_wandb) ------------------
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
