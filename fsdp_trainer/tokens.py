@@ -119,6 +119,13 @@ class TokenShards:
         self.path = str(path)
         manifest = Path(path) / MANIFEST
         if not manifest.is_file():
+            prepared = sorted(p.name for p in Path(path).iterdir() if (p / MANIFEST).is_file() or p.suffix == ".bin")
+            if prepared:  # the folder above a prepared corpus: its train/ and val/, or token files
+                example = Path(path) / ("train" if "train" in prepared else prepared[0])
+                raise FileNotFoundError(
+                    f"{self.path} holds no shards of its own but {', '.join(prepared)}: name one of those "
+                    f"(e.g. {example})"
+                )
             raise FileNotFoundError(
                 f"token directory {self.path} has no {MANIFEST}: its preparation did not finish; run "
                 "`python tools/prepare_data.py` again, which keeps the shards already complete"

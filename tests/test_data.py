@@ -9,7 +9,7 @@ import torch
 from fsdp_trainer.data import Mixture, TokenLoader
 from fsdp_trainer.prepare import Part, ShardWriter
 from fsdp_trainer.tokenizer import run_tokenizer_path
-from fsdp_trainer.tokens import TokenFile, open_tokens, write_token_file
+from fsdp_trainer.tokens import MANIFEST, TokenFile, open_tokens, write_token_file
 
 
 @pytest.fixture(params=["file", "shards"])
@@ -111,6 +111,15 @@ def test_bad_token_files_are_refused_with_the_file_named(tmp_path):
         TokenFile(tmp_path / "t.bin")
     with pytest.raises(ValueError, match=r"must lie in \[0, 100\)"):
         write_token_file(tmp_path / "u.bin", np.array([5, 100]), vocab_size=100, tokenizer_sha256="x")
+    # The folder above a prepared corpus (its train/ and val/ shard directories) is named for what it holds.
+    for split in ("train", "val"):
+        (tmp_path / "corpus" / split).mkdir(parents=True)
+        (tmp_path / "corpus" / split / MANIFEST).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"holds no shards of its own but train, val: .*{tmp_path}/corpus/train"):
+        open_tokens(tmp_path / "corpus")
+    (tmp_path / "half").mkdir()  # a preparation cut short: no manifest yet
+    with pytest.raises(FileNotFoundError, match="its preparation did not finish"):
+        open_tokens(tmp_path / "half")
 
 
 @pytest.fixture
