@@ -1,7 +1,8 @@
 """Corpus -> token files, at the paths a recipe's `data` section names (tools/prepare_data.py is its command line).
 
 Inputs are files or globs: `.txt` / `.txt.gz` (one document each), `.jsonl` / `.jsonl.gz` (one document per record,
-its `text_key` field) and `.parquet` (one document per row, the same column). They are read as a stream, in order,
+its `text_key` field), `.json` / `.json.gz` (JSON Lines, as `datasets`' to_json writes, or a JSON array of records,
+read whole) and `.parquet` (one document per row, the same column). They are read as a stream, in order,
 and tokenized in batches by `workers` processes with at most a few batches in flight, so memory stays bounded
 whatever the corpus size; results are taken back in input order, so the bytes written are the same for any number of
 workers. Each document is encoded as the model was pretrained (BOS where the tokenizer adds one, EOS last).
@@ -81,7 +82,39 @@ def expand_inputs(patterns: list[str]) -> list[str]:
 
 
 def _kind(path: str) -> str:
-    return {"jsonl": "jsonl", "parquet": "parquet"}.get(path.removesuffix(".gz").rsplit(".", 1)[-1], "text")
+    """How a file is read: by records as JSON text ("jsonl": .jsonl, and .json, see _json_records), by rows
+    ("parquet"), or whole ("text": anything else)."""
+    suffix = path.removesuffix(".gz").rsplit(".", 1)[-1]
+    return {"jsonl": "jsonl", "json": "jsonl", "parquet": "parquet"}.get(suffix, "text")
+
+
+def _json_records(path: str) -> list[bytes] | None:
+    """A `.json` file's records as JSON texts when it is a JSON array of records (read whole), None when it is JSON
+    Lines (read as a .jsonl); anything else is refused, since reading it as text would train on its syntax."""
+    with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+        head = f.read(1 << 16).lstrip()
+        if head.startswith(b"{") and (head.find(b"\n") < 0 or _is_json(head[: head.find(b"\n")])):
+            return None  # JSON Lines: its first line is a whole record
+        if head.startswith((b"[", b"{")):
+            f.seek(0)
+            try:
+                value = json.load(f)
+            except ValueError as e:
+                raise ValueError(f"{path} is neither JSON Lines nor a JSON array of records: {e}") from None
+            if isinstance(value, list) and all(isinstance(r, dict) for r in value):
+                return [json.dumps(r).encode() for r in value]
+    raise ValueError(
+        f"{path}: a .json input is read as JSON Lines (one record per line, as datasets' to_json writes) or a JSON "
+        "array of records, and this is neither; rename a plain-text file .txt"
+    )
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except ValueError:
+        return False
 
 
 def _open_text(path: str):
@@ -110,6 +143,11 @@ def _blocks(path: str, text_key: str | None) -> Iterator[tuple[int, list]]:
         with _open_text(path) as f:
             yield 1, [f.read()]
         return
+    array = _json_records(path) if path.removesuffix(".gz").endswith(".json") else None
+    if array is not None:
+        for first in range(0, len(array), TASK_DOCS):
+            yield first + 1, array[first : first + TASK_DOCS]
+        return
     with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
         line, rest = 1, b""
         while block := f.read(TASK_BYTES):
@@ -126,7 +164,9 @@ def _blocks(path: str, text_key: str | None) -> Iterator[tuple[int, list]]:
 
 
 def _where(path: str, kind: str, number: int) -> str:
-    return f"{path}: row {number}" if kind == "parquet" else f"{path}:{number}"
+    if kind == "parquet":
+        return f"{path}: row {number}"
+    return f"{path}: record {number}" if path.removesuffix(".gz").endswith(".json") else f"{path}:{number}"
 
 
 def _text_of(record: object, kind: str, text_key: str) -> tuple[str | None, str]:

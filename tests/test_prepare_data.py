@@ -128,6 +128,9 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
         f.writelines(json.dumps({"body": p}) + "\n" for p in parts[:40])
         f.write(json.dumps({"body": long}))  # the last line without a newline
     pq.write_table(pa.table({"body": parts[40:80]}), tmp_path / "in" / "c.parquet", row_group_size=7)
+    # .json: JSON Lines, as datasets' to_json writes it, or a JSON array of records.
+    (tmp_path / "in" / "d.json").write_text("".join(json.dumps({"body": p}) + "\n" for p in parts[80:90]))
+    (tmp_path / "in" / "e.json").write_text(json.dumps([{"body": p} for p in parts[90:100]], indent=2))
     out = tmp_path / "out"
     _run_tool(
         tiny_data,
@@ -139,7 +142,7 @@ def test_every_input_format_and_glob_gives_the_ids_of_direct_encoding(tiny_data,
         "null",
     )  # no validation output: every token goes to training
     tokenizer = load_tokenizer(_tiny_tokenizer(tiny_data))
-    documents = [text[:5000], *parts[:40], long, *parts[40:80]]  # a.txt, then the glob in sorted order: b, c
+    documents = [text[:5000], *parts[:40], long, *parts[40:100]]  # a.txt, then the glob in sorted order: b, c, d, e
     expected = [i for doc in documents for i in tokenizer.encode_document(doc)]
     assert list(open_tokens(out / "train").windows(np.array([0]), len(expected))[0]) == expected
     assert len(open_tokens(out / "train")) == len(expected)
@@ -180,10 +183,10 @@ def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_p
         *map(str, flags),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
     # Past the first task (about 7 training shards), so both writers have complete shards: a writer takes a task's
-    # documents whole, and the restart goes on from the writer that is behind.
-    while not (tmp_path / "cut" / "train" / "shard_00010.bin.meta.json").exists() and time.monotonic() < deadline:
+    # documents whole, and the restart goes on from the writer that is behind. Waited for however long a loaded
+    # machine takes to get there (no deadline: a clock would decide the verdict).
+    while not (tmp_path / "cut" / "train" / "shard_00010.bin.meta.json").exists() and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -203,16 +206,24 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
     (tmp_path / "b.jsonl").write_text(f'{good}\n{{"title": "no text here"}}\n')
     pq.write_table(pa.table({"text": ["a line", None, "another"]}), tmp_path / "c.parquet")
     (tmp_path / "d.jsonl").write_bytes(f"{good}\n".encode() + b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    (tmp_path / "e.json").write_text(json.dumps([json.loads(good), {"title": "no text"}]))
+    (tmp_path / "f.json").write_text(json.dumps({"text": "one object"}, indent=2))  # not records
+    (tmp_path / "g.json").write_text("plain text, misnamed")
     cases = [
         (tmp_path / "a.jsonl", "a.jsonl:2: not JSON"),
         (tmp_path / "b.jsonl", "b.jsonl:2: no text field"),
         (tmp_path / "c.parquet", "c.parquet: row 2: 'text' is NoneType"),
         (tmp_path / "d.jsonl", "d.jsonl:2: not JSON ('utf-8' codec can't decode byte 0xe9"),
+        (tmp_path / "e.json", "e.json: record 2: no text field"),
     ]
     for path, where in cases:
         proc = _run_tool(tiny_data, tmp_path / "out", [path], check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and where in proc.stderr, proc.stderr
         assert "--skip_bad_records" in proc.stderr and not (tmp_path / "out" / "train" / "manifest.json").exists()
+    for name in ("f.json", "g.json"):  # a .json that holds no records is refused whole, not read as text
+        proc = _run_tool(tiny_data, tmp_path / "out", [tmp_path / name], check=False)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{name}: a .json input is read as JSON Lines (one record per line" in proc.stderr
     one_file = _run_tool(
         tiny_data,
         tmp_path / "one",
