@@ -115,7 +115,8 @@ def test_bad_token_files_are_refused_with_the_file_named(tmp_path):
     for split in ("train", "val"):
         (tmp_path / "corpus" / split).mkdir(parents=True)
         (tmp_path / "corpus" / split / MANIFEST).write_text("{}")
-    with pytest.raises(FileNotFoundError, match=f"holds no shards of its own but train, val: .*{tmp_path}/corpus/train"):
+    named = f"holds no shards of its own but train, val: .*{tmp_path}/corpus/train"
+    with pytest.raises(FileNotFoundError, match=named):
         open_tokens(tmp_path / "corpus")
     (tmp_path / "half").mkdir()  # a preparation cut short: no manifest yet
     with pytest.raises(FileNotFoundError, match="its preparation did not finish"):
