@@ -60,7 +60,7 @@ from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
 from fsdp_trainer.parallel import DistEnv, PreemptionFlag
-from fsdp_trainer.tokenizer import tokenizer_files
+from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, tokenizer_files
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -361,6 +361,7 @@ class Checkpointer:
         if resume == "none" or (resume == "auto" and not has_own):
             return None
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
+        self._carry_generation_config(path)
         if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
             if not has_own:  # fresh optimizer, data stream and step
                 check_model_shapes(path, self.states["model"].state_dict())
@@ -382,6 +383,12 @@ class Checkpointer:
         self.last_saved, self.resumed_from = step, path
         logger.info(f"resumed from {path} at step {step}")
         return step
+
+    def _carry_generation_config(self, path: Path) -> None:
+        """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it,
+        so that consolidate.py exports it again."""
+        if (path / HF_GENERATION_CONFIG).is_file():
+            self.attachments[HF_GENERATION_CONFIG] = (path / HF_GENERATION_CONFIG).read_bytes()
 
     def _check_precision(self, path: Path) -> None:
         """A resume in another precision than the checkpoint was trained in (auto resolved otherwise on this hardware,

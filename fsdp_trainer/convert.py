@@ -35,7 +35,13 @@ from fsdp_trainer.hf import (
     write_tokenizer_files,
 )
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer, tokenizer_files
+from fsdp_trainer.tokenizer import (
+    HF_GENERATION_CONFIG,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_files,
+)
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -118,6 +124,8 @@ def consolidate(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             write_tokenizer(tokenizer, tmp)
+        if (ckpt / HF_GENERATION_CONFIG).is_file():  # an imported model's sampling defaults, carried through
+            shutil.copyfile(ckpt / HF_GENERATION_CONFIG, tmp / HF_GENERATION_CONFIG)
         check_safetensors(tmp, state, torch_dtype)
         if verify == "hf":
             model = None
@@ -171,6 +179,8 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
         tokenizer = {name: path.read_bytes() for name, path in tokenizer_files(hf).items()}
     except FileNotFoundError:
         tokenizer = {}
+    if (hf / HF_GENERATION_CONFIG).is_file():  # and the sampling defaults, back out at export
+        tokenizer[HF_GENERATION_CONFIG] = (hf / HF_GENERATION_CONFIG).read_bytes()
     out.mkdir(parents=True, exist_ok=True)
     path = save_model_weights(state, out, {RECIPE_FILE: model_yaml.encode(), **tokenizer})
     for name, content in tokenizer.items():

@@ -27,6 +27,9 @@ HF_CONFIG = "tokenizer_config.json"
 HF_CHAT_TEMPLATE = "chat_template.jinja"  # where transformers >= 4.51 saves the chat template, beside the config
 HF_FILES = (HF_FILE, HF_CONFIG, "special_tokens_map.json", HF_CHAT_TEMPLATE)
 """An HF tokenizer's files, as they travel with a checkpoint and into an HF directory."""
+HF_GENERATION_CONFIG = "generation_config.json"
+"""A published model's sampling defaults (eos ids, temperature, top_p): carried from import to export with the
+tokenizer, through every checkpoint, but no part of the tokenizer's fingerprint."""
 
 # A tiktoken BPE file (Llama 3's `original/tokenizer.model`) is text: one "base64-token rank" pair per line.
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+$")

@@ -84,6 +84,8 @@ def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
     if v.get("bf16"):  # published in bf16, as Llama 3 is
         model = model.to(torch.bfloat16)
+    # Sampling defaults as published models ship them (Llama 3.2: temperature 0.6, top_p 0.9).
+    model.generation_config = transformers.GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=1)
     model.save_pretrained(out_dir, max_shard_size="100KB")
     assert (out_dir / "model.safetensors.index.json").is_file()  # sharded, as published
     # The reference: the published checkpoint loaded in fp32 (model.float() would keep the rotary frequencies that
@@ -177,6 +179,8 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
 
     hf_out = tmp_path / "hf_out"
     tool("consolidate.py", run, hf_out)
+    # generation_config.json went from the import through the run's checkpoints to the export unchanged.
+    assert (hf_out / "generation_config.json").read_bytes() == (hf_in / "generation_config.json").read_bytes()
     again = transformers.AutoModelForCausalLM.from_pretrained(hf_out).eval()
     tokens = torch.randint(0, len(original_tokenizer), (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
