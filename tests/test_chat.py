@@ -258,8 +258,7 @@ def test_fine_tune_an_imported_checkpoint_on_conversations(tmp_path):
     reply = tool(
         "generate.py",
         run,
-        "--chat",
-        "true",
+        "--chat",  # a bare flag, as README writes it
         "--prompt",
         "Who goes there?",
         "--max_new_tokens",

@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="hf: load with transformers too; files: check the written tensors only",
     )
-    parser.add_argument("--check_logits", type=bool, default=False, help="compare transformers' logits with ours")
+    parser.add_argument(
+        "--check_logits", type=bool, nargs="?", const=True, default=False, help="compare transformers' logits with ours"
+    )
     with one_line_errors():
         args = parser.parse_args(argv)
         consolidate(args.ckpt_dir, args.out_dir, args.dtype, args.max_shard_gb, args.verify, args.check_logits)

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--chat",
         type=bool,
+        nargs="?",
+        const=True,  # a bare flag means true
         default=False,
         help="the prompt is a user's turn: render it with the tokenizer's chat template and print the reply only",
     )

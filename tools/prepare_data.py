@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--vocab_size", type=int | None, help="tokenizer vocabulary (default: model.vocab_size; or fewer)"
     )
-    parser.add_argument("--force", type=bool, default=False, help="rebuild even if the outputs are up to date")
+    parser.add_argument(
+        "--force", type=bool, nargs="?", const=True, default=False, help="rebuild even if the outputs are up to date"
+    )
     parser.add_argument("--workers", type=int | None, help="tokenizing processes (default: all cores)")
     parser.add_argument(
         "--shard_tokens",
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--skip_bad_records",
         type=bool,
+        nargs="?",
+        const=True,  # a bare flag means true
         default=False,
         help="skip (and count) records without text instead of stopping at the first",
     )
