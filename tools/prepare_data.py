@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
         "--shard_tokens",
         type=int,
         default=50_000_000,
-        help="tokens per shard when a data path is a directory (uint16: 100 MB)",
+        help="tokens per training shard when a data path is a directory (uint16: 100 MB); validation shards hold "
+        "shard_tokens x val_fraction, so both outputs complete shards at the same pace through the input and a restart "
+        "redoes at most about one shard of it",
     )
     parser.add_argument(
         "--skip_bad_records",
