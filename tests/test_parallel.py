@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -180,8 +182,18 @@ def _fake_gpu(monkeypatch, name, capability):
 )
 def test_auto_precision_on_each_kind_of_cpu(monkeypatch, tmp_path, cpu, expected, named):
     _fake_cpu(monkeypatch, tmp_path, **cpu)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     precision, why = parallel.native_precision(torch.device("cpu"))
     assert precision == expected and named in why
+
+
+def test_a_onednn_isa_cap_below_bf16_means_no_bf16_units(monkeypatch, tmp_path):
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 on a CPU that has the units: auto must not pick it."""
+    _fake_cpu(monkeypatch, tmp_path, amx=True, avx512_bf16=True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert parallel.native_precision(torch.device("cpu"))[0] == "fp32"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert parallel.native_precision(torch.device("cpu"))[0] == "bf16"
 
 
 @pytest.mark.parametrize(
@@ -196,6 +208,7 @@ def test_auto_precision_on_each_kind_of_gpu(monkeypatch, name, capability, expec
 
 
 def _resolve_on_ranks(rank, world_size, bf16_ranks, requested, expected):
+    os.environ.pop("ONEDNN_MAX_CPU_ISA", None)  # the CPU is faked here, whatever the run's environment says
     torch.cpu._is_amx_tile_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: rank in bf16_ranks
     parallel.cpu_bf16_units.__defaults__ = ("/nonexistent",)  # no ARM features line on this x86 test machine
