@@ -49,7 +49,7 @@ def test_nonfinite_step_stops_the_run_naming_it(tiny_data, tmp_path):
 def test_nonfinite_steps_are_skipped_and_counted(tiny_data, tmp_path):
     train_cli(run_args(tiny_data, tmp_path, optim=DIVERGE, train={"on_nonfinite": "skip", "log_every": 5}))
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
-    assert [(r["step"], r["skipped_steps"]) for r in records] == [(5, 4), (10, 9)]
+    assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 0), (5, 4), (10, 9)]  # step 1 always logged
     assert records[-1]["grad_norm"] is None  # NaN is written as JSON null
 
 
