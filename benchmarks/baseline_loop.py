@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
+from fsdp_trainer.distributed.parallelize import materialize
+from fsdp_trainer.distributed.runtime import close_distributed, precision_on
 from fsdp_trainer.metrics import StepTimer, peak_memory_gb
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.parallel import close_distributed, materialize, precision_on
 
 parser = recipe_parser("benchmarks/baseline_loop.py", __doc__.split("\n\n")[0])
 parser.add_argument("--steps", type=int, default=20)

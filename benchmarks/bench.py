@@ -24,8 +24,8 @@ import torch
 from runner import report_header, run_baseline, run_ours, synthetic_data
 
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
+from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import flops_per_token, peak_flops
-from fsdp_trainer.parallel import precision_on
 
 
 def main(argv: list[str] | None = None) -> None:

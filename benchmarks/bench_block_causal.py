@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
+from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, block_causal
-from fsdp_trainer.parallel import precision_on
 
 
 def documents_of(batch: int, seq_len: int, example_tokens: int, generator: torch.Generator) -> torch.Tensor:

@@ -32,9 +32,10 @@ from runner import report_header, torchrun_command
 
 from fsdp_trainer.checkpoint import ChecksummedWriter, ModelState, OptimState, verify_checkpoint
 from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.distributed.parallelize import materialize, parallelize
+from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize, resolve_precision
 
 
 def training_state(recipe, env) -> dict:

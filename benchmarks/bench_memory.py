@@ -1,4 +1,5 @@
-"""Memory per rank, measured against the ZeRO formulas and fsdp_trainer.plan, one training job per configuration.
+"""Memory per rank, measured against the ZeRO formulas and the planner (distributed/plan.py), one training job per
+configuration.
 
     python benchmarks/bench_memory.py --recipe recipes/debug.yaml --nproc 2 --steps 3 \
         --configs FULL_SHARD/bf16/none SHARD_GRAD_OP/bf16/none NO_SHARD/fp32/full ... [--model.dim 512 ...]
@@ -22,9 +23,9 @@ import torch
 from runner import report_header, run_ours, synthetic_data
 
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
+from fsdp_trainer.distributed.plan import estimate
+from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import count_params
-from fsdp_trainer.parallel import precision_on
-from fsdp_trainer.plan import estimate
 
 
 def measure(

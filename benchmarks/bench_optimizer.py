@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from fsdp_trainer.config import parse_args, recipe_parser
+from fsdp_trainer.distributed.parallelize import materialize, parallelize
+from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.parallel import close_distributed, init_distributed, materialize, parallelize, resolve_precision
 
 
 def main(argv: list[str] | None = None) -> None:

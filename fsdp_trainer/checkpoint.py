@@ -57,9 +57,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
+from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
-from fsdp_trainer.parallel import DistEnv, PreemptionFlag
 from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, tokenizer_files
 
 logger = logging.getLogger("fsdp_trainer")

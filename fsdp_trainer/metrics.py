@@ -25,12 +25,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import ModelConfig, Recipe
+from fsdp_trainer.distributed.runtime import DistEnv, max_over_ranks
 from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR, write_atomic
 from fsdp_trainer.model import count_params
-from fsdp_trainer.parallel import DistEnv, max_over_ranks
 
 if TYPE_CHECKING:
-    from fsdp_trainer.data import TokenLoader
+    from fsdp_trainer.data.loader import TokenLoader
 
 logger = logging.getLogger("fsdp_trainer")
 

@@ -4,7 +4,7 @@ Read top to bottom: RMSNorm -> rotary embedding -> attention -> feed-forward -> 
 names are those of Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM (`model.layers.0.self_attn.q_proj.weight`,
 ...) and RoPE uses HF's rotate-half layout, so a checkpoint converts to HF by copying tensors, never permuting them.
 
-Nothing here knows about processes or sharding: parallel.py wraps a built model from the outside.
+Nothing here knows about processes or sharding: distributed/parallelize.py wraps a built model from the outside.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.flex_attention = False
-        """Packed examples through flex_attention instead of a boolean mask: fast only compiled, so parallel.py turns
+        """Packed examples through flex_attention instead of a boolean mask: fast only compiled, so parallelize() turns
         it on with torch.compile, on GPUs."""
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
         cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
@@ -263,7 +263,7 @@ class Transformer(nn.Module):
         | rope_cos, rope_sin                            | recomputed from the config                |
 
         Each tensor's values come from its own generator seeded by (seed, parameter name), so the model is the same
-        however it is sharded. `fill(param, full_values)` writes a full-shape tensor into a parameter; parallel.py
+        however it is sharded. `fill(param, full_values)` writes a full-shape tensor into a parameter; parallelize.py
         passes one that keeps only this rank's shard. The default copies. The values are drawn on `device` (default:
         each parameter's own), since the same generator gives other numbers on a GPU than on a CPU.
         """

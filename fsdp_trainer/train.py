@@ -29,25 +29,23 @@ from fsdp_trainer.checkpoint import (
     resolve_checkpoint,
 )
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
-from fsdp_trainer.data import MicroBatch, Mixture, TokenLoader, open_data
+from fsdp_trainer.data.format import Tokens
+from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader, open_data
+from fsdp_trainer.distributed.parallelize import materialize, parallelize, set_gradient_sync
+from fsdp_trainer.distributed.runtime import (
+    DistEnv,
+    close_distributed,
+    init_distributed,
+    process_group_backend,
+    resolve_precision,
+    silent_ranks,
+    sum_over_ranks,
+)
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.metrics import Metrics, require_wandb
 from fsdp_trainer.model import IGNORE, Transformer, count_params
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
-from fsdp_trainer.parallel import (
-    DistEnv,
-    close_distributed,
-    init_distributed,
-    materialize,
-    parallelize,
-    process_group_backend,
-    resolve_precision,
-    set_gradient_sync,
-    silent_ranks,
-    sum_over_ranks,
-)
 from fsdp_trainer.tokenizer import run_tokenizer_path
-from fsdp_trainer.tokens import Tokens
 
 logger = logging.getLogger("fsdp_trainer")
 

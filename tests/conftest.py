@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.prepare import BUNDLED_CORPUS
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from tests.helpers import REPO, TINY_MODEL
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_trainer.chat import ChatEncoder, Packer
 from fsdp_trainer.config import ModelConfig
-from fsdp_trainer.data import Mixture, TokenLoader
+from fsdp_trainer.data.chat import ChatEncoder, Packer
+from fsdp_trainer.data.format import START, TARGET, TokenFile
+from fsdp_trainer.data.loader import Mixture, TokenLoader
 from fsdp_trainer.model import IGNORE, Transformer, block_causal
 from fsdp_trainer.tokenizer import load_tokenizer
-from fsdp_trainer.tokens import START, TARGET, TokenFile
 from tests.helpers import read_metrics, train_cli, train_losses
 from tests.test_hf import tool
 from tests.test_real_models import save_hf_checkpoint, save_hf_tokenizer
@@ -176,7 +176,7 @@ def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags, input_fi
 def shakespeare_conversations(n: int) -> list[dict]:
     import gzip
 
-    from fsdp_trainer.prepare import BUNDLED_CHAT
+    from fsdp_trainer.data.prepare import BUNDLED_CHAT
 
     with gzip.open(BUNDLED_CHAT, "rt") as f:
         return [json.loads(next(f)) for _ in range(n)]
@@ -318,7 +318,7 @@ def test_parquet_conversations_pack_as_jsonl_ones(tmp_path, chatml_tokenizer):
 
 
 def test_flex_attention_block_mask_gives_the_boolean_masks_logits():
-    """The BlockMask that compiled GPU runs attend through (parallel.py turns it on with compile on CUDA) marks the
+    """The BlockMask that compiled GPU runs attend through (parallelize() turns it on with compile on CUDA) marks the
     same keys as the boolean mask: checked on CPU in eager forward (torch 2.13 has no flex_attention backward on
     CPU), over 3 blocks of 128 positions, some of which the mask leaves empty."""
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=320)

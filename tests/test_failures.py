@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from benchmarks.runner import torchrun_command, train_command
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
-from fsdp_trainer.data import MicroBatch
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import materialize, parallelize
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.parallel import materialize, parallelize
 from fsdp_trainer.train import train_step
 from tests.helpers import (
     REPO,

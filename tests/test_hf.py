@@ -14,8 +14,8 @@ import yaml
 
 from fsdp_trainer.checkpoint import load_model_weights, save_model_weights
 from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.prepare import BUNDLED_CORPUS
 from fsdp_trainer.tokenizer import load_tokenizer
 from tests.helpers import REPO, train_cli
 

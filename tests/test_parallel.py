@@ -1,4 +1,5 @@
-"""parallelize() on 2 real gloo ranks: the init is the same at any world size, and shards follow the table."""
+"""distributed/: parallelize() on 2 real gloo ranks (the init is the same at any world size, shards follow the
+table) and the runtime: backends, host cores, the precision a device computes natively."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from fsdp_trainer import parallel
 from fsdp_trainer.config import ModelConfig, ParallelConfig
+from fsdp_trainer.distributed import parallelize as parallelize_module
+from fsdp_trainer.distributed import runtime
+from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize, set_gradient_sync
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.parallel import SHARDING, materialize, parallelize, set_gradient_sync
 from tests.helpers import run_distributed
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=77, max_seq_len=32)
@@ -27,18 +29,18 @@ def _check_sharded_model(rank, world_size, sharding, ac, cpu_offload=False):
     with torch.device("meta"):
         model = Transformer(CFG)
     policies = []
-    real_fully_shard = parallel.fully_shard
+    real_fully_shard = parallelize_module.fully_shard
 
     def fully_shard(module, **kwargs):  # records the offload policy each FSDP unit gets
         policies.append(kwargs.get("offload_policy"))
         return real_fully_shard(module, **kwargs)
 
-    parallel.fully_shard = fully_shard
+    parallelize_module.fully_shard = fully_shard
     cfg = ParallelConfig(
         sharding=sharding, activation_checkpointing=ac, mixed_precision="fp32", cpu_offload=cpu_offload
     )
     parallelize(model, cfg, mesh)
-    parallel.fully_shard = real_fully_shard
+    parallelize_module.fully_shard = real_fully_shard
     materialize(model, torch.device("cpu"), seed=5)
     # Every block and the root: offloaded, unpinned (pinning needs an accelerator), or not at all.
     expected = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
@@ -103,21 +105,19 @@ def test_wrapped_blocks_keep_hf_names():
 def test_expandable_segments_joins_the_users_allocator_settings(monkeypatch):
     """The allocator reads PYTORCH_CUDA_ALLOC_CONF once, when CUDA starts: set it before, keeping the user's options,
     and refuse once it is too late rather than silently do nothing."""
-    from fsdp_trainer import parallel
-
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    parallel._use_expandable_segments()
-    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
+    runtime._use_expandable_segments()
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's explicit choice wins
-    parallel._use_expandable_segments()
-    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+    runtime._use_expandable_segments()
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    parallel._use_expandable_segments()
-    assert parallel.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    runtime._use_expandable_segments()
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA was initialized before the trainer could set it; export"):
-        parallel._use_expandable_segments()
+        runtime._use_expandable_segments()
 
 
 @pytest.mark.parametrize(
@@ -131,22 +131,22 @@ def test_expandable_segments_joins_the_users_allocator_settings(monkeypatch):
     ],
 )
 def test_process_group_backend(backend, offload, cuda, expected):
-    assert parallel.process_group_backend(ParallelConfig(backend=backend, cpu_offload=offload), cuda) == expected
+    assert runtime.process_group_backend(ParallelConfig(backend=backend, cpu_offload=offload), cuda) == expected
 
 
 def test_nccl_without_a_gpu_is_refused_by_name():
     with pytest.raises(ValueError, match="parallel.backend=nccl needs CUDA"):
-        parallel.process_group_backend(ParallelConfig(backend="nccl"), cuda_available=False)
+        runtime.process_group_backend(ParallelConfig(backend="nccl"), cuda_available=False)
 
 
 def test_offload_gives_the_hosts_optimizer_step_a_share_of_the_cores(monkeypatch):
     """torchrun sets OMP_NUM_THREADS=1; under offload each of a node's ranks gets its share of the cores instead."""
-    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(16)))
     before = torch.get_num_threads()
     try:
-        parallel._use_host_cores(ranks_per_node=4)
+        runtime._use_host_cores(ranks_per_node=4)
         assert torch.get_num_threads() == 4
-        parallel._use_host_cores(ranks_per_node=32)
+        runtime._use_host_cores(ranks_per_node=32)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
@@ -160,8 +160,8 @@ def _fake_cpu(monkeypatch, tmp_path, amx=False, avx512_bf16=False, arm_features=
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     cpuinfo = tmp_path / "cpuinfo"  # ARM's /proc/cpuinfo names its features on a `Features` line
     cpuinfo.write_text(f"processor\t: 0\nFeatures\t: {arm_features}\n" if arm_features else "flags\t\t: fpu avx2\n")
-    real = parallel.cpu_bf16_units
-    monkeypatch.setattr(parallel, "cpu_bf16_units", lambda: real(str(cpuinfo)))
+    real = runtime.cpu_bf16_units
+    monkeypatch.setattr(runtime, "cpu_bf16_units", lambda: real(str(cpuinfo)))
 
 
 def _fake_gpu(monkeypatch, name, capability):
@@ -183,7 +183,7 @@ def _fake_gpu(monkeypatch, name, capability):
 def test_auto_precision_on_each_kind_of_cpu(monkeypatch, tmp_path, cpu, expected, named):
     _fake_cpu(monkeypatch, tmp_path, **cpu)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    precision, why = parallel.native_precision(torch.device("cpu"))
+    precision, why = runtime.native_precision(torch.device("cpu"))
     assert precision == expected and named in why
 
 
@@ -191,9 +191,9 @@ def test_a_onednn_isa_cap_below_bf16_means_no_bf16_units(monkeypatch, tmp_path):
     """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN emulate bf16 on a CPU that has the units: auto must not pick it."""
     _fake_cpu(monkeypatch, tmp_path, amx=True, avx512_bf16=True)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert parallel.native_precision(torch.device("cpu"))[0] == "fp32"
+    assert runtime.native_precision(torch.device("cpu"))[0] == "fp32"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
-    assert parallel.native_precision(torch.device("cpu"))[0] == "bf16"
+    assert runtime.native_precision(torch.device("cpu"))[0] == "bf16"
 
 
 @pytest.mark.parametrize(
@@ -203,7 +203,7 @@ def test_a_onednn_isa_cap_below_bf16_means_no_bf16_units(monkeypatch, tmp_path):
 )  # fmt: skip
 def test_auto_precision_on_each_kind_of_gpu(monkeypatch, name, capability, expected):
     _fake_gpu(monkeypatch, name, capability)
-    precision, why = parallel.native_precision(torch.device("cuda", 0))
+    precision, why = runtime.native_precision(torch.device("cuda", 0))
     assert precision == expected and name in why and f"{capability[0]}.{capability[1]}" in why
 
 
@@ -211,9 +211,9 @@ def _resolve_on_ranks(rank, world_size, bf16_ranks, requested, expected):
     os.environ.pop("ONEDNN_MAX_CPU_ISA", None)  # the CPU is faked here, whatever the run's environment says
     torch.cpu._is_amx_tile_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: rank in bf16_ranks
-    parallel.cpu_bf16_units.__defaults__ = ("/nonexistent",)  # no ARM features line on this x86 test machine
-    env = parallel.DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), None, None)
-    assert parallel.resolve_precision(requested, env) == expected
+    runtime.cpu_bf16_units.__defaults__ = ("/nonexistent",)  # no ARM features line on this x86 test machine
+    env = runtime.DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), None, None)
+    assert runtime.resolve_precision(requested, env) == expected
 
 
 @pytest.mark.parametrize(
@@ -228,10 +228,10 @@ def test_auto_precision_is_the_same_on_every_rank(bf16_ranks, requested, expecte
 
 def test_explicit_bf16_where_it_is_emulated_runs_with_one_warning(monkeypatch, tmp_path, caplog):
     _fake_cpu(monkeypatch, tmp_path)
-    env = parallel.DistEnv(0, 1, 0, 1, torch.device("cpu"), None, None)
+    env = runtime.DistEnv(0, 1, 0, 1, torch.device("cpu"), None, None)
     with caplog.at_level("INFO", logger="fsdp_trainer"):
-        assert parallel.resolve_precision("bf16", env) == "bf16"
-        assert parallel.resolve_precision("fp32", env) == "fp32"
+        assert runtime.resolve_precision("bf16", env) == "bf16"
+        assert runtime.resolve_precision("fp32", env) == "fp32"
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "parallel.mixed_precision=bf16 runs as asked" in warning and "set parallel.mixed_precision auto" in warning
     assert "(here fp32)" in warning
@@ -239,7 +239,7 @@ def test_explicit_bf16_where_it_is_emulated_runs_with_one_warning(monkeypatch, t
 
 def test_the_planner_and_the_tools_see_what_a_run_would_resolve(monkeypatch, tmp_path):
     _fake_cpu(monkeypatch, tmp_path)
-    assert parallel.precision_on("auto", "cpu")[0] == "fp32"
-    assert parallel.precision_on("fp16", "cpu") == ("fp16", "as set")
+    assert runtime.precision_on("auto", "cpu")[0] == "fp32"
+    assert runtime.precision_on("fp16", "cpu") == ("fp16", "as set")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # planning for GPUs from a machine without one
-    assert parallel.precision_on("auto", "cuda")[0] == "bf16"
+    assert runtime.precision_on("auto", "cuda")[0] == "bf16"

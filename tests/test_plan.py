@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
+from fsdp_trainer.distributed.plan import activation_bytes_per_token, estimate, plan, recommend
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.plan import activation_bytes_per_token, estimate, plan, recommend
 from tests.helpers import REPO
 
 
@@ -153,8 +153,8 @@ def test_offload_is_recommended_only_when_nothing_else_fits():
 
 
 def test_plan_cli_recommends_or_says_what_to_change():
-    cmd = [sys.executable, "-m", "fsdp_trainer.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"), "--nproc", "8",
-           "--device", "cuda", "--host_mem_gb", "8"]  # fmt: skip
+    cmd = [sys.executable, "-m", "fsdp_trainer.distributed.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"),
+           "--nproc", "8", "--device", "cuda", "--host_mem_gb", "8"]  # fmt: skip
     fits = subprocess.run([*cmd, "--device_mem_gb", "80"], capture_output=True, text=True, cwd=REPO)
     assert fits.returncode == 0, fits.stderr
     assert "| FULL_SHARD | full |" in fits.stdout and "recommended: --parallel.sharding " in fits.stdout

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import yaml
 
-from fsdp_trainer.prepare import BUNDLED_CORPUS
+from fsdp_trainer.data.format import TokenFile, open_tokens
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.tokenizer import load_tokenizer
-from fsdp_trainer.tokens import TokenFile, open_tokens
 from tests.helpers import REPO
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from fsdp_trainer.prepare import BUNDLED_CORPUS
-from fsdp_trainer.tokens import TokenFile
+from fsdp_trainer.data.format import TokenFile
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from tests.helpers import read_metrics, train_cli
 from tests.test_hf import LLAMA3_SCALING, tool
 

@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.distributed.runtime import native_precision
 from fsdp_trainer.model import count_params
-from fsdp_trainer.parallel import native_precision
 from tests.helpers import REPO, TINY_MODEL, read_metrics, run_args, train_cli, train_losses
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from jsonargparse import ArgumentParser
 
-from fsdp_trainer.chat import ChatEncoder
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import load_model
+from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.model import generate
 
 

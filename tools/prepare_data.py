@@ -5,13 +5,13 @@
     python tools/prepare_data.py --recipe R --data.tokenizer_path imported --input my/*.txt   # a model's own tokenizer
 
 Any recipe key can be overridden as in training. The tokenizer at data.tokenizer_path is used as it is; a
-sentencepiece one is trained there only when none exists. See fsdp_trainer.prepare.
+sentencepiece one is trained there only when none exists. See fsdp_trainer.data.prepare.
 """
 
 from __future__ import annotations
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
-from fsdp_trainer.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, prepare
+from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, prepare
 
 
 def main(argv: list[str] | None = None) -> None:

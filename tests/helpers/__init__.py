@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.runner import torchrun_command, train_command
+from fsdp_trainer.distributed.runtime import close_distributed
 from fsdp_trainer.files import METRICS_FILE
-from fsdp_trainer.parallel import close_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -41,15 +41,15 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.chat import ChatEncoder, Packer, check_options
+from fsdp_trainer.data.chat import ChatEncoder, Packer, check_options
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import file_sha256, write_atomic
 from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
-from fsdp_trainer.tokens import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
+from fsdp_trainer.data.format import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
 
-BUNDLED_CORPUS = Path(__file__).parent / "assets" / "shakespeare.txt.gz"
+BUNDLED_CORPUS = Path(__file__).parents[1] / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
-BUNDLED_CHAT = Path(__file__).parent / "assets" / "shakespeare_chat.jsonl.gz"
+BUNDLED_CHAT = Path(__file__).parents[1] / "assets" / "shakespeare_chat.jsonl.gz"
 """The default conversations: 2,000 "continue this passage" exchanges cut from the corpus (see assets/)."""
 
 TASK_BYTES = 1 << 20  # text per tokenization task: large enough to amortize the trip to a worker
@@ -407,7 +407,7 @@ class FileWriter:
 
 class PackedWriter(FileWriter):
     """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
-    (tokens.py), both streamed to temporary files and renamed when complete."""
+    (format.py), both streamed to temporary files and renamed when complete."""
 
     def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer):
         super().__init__(path, vocab_size, tokenizer_sha256)

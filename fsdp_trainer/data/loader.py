@@ -1,4 +1,4 @@
-"""The loader that cuts token files (fsdp_trainer.tokens: one file or a directory of shards) into batches, and
+"""The loader that cuts token files (data/format.py: one file or a directory of shards) into batches, and
 mixtures of several.
 
 The loader's sample order is a pure function of (seed, global sample index): sample k is the window
@@ -8,7 +8,7 @@ takes its micro-batches from that range. So the batch at step t is the same set 
 and the micro-batch / accumulation split, and the loader's whole state is one integer plus a fingerprint. A shard
 directory reads as the concatenation of its shards, so all of this holds for it unchanged.
 
-Packed fine-tuning data (tokens.py) is cut the same way, except that a sample is one of its windows of exactly seq_len
+Packed fine-tuning data (format.py) is cut the same way, except that a sample is one of its windows of exactly seq_len
 tokens, read with its flags: the targets are the next tokens where trained on and IGNORE elsewhere, and `documents`
 numbers each token's example, for block-causal attention.
 """
@@ -25,7 +25,7 @@ import torch
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.model import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
-from fsdp_trainer.tokens import START, TARGET, Tokens, open_tokens
+from fsdp_trainer.data.format import START, TARGET, Tokens, open_tokens
 
 
 class MicroBatch(NamedTuple):

@@ -9,7 +9,7 @@ assistant's turns: each from the end of the generation prompt the template puts 
 
 Examples are packed into windows of exactly seq_len tokens, whole (best fit among a few open windows), so none is
 split across windows; one longer than seq_len is truncated to it, or dropped; one left with no token to train on is
-dropped (and counted). tokens.py says how a packed file is laid
+dropped (and counted). format.py says how a packed file is laid
 out; the model attends block-causally within each window, so an example never sees its neighbours.
 """
 
@@ -21,7 +21,7 @@ from datetime import datetime
 import numpy as np
 
 from fsdp_trainer.tokenizer import Tokenizer
-from fsdp_trainer.tokens import START, TARGET
+from fsdp_trainer.data.format import START, TARGET
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -160,7 +160,7 @@ class ChatEncoder:
 
 
 class Packer:
-    """Examples -> windows of exactly seq_len tokens and their flags (tokens.py), each example whole in one window.
+    """Examples -> windows of exactly seq_len tokens and their flags (format.py), each example whole in one window.
 
     Best fit: an example goes to the open window it fills most; when none has room, a new window opens, and when
     `open_windows` are already open, the fullest is closed (written) first; at the end the open ones are written in

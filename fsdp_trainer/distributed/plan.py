@@ -1,7 +1,7 @@
 """Will it fit? Predicted memory per rank for every sharding x activation-checkpointing choice of a recipe.
 
-    python -m fsdp_trainer.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80] [--device cuda]
-        [--host_mem_gb 200]
+    python -m fsdp_trainer.distributed.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80]
+        [--device cuda] [--host_mem_gb 200]
 
 Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step, and on
 GPUs the same with the state offloaded to the host) and recommends the fastest configuration that fits. The terms,
@@ -59,9 +59,10 @@ from typing import Literal
 import torch
 
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
+from fsdp_trainer.distributed.parallelize import SHARDING
+from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
-from fsdp_trainer.parallel import SHARDING, precision_on
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
@@ -221,7 +222,7 @@ def recommend(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = recipe_parser("fsdp_trainer.plan", __doc__.split("\n\n")[0])
+    parser = recipe_parser("fsdp_trainer.distributed.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument(

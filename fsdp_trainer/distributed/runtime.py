@@ -1,8 +1,5 @@
-"""Processes, device mesh, and everything distributed that is applied to a built model from the outside.
-
-Order matters and is fixed (see parallelize()): activation checkpointing wraps each block, then torch.compile
-compiles it, then FSDP2 (`fully_shard`) shards each block and finally the root. The model is built on the meta
-device, parallelized, then materialized shard by shard, so no rank ever holds the full model.
+"""The processes of a run: the process group and device mesh from torchrun's environment, the precision the device
+computes natively, reductions over ranks, SIGTERM (preemption) and the ranks that went silent after a failure.
 """
 
 from __future__ import annotations
@@ -15,54 +12,15 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import AUTO, ParallelConfig, Precision, compute_dtype
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.config import AUTO, ParallelConfig, Precision
+from fsdp_trainer.distributed.parallelize import SHARDING
 
 logger = logging.getLogger("fsdp_trainer")
-
-
-@dataclass(frozen=True)
-class ShardingPlan:
-    """How one `parallel.sharding` name maps onto FSDP2."""
-
-    replicas: str
-    """How many copies of the model the world holds: `one` (shard over all ranks), `per_rank` (replicate over all
-    ranks, shard over none) or `per_node` (shard within a node, replicate across nodes)."""
-    reshard_after_forward: bool
-    """Free the gathered parameters after forward (ZeRO-3) or keep them until backward (ZeRO-2)."""
-    gathered_for_the_step: bool = False
-    """Keep the gathered parameters over all micro-steps of an optimizer step, freed only after the last backward
-    (ZeRO-1): gathered once per step instead of once per micro-step, the gradients accumulating unsharded until the
-    last micro-step reduce-scatters them."""
-
-    def mesh_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
-        """(replicas, shard group): how many copies of the model the world holds, and how many ranks share one."""
-        replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // ranks_per_node}[self.replicas]
-        return replicas, world_size // replicas
-
-
-# The only place the user's sharding names are spelled out. Data parallelism always spans the whole world; the plan
-# decides how the ranks split into a (replicate, shard) mesh, which FSDP2 runs as HSDP when both are > 1.
-SHARDING: dict[str, ShardingPlan] = {
-    "FULL_SHARD": ShardingPlan(replicas="one", reshard_after_forward=True),  # ZeRO-3
-    "SHARD_GRAD_OP": ShardingPlan(replicas="one", reshard_after_forward=False),  # ZeRO-2
-    "SHARD_OP": ShardingPlan(replicas="one", reshard_after_forward=False, gathered_for_the_step=True),  # ZeRO-1
-    # DDP semantics: a (world, 1) mesh replicates every parameter and all-reduces gradients in fp32, through the same
-    # code path and mixed-precision policy as the other modes. With a shard group of 1 there is nothing to free.
-    "NO_SHARD": ShardingPlan(replicas="per_rank", reshard_after_forward=False),
-    "HYBRID_SHARD": ShardingPlan(replicas="per_node", reshard_after_forward=True),
-}
 
 
 @dataclass
@@ -351,132 +309,3 @@ def silent_ranks(rank: int, world_size: int, wait_s: float = 5.0) -> list[int]:
         if not silent or time.monotonic() > deadline:
             return silent
         time.sleep(0.1)
-
-
-# Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,
-# activations and elementwise ops are cheap to redo and account for most of the activation memory.
-_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-for _name in (
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-):
-    if hasattr(torch.ops.aten, _name):
-        _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)
-
-
-def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_save_matmuls_policy)
-
-
-def apply_ac(model: Transformer, mode: str, every: int = 1) -> None:
-    """Wrap every `every`-th block in activation checkpointing: `full` recomputes the whole block in backward,
-    `selective` recomputes all but the matmul and attention outputs."""
-    if mode == "none":
-        return
-    layers = model.model.layers
-    for i, (name, block) in enumerate(list(layers.items())):
-        if i % every:
-            continue
-        if mode == "full":
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
-
-
-def apply_compile(model: Transformer) -> None:
-    """torch.compile each block separately: same graph for all blocks, so one compile serves them all."""
-    layers = model.model.layers
-    for name, block in list(layers.items()):
-        layers[name] = torch.compile(block, fullgraph=True)
-
-
-def apply_fsdp(
-    model: Transformer,
-    mesh: DeviceMesh,
-    sharding: str,
-    mixed_precision: str,
-    prefetch_blocks: int = 1,
-    cpu_offload: bool = False,
-) -> None:
-    """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
-    prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward);
-    with cpu_offload, the shards, their gradients and so the optimizer state stay in host memory."""
-    plan = SHARDING[sharding]
-    # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
-    # gradient reduction stay fp32 whatever it is.
-    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(mixed_precision), reduce_dtype=torch.float32)
-    shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
-    if cpu_offload:
-        # Pinned host memory lets the copies overlap compute; pinning needs an accelerator, so not on a CPU-only mesh.
-        shard = partial(shard, offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda"))
-    blocks = list(model.model.layers.values())
-    if not blocks:
-        raise ValueError("apply_fsdp found no Transformer block to wrap")
-    for i, block in enumerate(blocks):
-        # Backward starts with the last block, so freeing its gathered params after forward would only mean
-        # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
-        shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
-    shard(model, reshard_after_forward=False)
-    model.sharding_plan = plan  # set_gradient_sync reads it on every micro-step
-    model.cpu_offload = cpu_offload  # materialize reads it: the shards must then be allocated on the host
-    if prefetch_blocks > 1:
-        # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
-        # reversed forward order); an explicit list replaces that, so it starts with the adjacent block.
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch_blocks])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks) : i][::-1])
-
-
-def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
-    """Apply, in this order: activation checkpointing -> compile -> FSDP per block -> FSDP on the root.
-
-    AC must wrap the block before FSDP does, so FSDP's hooks sit outside the recomputed region, and compile goes in
-    between so it sees the checkpointed block whole (pytorch#148831).
-    """
-    apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
-    if cfg.compile:
-        apply_compile(model)
-        # Packed examples then attend through flex_attention, compiled into a kernel that skips the blocks the mask
-        # empties (eager, it is slower than the boolean mask); torch 2.13 has no flex_attention backward on CPUs.
-        model.flex_attention = mesh.device_type == "cuda"
-    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
-
-
-def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
-    """Write this rank's part of a full-shape tensor into a (possibly sharded) parameter, without communication."""
-    if isinstance(param, DTensor):
-        local = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(values)
-
-
-def materialize(model: Transformer, device: torch.device, seed: int) -> None:
-    """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size.
-
-    When parallelize() applied parallel.cpu_offload, the shards are allocated in host memory, where FSDP2 requires
-    them, and the buffers (the rotary tables) on the device, where the compute reads them; the values are still drawn
-    on the device, so a run with offload starts from the same weights as one without.
-    """
-    cpu_offload = getattr(model, "cpu_offload", False)
-    model.to_empty(device="cpu" if cpu_offload else device)
-    if cpu_offload:
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                setattr(module, name, torch.empty_like(buffer, device=device))  # stays the same (non-)persistent buffer
-    model.init_weights(seed=seed, fill=_fill_local_shard, device=device)
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally). Under SHARD_OP (ZeRO-1) the
-    gathered parameters are also kept after backward until then, so the next micro-step does not gather them again;
-    after the last one they are freed, since the optimizer step is about to change their shards."""
-    model.set_requires_gradient_sync(enabled)
-    if model.sharding_plan.gathered_for_the_step:
-        model.set_reshard_after_backward(enabled)
