@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer, block_causal
 
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def step(docs):
         model.zero_grad(set_to_none=True)
-        model(tokens, targets, recipe.train.loss_chunks, docs).backward()
+        model(tokens, docs, loss=NextTokenLoss(targets, recipe.train.loss_chunks)).backward()
 
     head_dim = cfg.resolved_head_dim
     q = torch.randn(B, cfg.n_heads, T, head_dim, dtype=dtype, requires_grad=True)

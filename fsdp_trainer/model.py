@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
 
@@ -153,33 +152,6 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
-IGNORE = -100
-"""A target that is not trained on (cross_entropy's ignore_index): a prompt's tokens in fine-tuning, padding."""
-
-
-def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE, reduction="sum")
-
-
-def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int = 1
-) -> torch.Tensor:
-    """Summed next-token loss of the output layer `weight` on the final hidden states, over the targets that are not
-    IGNORE, in fp32 whatever the compute dtype.
-
-    The logits are the model's largest activation (tokens x vocab: 2.1 GB in bf16 for 8k tokens of a 128k vocabulary,
-    twice that as fp32 for the loss, and as much again for its gradient). With chunks > 1 the tokens are cut into that
-    many slices; each slice's logits are made, reduced to a summed loss and freed, and made again in backward
-    (activation checkpointing of the output layer), so one slice's logits exist at a time. The same loss and gradients
-    as chunks = 1, to the order of the float sums.
-    """
-    hidden, targets = hidden.flatten(0, 1), targets.flatten()
-    if chunks == 1:
-        return _summed_loss(hidden, weight, targets)
-    pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
-    return sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
-
-
 def block_causal(documents: torch.Tensor, flex: bool = False) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
     """For windows packed with several examples: `documents` (B, T) numbers the example of each position (equal for
     the consecutive positions of one example). Returns each position's place in its own example (B, T), which the
@@ -222,15 +194,13 @@ class Transformer(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        loss_chunks: int = 1,
         documents: torch.Tensor | None = None,
-        reduction: str = "mean",
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab_size); or, given targets (B, T), the next-token loss over the targets that are not
-        IGNORE (their mean, or with reduction="sum" their sum), with the output layer computed in `loss_chunks`
-        slices of the tokens (see chunked_cross_entropy). With `documents` (B, T), windows packed with several
-        examples attend block-causally, each example from position 0 (see block_causal)."""
+        """Logits (B, T, vocab_size); or, given a `loss` (an objective of loss.py), what it computes from the final
+        hidden states (B, T, dim) and the output layer's weight, which spares the full logits when it slices them.
+        With `documents` (B, T), windows packed with several examples attend block-causally, each example from
+        position 0 (see block_causal)."""
         T = tokens.shape[1]
         if documents is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
@@ -241,10 +211,9 @@ class Transformer(nn.Module):
         for block in self.model.layers.values():
             x = block(x, cos, sin, mask)
         x = self.model.norm(x)
-        if targets is None:
+        if loss is None:
             return self.lm_head(x)  # (B, T, vocab_size)
-        loss = chunked_cross_entropy(x, self.lm_head.weight, targets, loss_chunks)
-        return loss if reduction == "sum" else loss / (targets != IGNORE).sum()
+        return loss(x, self.lm_head.weight)
 
     @torch.no_grad()
     def init_weights(

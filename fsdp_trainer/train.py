@@ -42,8 +42,9 @@ from fsdp_trainer.distributed.runtime import (
     sum_over_ranks,
 )
 from fsdp_trainer.files import check_writable
+from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics, require_wandb
-from fsdp_trainer.model import IGNORE, Transformer, count_params
+from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
@@ -84,16 +85,17 @@ def train_step(
     packed = micro_batches[0].documents is not None
     # The global number of targets: a device tensor, or for plain windows a Python number (a tensor made from it
     # would be a host-to-device copy every step).
+    objectives = [NextTokenLoss(batch.targets, loss_chunks) for batch in micro_batches]
     if packed:
-        targets = sum_over_ranks(sum((batch.targets != IGNORE).sum() for batch in micro_batches).float())
+        targets = sum_over_ranks(sum(objective.count() for objective in objectives).float())
     else:
         targets = float(sum(batch.targets.numel() for batch in micro_batches) * world)
     loss_sum = torch.zeros((), device=device)
-    for i, batch in enumerate(micro_batches):
+    for i, (batch, objective) in enumerate(zip(micro_batches, objectives, strict=True)):
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
         set_gradient_sync(model, i == len(micro_batches) - 1)
-        loss = model(batch.inputs, batch.targets, loss_chunks, batch.documents, reduction="sum")
-        share = loss * world / targets  # FSDP averages gradients over ranks: undo its division by the world size
+        loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
+        share = share_of_global_mean(loss, targets, world)
         (scaler.scale(share) if fp16 else share).backward()
         loss_sum += loss.detach()
     if fp16:
@@ -204,8 +206,9 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
     summed = torch.zeros(2, device=env.device)  # the loss summed over targets, and their number
     for _ in range(recipe.train.eval_steps):
         (batch,) = loader.next_batch()
-        summed[0] += model(batch.inputs, batch.targets, recipe.train.loss_chunks, batch.documents, reduction="sum")
-        summed[1] += (batch.targets != IGNORE).sum()
+        objective = NextTokenLoss(batch.targets, recipe.train.loss_chunks)
+        summed[0] += model(batch.inputs, batch.documents, loss=objective)
+        summed[1] += objective.count()
     for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
         if isinstance(module, FSDPModule):
             module.reshard()

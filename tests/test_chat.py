@@ -16,7 +16,8 @@ from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.chat import ChatEncoder, Packer
 from fsdp_trainer.data.format import START, TARGET, TokenFile
 from fsdp_trainer.data.loader import Mixture, TokenLoader
-from fsdp_trainer.model import IGNORE, Transformer, block_causal
+from fsdp_trainer.loss import IGNORE, NextTokenLoss
+from fsdp_trainer.model import Transformer, block_causal
 from fsdp_trainer.tokenizer import load_tokenizer
 from tests.helpers import read_metrics, train_cli, train_losses
 from tests.test_hf import tool
@@ -132,9 +133,9 @@ def test_a_window_of_two_examples_gives_each_the_logits_it_would_get_alone():
     targets = torch.roll(packed, -1, 1)
     targets[0, [5, 6, 15]] = IGNORE  # a's last two (a prompt-like span, the end), b's end
     expected = F.cross_entropy(logits[0], targets[0], ignore_index=IGNORE)
-    loss = model(packed, targets, documents=documents)
-    assert torch.allclose(loss, expected, rtol=1e-5)
-    assert torch.allclose(model(packed, targets, 3, documents), expected, rtol=1e-5)  # chunked the same
+    for chunks in (1, 3):  # chunked the same
+        objective = NextTokenLoss(targets, chunks)
+        assert torch.allclose(model(packed, documents, loss=objective) / objective.count(), expected, rtol=1e-5)
 
 
 def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags, input_file=None):

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
+from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer, rope_tables
 
 transformers = pytest.importorskip("transformers")
@@ -182,7 +183,7 @@ def test_chunked_loss_and_gradients_equal_the_whole_ones(tie):
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     for chunks in (1, 7):
         model.zero_grad()
-        loss = model(tokens, targets, chunks)
+        loss = model(tokens, loss=NextTokenLoss(targets, chunks)) / targets.numel()
         loss.backward()
         assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
         for name, p in model.named_parameters():
@@ -203,7 +204,7 @@ def test_chunked_loss_never_keeps_the_whole_logits_for_backward():
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            model(tokens, tokens, chunks)
+            model(tokens, loss=NextTokenLoss(tokens, chunks))
         saved[chunks] = sum(sizes)
     logits_bytes = 4 * 64 * 2000 * 4  # tokens x vocab x fp32
     assert saved[1] - saved[8] > 0.9 * logits_bytes, saved

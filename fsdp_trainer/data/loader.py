@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.model import IGNORE
+from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
 from fsdp_trainer.data.format import START, TARGET, Tokens, open_tokens
 
