@@ -32,17 +32,13 @@ from runner import report_header, torchrun_command
 
 from fsdp_trainer.checkpoint import ChecksummedWriter, ModelState, OptimState, verify_checkpoint
 from fsdp_trainer.config import parse_args, recipe_parser
-from fsdp_trainer.distributed.parallelize import materialize, parallelize
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
-from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.train import build_model
 
 
 def training_state(recipe, env) -> dict:
-    with torch.device("meta"):
-        model = Transformer(recipe.model)
-    parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, recipe.train.seed)
+    model = build_model(recipe, env)
     optimizer = build_optimizer(model, recipe.optim)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

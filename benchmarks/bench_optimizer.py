@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_trainer.config import parse_args, recipe_parser
-from fsdp_trainer.distributed.parallelize import materialize, parallelize
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
-from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.train import build_model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,10 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe, args = parse_args(parser, argv)
     env = init_distributed(recipe.parallel)
     recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
-    with torch.device("meta"):
-        model = Transformer(recipe.model)
-    parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, seed=0)
+    recipe.train.seed = 0
+    model = build_model(recipe, env)
     generator = torch.Generator(device=env.device).manual_seed(env.rank)
     for p in model.parameters():
         local = torch.randn(p.to_local().shape, generator=generator, device=env.device) * 1e-3

@@ -216,34 +216,52 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
     return total / targets
 
 
-def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
-    cfg, data = recipe.train, recipe.data
-    torch.manual_seed(cfg.seed)
+# --- construction: each piece a function that another entry point (an evaluation, a preference run) reuses ---------
 
-    # Model: shapes on meta, then AC / compile / FSDP from outside, then each rank allocates and fills its shards.
+
+def build_model(recipe: Recipe, env: DistEnv) -> Transformer:
+    """The recipe's model, parallelized and initialised: shapes on meta, then AC / compile / FSDP from outside, then
+    each rank allocates and fills its own shards (the same weights at any world size)."""
     with torch.device("meta"):
         model = Transformer(recipe.model)
     parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, cfg.seed)
-    optimizer = build_optimizer(model, recipe.optim)
-    # fp16 only, else a no-op. The gradients are where the shards are: on the host under parallel.cpu_offload.
-    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
+    materialize(model, env.device, recipe.train.seed)
+    return model
 
-    # Data, training state and where they are saved; resume from a checkpoint (auto | none | PATH).
-    loader = TokenLoader(
-        train_file,
+
+def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> TokenLoader:
+    """This rank's share of every global batch of `tokens`, in the order the seed fixes."""
+    data = recipe.data
+    return TokenLoader(
+        tokens,
         data.seq_len,
         data.micro_batch_size,
         data.grad_accum_steps,
         env.rank,
         env.world_size,
-        seed=cfg.seed,
+        seed=recipe.train.seed,
         device=env.device,
     )
-    state = TrainState(cfg.on_nonfinite, env.device, scaler)
-    states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
+
+
+def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful]) -> Checkpointer:
+    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH)."""
     ckpt = Checkpointer(recipe, env, states)
     ckpt.load()
+    return ckpt
+
+
+def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
+    cfg = recipe.train
+    torch.manual_seed(cfg.seed)
+    model = build_model(recipe, env)
+    optimizer = build_optimizer(model, recipe.optim)
+    # fp16 only, else a no-op. The gradients are where the shards are: on the host under parallel.cpu_offload.
+    scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
+    loader = build_loader(recipe, env, train_file)
+    state = TrainState(cfg.on_nonfinite, env.device, scaler)
+    states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
+    ckpt = build_checkpointer(recipe, env, states)
     if env.is_main:
         write_config(recipe)
     metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from)
