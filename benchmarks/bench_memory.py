@@ -25,6 +25,7 @@ from runner import report_header, run_ours, synthetic_data
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
 from fsdp_trainer.distributed.plan import estimate
 from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.metrics import STATE_KEYS
 from fsdp_trainer.model import count_params
 
 
@@ -44,7 +45,7 @@ def measure(
              "--parallel.activation_checkpointing", ac, "--parallel.cpu_offload", str(offload).lower()]  # fmt: skip
     result = run_ours(recipe_path, train_path, tokenizer_path, nproc, steps - 1, 1, tokens_per_step,
                       tmp / config.replace("/", "_"), flags)  # fmt: skip
-    keys = ("params_gb", "grads_gb", "optimizer_gb", "state_gb", "peak_mem_gb", "peak_host_mem_gb", "tokens_per_s")
+    keys = (*STATE_KEYS, "state_gb", "peak_mem_gb", "peak_host_mem_gb", "tokens_per_s")
     return {"config": config, **{k: result[k] for k in keys if k in result}}
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from fsdp_trainer.config import recipe_to_yaml
 from fsdp_trainer.data.format import write_token_file
 from fsdp_trainer.files import METRICS_FILE, file_sha256
+from fsdp_trainer.metrics import STATE_KEYS
 
 TRAINER = ["-m", "fsdp_trainer.train"]
 BASELINE = [str(Path(__file__).with_name("baseline_loop.py"))]
@@ -113,7 +114,7 @@ def run_ours(
         # A window logs its median step time; the median of those is the run's within a step or two.
         "step_time_s": statistics.median(r["step_time_s"] for r in measured),
         "step_time_max_s": max(r["step_time_max_s"] for r in measured),
-        **{k: state[k] for k in ("params_gb", "grads_gb", "optimizer_gb", "state_gb")},
+        **{k: state[k] for k in (*STATE_KEYS, "state_gb")},
     }
 
 

@@ -59,7 +59,8 @@ from torch.futures import Future as TorchFuture
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
-from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, OPTIMIZER_STATE_BYTES
+from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, tokenizer_files
 
 logger = logging.getLogger("fsdp_trainer")
@@ -208,7 +209,8 @@ class ModelState(Stateful):
 
 
 class OptimState(Stateful):
-    """AdamW moments and step counts, keyed by parameter name so they reshard to another world size."""
+    """The optimizer's state (AdamW's moments and step counts, Muon's momentum), keyed by parameter name so it
+    reshards to another world size."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -276,10 +278,13 @@ def checkpoint_tokenizer(path: Path, tokenizer_path: str | None) -> Path | None:
     return None
 
 
-def check_disk_room(out_dir: str, n_params: int) -> None:
-    """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the model: fp32
-    weights and AdamW moments (gradients are not saved)."""
-    need = (MASTER_WEIGHT_BYTES + OPTIMIZER_STATE_BYTES) * n_params
+def check_disk_room(recipe: Recipe) -> None:
+    """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the recipe's
+    model: fp32 weights and the optimizer's state, as the planner counts it (gradients are not saved)."""
+    out_dir = recipe.train.out_dir
+    with torch.device("meta"):
+        model = Transformer(recipe.model)
+    need = MASTER_WEIGHT_BYTES * count_params(recipe.model) + optimizer_state_bytes(recipe.optim, model)
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise ValueError(

@@ -425,11 +425,6 @@ def parse_recipe(argv: list[str] | None = None) -> Recipe:
     return parse_args(recipe_parser(), argv)[0]
 
 
-def load_recipe(path: str | os.PathLike) -> Recipe:
-    """A whole recipe file (e.g. a run's config.yaml), read exactly as `--recipe path` is; raises RecipeError."""
-    return read_recipe(recipe_parser(), ["--recipe", str(path)])[0]
-
-
 def load_sections(path: str | os.PathLike) -> dict:
     """The sections of a recipe file ({name: dataclass}; a run's config.yaml, a checkpoint's recipe.yaml, an imported
     model.yaml), read as `--recipe path` is but without the checks that involve several sections, so a model section

@@ -97,7 +97,7 @@ def local_gb(tensors: Iterable[torch.Tensor | None]) -> float:
 
 
 def optimizer_state_gb(optimizer: torch.optim.Optimizer) -> float:
-    """GB of optimizer state (AdamW moments and step counts) on this rank."""
+    """GB of optimizer state on this rank (AdamW's moments and step counts, Muon's momentum)."""
     return local_gb(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
@@ -157,7 +157,8 @@ class StepTimer:
 # --- sinks: where a record goes (rank 0 only) -------------------------------------------------------------------------
 
 
-STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")  # the training state each rank holds, logged once
+STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")
+"""The training state each rank holds, logged once, with their sum as `state_gb`."""
 
 
 class LogLine:

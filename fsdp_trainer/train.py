@@ -44,7 +44,7 @@ from fsdp_trainer.distributed.runtime import (
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics, require_wandb
-from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
@@ -308,7 +308,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     if recipe.checkpoint.every:
-        check_disk_room(recipe.train.out_dir, count_params(recipe.model))
+        check_disk_room(recipe)
     if resume not in ("auto", "none"):
         resolve_checkpoint(resume)  # a path that holds no checkpoint
     process_group_backend(recipe.parallel, torch.cuda.is_available())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.config import SECTIONS, load_recipe, parse_recipe, recipe_to_yaml
+from fsdp_trainer.config import SECTIONS, parse_recipe, recipe_to_yaml
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -27,9 +27,9 @@ def test_resolved_yaml_round_trips(tmp_path):
     )
     assert scaled.model.rope_scaling.factor == 32.0 and scaled.model.rope_scaling.high_freq_factor == 4.0
     (tmp_path / "s.yaml").write_text(recipe_to_yaml(scaled))
-    assert load_recipe(tmp_path / "s.yaml") == scaled
+    assert parse_recipe(["--recipe", str(tmp_path / "s.yaml")]) == scaled
     (tmp_path / "c.yaml").write_text(recipe_to_yaml(recipe))
-    assert load_recipe(tmp_path / "c.yaml") == recipe
+    assert parse_recipe(["--recipe", str(tmp_path / "c.yaml")]) == recipe
     assert parse_recipe(["--recipe", str(tmp_path / "c.yaml")]) == recipe
 
 

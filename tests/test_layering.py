@@ -27,7 +27,7 @@ ALLOWED = {
     "distributed.parallelize": {"config", "model"},
     "distributed.runtime": {"config", "distributed.parallelize"},
     "distributed.plan": {"config", "model", "optim", "distributed.parallelize", "distributed.runtime"},
-    "checkpoint": {"config", "files", "optim", "distributed.runtime", "tokenizer"},
+    "checkpoint": {"config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime"},
     "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
     "train": {

@@ -58,7 +58,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, parse_args, recipe_parser
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, count_params
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", type=Literal["cuda", "cpu"] | None, help="default: cuda if a GPU is visible")
     recipe, args = parse_args(parser, argv)
     if args.nproc < 1 or args.nnodes < 1:
-        sys.exit("error: --nproc and --nnodes must be >= 1")
+        fail("--nproc and --nnodes must be >= 1")
     for flag in ("device_mem_gb", "host_mem_gb"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
-            sys.exit(f"error: --{flag} must be positive, not {getattr(args, flag)}")
+            fail(f"--{flag} must be positive, not {getattr(args, flag)}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             if smallest.offload
             else ("", "")
         )
-        sys.exit(
+        sys.exit(  # a verdict, not an error of input: no `error:` prefix
             f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC{offload}, "
             f"{smallest.total_gb:.1f} GB{host}): lower data.micro_batch_size (and raise data.grad_accum_steps) or add "
             "devices"
