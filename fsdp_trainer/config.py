@@ -118,6 +118,13 @@ class ModelConfig:
             _require(self.head_dim > 0, f"model.head_dim={self.head_dim} must be positive")
         _require(self.resolved_head_dim % 2 == 0, f"model.head_dim={self.resolved_head_dim} must be even for RoPE")
 
+    def check_vocab(self, what: str, n_ids: int) -> None:
+        """Refuse token ids the model could not embed: `what` (a token file, a tokenizer) holds ids up to n_ids."""
+        _require(
+            n_ids <= self.vocab_size,
+            f"{what} has {n_ids} ids, more than model.vocab_size={self.vocab_size}: the model could not embed them",
+        )
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads

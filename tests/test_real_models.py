@@ -227,7 +227,7 @@ def test_a_tiktoken_file_is_refused_naming_tokenizer_json(tiny_data, tmp_path):
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_data, tmp_path, llama_tokenizer_dir):
     proc = _prepare(tiny_data, "--data.tokenizer_path", llama_tokenizer_dir, "--data.train_path", tmp_path / "t.bin")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "has 600 ids (added tokens included), more than model.vocab_size=512" in proc.stderr
+    assert "(added tokens included) has 600 ids, more than model.vocab_size=512" in proc.stderr
     assert not (tmp_path / "t.bin").exists()
 
 

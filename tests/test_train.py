@@ -302,7 +302,7 @@ print("clean")
         (["--parallel.sharding", "ZERO3"], 'error: Parser key "parallel.sharding"'),
         (["--model.bogus", "1"], "error: unrecognized arguments: --model.bogus 1"),
         (["--data.train_path", "/nonexistent/train.bin"], "error: token file /nonexistent/train.bin"),
-        (["--model.vocab_size", "256"], "was tokenized with vocab_size=512, more than model.vocab_size=256"),
+        (["--model.vocab_size", "256"], "train.bin has 512 ids, more than model.vocab_size=256: the model could not"),
         (["--parallel.backend", "nccl"], "error: parallel.backend=nccl needs CUDA"),
     ],
 )

@@ -1,7 +1,7 @@
 """Token files on disk: the format data preparation writes and the loader reads (numpy only, so preparing data never
 imports torch).
 
-A token file is a flat little-endian array of uint16 (vocab <= 65535) or uint32 ids, with `<file>.meta.json` beside it
+A token file is a flat little-endian array of uint16 (vocab_size <= 65536: ids 0-65535) or uint32 ids, with `<file>.meta.json` beside it
 giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
 corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
 concatenation.
@@ -23,6 +23,10 @@ import numpy as np
 from fsdp_trainer.files import write_atomic
 
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+META_SUFFIX = ".meta.json"
+"""`<file>.meta.json`: what a token file holds (token_meta)."""
+FLAGS_SUFFIX = ".flags"
+"""`<file>.flags`: a packed file's byte of flags per token."""
 
 
 MANIFEST = "manifest.json"
@@ -41,25 +45,37 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
+def disk_dtype(vocab_size: int) -> np.dtype:
+    """The little-endian numpy dtype ids of this vocabulary are stored in."""
+    return _DTYPES[token_dtype(vocab_size)]
+
+
+def token_meta(n_tokens: int, vocab_size: int, tokenizer_sha256: str, **extra) -> dict:
+    """A token file's (or a shard directory's) meta: the one place its schema is written."""
+    return {
+        "dtype": token_dtype(vocab_size),
+        "n_tokens": int(n_tokens),
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": tokenizer_sha256,
+        **extra,
+    }
+
+
+def write_meta(path: str | os.PathLike, meta: dict) -> None:
+    write_atomic(f"{path}{META_SUFFIX}", json.dumps(meta, indent=2))
+
+
 def write_token_file(
     path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer_sha256: str, extra: dict | None = None
 ) -> None:
     """Write ids and their `.meta.json` (plus `extra` keys); each file appears whole or not at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(vocab_size)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    write_atomic(path, tokens.astype(_DTYPES[dtype], copy=False).tobytes())
-    meta = {
-        "dtype": dtype,
-        "n_tokens": int(tokens.size),
-        "vocab_size": vocab_size,
-        "tokenizer_sha256": tokenizer_sha256,
-        **(extra or {}),
-    }
-    write_atomic(f"{path}.meta.json", json.dumps(meta, indent=2))
+    write_atomic(path, tokens.astype(disk_dtype(vocab_size), copy=False).tobytes())
+    write_meta(path, token_meta(tokens.size, vocab_size, tokenizer_sha256, **(extra or {})))
 
 
 class TokenFile:
@@ -67,7 +83,7 @@ class TokenFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        meta_path = f"{path}.meta.json"
+        meta_path = f"{path}{META_SUFFIX}"
         if not os.path.isfile(self.path) or not os.path.isfile(meta_path):
             raise FileNotFoundError(
                 f"token file {self.path} (or its .meta.json) does not exist; run "
@@ -90,7 +106,7 @@ class TokenFile:
         self.packed_seq_len: int | None = self.meta.get("packed_seq_len")
         self.flags = None
         if self.packed_seq_len is not None:
-            flags_path = f"{self.path}.flags"
+            flags_path = f"{self.path}{FLAGS_SUFFIX}"
             if not os.path.isfile(flags_path) or os.path.getsize(flags_path) != len(self.tokens):
                 raise ValueError(f"{flags_path} is missing or not one byte per token: prepare the data again")
             self.flags = np.memmap(flags_path, dtype=np.uint8, mode="r")

@@ -53,11 +53,7 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
         raise FileNotFoundError(f"data.tokenizer_path={data.tokenizer_path} does not exist")
     tokenizer_sha = fingerprint(data.tokenizer_path)
     for f in filter(None, (*sources, val_file)):
-        if f.vocab_size > recipe.model.vocab_size:
-            raise ValueError(
-                f"{f.path} was tokenized with vocab_size={f.vocab_size}, more than model.vocab_size="
-                f"{recipe.model.vocab_size}"
-            )
+        recipe.model.check_vocab(f"token file {f.path}", f.vocab_size)
         if f.tokenizer_sha256 != tokenizer_sha:
             raise ValueError(f"{f.path} was not made with data.tokenizer_path={data.tokenizer_path}; prepare it again")
         if f.packed_seq_len not in (None, data.seq_len):

@@ -45,7 +45,18 @@ from fsdp_trainer.data.chat import ChatEncoder, Packer, check_options
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import file_sha256, write_atomic
 from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
-from fsdp_trainer.data.format import MANIFEST, TokenFile, shard_name, token_dtype, write_token_file
+from fsdp_trainer.data.format import (
+    FLAGS_SUFFIX,
+    MANIFEST,
+    META_SUFFIX,
+    TokenFile,
+    disk_dtype,
+    shard_name,
+    token_dtype,
+    token_meta,
+    write_meta,
+    write_token_file,
+)
 
 BUNDLED_CORPUS = Path(__file__).parents[1] / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
@@ -234,7 +245,7 @@ def _start_worker(
     tokenizer = load_tokenizer(tokenizer_path)
     if one_thread:
         tokenizer.threads = 1
-    dtype = np.dtype(token_dtype(tokenizer.vocab_size)).newbyteorder("<")
+    dtype = disk_dtype(tokenizer.vocab_size)
     chat = ChatEncoder(tokenizer, train_on) if train_on is not None else None
     _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype, chat=chat)
 
@@ -363,7 +374,7 @@ class FileWriter:
 
     def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str):
         self.path, self.vocab_size, self.tokenizer_sha256 = path, vocab_size, tokenizer_sha256
-        self.dtype = np.dtype(token_dtype(vocab_size)).newbyteorder("<")
+        self.dtype = disk_dtype(vocab_size)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.file = open(path + ".tmp", "wb")
         self.n_tokens, self.files = 0, 1
@@ -381,14 +392,7 @@ class FileWriter:
     def finish(self, stamp: dict) -> None:
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
-        meta = {
-            "dtype": self.dtype.name,
-            "n_tokens": self.n_tokens,
-            "vocab_size": self.vocab_size,
-            "tokenizer_sha256": self.tokenizer_sha256,
-            **self.extra_meta(),
-        }
-        write_atomic(f"{self.path}.meta.json", json.dumps(meta, indent=2))
+        write_meta(self.path, token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256, **self.extra_meta()))
         write_atomic(f"{self.path}.inputs.json", json.dumps(stamp))
 
     def extra_meta(self) -> dict:
@@ -399,7 +403,7 @@ class FileWriter:
         stamp_path = Path(f"{path}.inputs.json")
         return (
             Path(path).is_file()
-            and Path(f"{path}.meta.json").is_file()
+            and Path(f"{path}{META_SUFFIX}").is_file()
             and stamp_path.is_file()
             and (json.loads(stamp_path.read_text()) == stamp)
         )
@@ -412,7 +416,7 @@ class PackedWriter(FileWriter):
     def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer):
         super().__init__(path, vocab_size, tokenizer_sha256)
         self.packer = packer
-        self.flags = open(path + ".flags.tmp", "wb")
+        self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
 
     def add(self, part: Part) -> None:
         ends = np.cumsum(part.lengths)
@@ -428,13 +432,13 @@ class PackedWriter(FileWriter):
     def abandon(self) -> None:
         super().abandon()
         self.flags.close()
-        Path(self.path + ".flags.tmp").unlink(missing_ok=True)
+        Path(self.path + FLAGS_SUFFIX + ".tmp").unlink(missing_ok=True)
 
     def finish(self, stamp: dict) -> None:
         for window in self.packer.finish():
             self._write(*window)
         self.flags.close()
-        os.replace(self.path + ".flags.tmp", self.path + ".flags")
+        os.replace(self.path + FLAGS_SUFFIX + ".tmp", self.path + FLAGS_SUFFIX)
         super().finish(stamp)
 
     def extra_meta(self) -> dict:
@@ -553,7 +557,7 @@ class ShardWriter:
         self.buffered -= n_tokens
         path = self.dir / shard_name(len(self.shards))
         tokens = np.concatenate(pieces)
-        sha = hashlib.sha256(tokens.astype(np.dtype(token_dtype(self.vocab_size)).newbyteorder("<"), copy=False))
+        sha = hashlib.sha256(tokens.astype(disk_dtype(self.vocab_size), copy=False))
         write_token_file(
             path, tokens, self.vocab_size, self.tokenizer_sha256, {"sha256": sha.hexdigest(), "end": list(end)}
         )
@@ -573,10 +577,7 @@ class ShardWriter:
             self._write_shard(self.buffered)
         manifest = {
             "shards": self.shards,
-            "n_tokens": self.n_tokens,
-            "dtype": token_dtype(self.vocab_size),
-            "vocab_size": self.vocab_size,
-            "tokenizer_sha256": self.tokenizer_sha256,
+            **token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256),
             "stamp": stamp,
         }
         write_atomic(self.dir / MANIFEST, json.dumps(manifest, indent=1))
@@ -658,11 +659,7 @@ def prepare(
             train_tokenizer([sample], data.tokenizer_path, vocab_size)
         print(f"{data.tokenizer_path}: trained, vocab {vocab_size}")
     tokenizer = load_tokenizer(data.tokenizer_path)
-    if tokenizer.vocab_size > recipe.model.vocab_size:
-        raise ValueError(
-            f"data.tokenizer_path={data.tokenizer_path} has {tokenizer.vocab_size} ids (added tokens included), more "
-            f"than model.vocab_size={recipe.model.vocab_size}: the model could not embed them"
-        )
+    recipe.model.check_vocab(f"data.tokenizer_path={data.tokenizer_path} (added tokens included)", tokenizer.vocab_size)
     fingerprint = tokenizer.fingerprint()
     stat = [os.stat(f) for f in files]
     stamp = {
