@@ -24,7 +24,8 @@ from runner import report_header
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.data.format import open_tokens
 from fsdp_trainer.data.loader import TokenLoader
-from fsdp_trainer.data.prepare import BUNDLED_CORPUS, BadRecords, read_documents
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS
+from fsdp_trainer.data.sources import BadRecords, read_documents
 from fsdp_trainer.tokenizer import load_tokenizer, train_tokenizer
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prepare_data.py"

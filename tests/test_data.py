@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from fsdp_trainer.data.encode import Part
 from fsdp_trainer.data.format import MANIFEST, TokenFile, open_tokens, write_token_file
 from fsdp_trainer.data.loader import Mixture, TokenLoader
-from fsdp_trainer.data.prepare import Part, ShardWriter
+from fsdp_trainer.data.writers import ShardWriter
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
 

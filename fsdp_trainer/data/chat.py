@@ -20,8 +20,8 @@ from datetime import datetime
 
 import numpy as np
 
-from fsdp_trainer.tokenizer import Tokenizer
 from fsdp_trainer.data.format import START, TARGET
+from fsdp_trainer.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -1,8 +1,8 @@
 """Token files on disk: the format data preparation writes and the loader reads (numpy only, so preparing data never
 imports torch).
 
-A token file is a flat little-endian array of uint16 (vocab_size <= 65536: ids 0-65535) or uint32 ids, with `<file>.meta.json` beside it
-giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
+A token file is a flat little-endian array of uint16 (vocab_size <= 65536: ids 0-65535) or uint32 ids, with
+`<file>.meta.json` beside it giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
 corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
 concatenation.
 

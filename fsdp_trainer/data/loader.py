@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
+from fsdp_trainer.data.format import START, TARGET, Tokens, open_tokens
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
-from fsdp_trainer.data.format import START, TARGET, Tokens, open_tokens
 
 
 class MicroBatch(NamedTuple):
