@@ -10,6 +10,7 @@ import pytest
 from fsdp_trainer.config import SECTIONS, parse_recipe, recipe_to_yaml
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config.py"
 
 
 def test_overrides_and_types():
@@ -73,12 +74,34 @@ def test_help_documents_every_key(capsys):
     assert "Width of the residual stream" in out  # attribute docstrings are the help text
 
 
-def test_readme_reference_lists_every_key():
-    text = README.read_text()
+def _attribute_docstrings() -> dict[str, dict[str, str]]:
+    """{section: {key: its attribute docstring, whitespace folded}}: the text `--help` shows."""
+    import ast
+
+    classes = {node.name: node for node in ast.parse(CONFIG.read_text()).body if isinstance(node, ast.ClassDef)}
+    out = {}
     for section, cls in SECTIONS.items():
+        body, docs = classes[cls.__name__].body, {}
+        for field_node, doc in zip(body, body[1:], strict=False):
+            if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr):
+                docs[field_node.target.id] = " ".join(doc.value.value.split())
+        out[section] = docs
+    return out
+
+
+def test_readme_reference_is_the_help_text_of_every_key():
+    """README's recipe reference says what `--help` says, key for key: checked here, so the two cannot drift."""
+    text = README.read_text()
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `") and line.count(" | ") >= 2:
+            key, _, meaning = line.strip("| ").split(" | ", 2)
+            rows.setdefault(key.strip("`"), []).append(" ".join(meaning.strip(" |").split()))
+    for section, docs in _attribute_docstrings().items():
         assert f"**`{section}`**" in text
-        for field in dataclasses.fields(cls):
-            assert f"| `{field.name}` |" in text, f"README lacks {section}.{field.name}"
+        for field in dataclasses.fields(SECTIONS[section]):
+            assert field.name in rows, f"README lacks {section}.{field.name}"
+            assert docs[field.name] in rows[field.name], f"README's {section}.{field.name} differs from its --help"
 
 
 def test_print_config_prints_the_resolved_recipe_that_reproduces_it(tmp_path, capsys):
