@@ -61,7 +61,7 @@ from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
-from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, tokenizer_files
+from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, first_tokenizer, tokenizer_files
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -269,13 +269,7 @@ def checkpoint_recipe(path: Path) -> Path:
 def checkpoint_tokenizer(path: Path, tokenizer_path: str | None) -> Path | None:
     """Where the tokenizer a checkpoint was trained with is: its own copy (the step directory), else the recipe's
     data.tokenizer_path, if either exists."""
-    for candidate in (path, *([Path(tokenizer_path)] if tokenizer_path else [])):
-        try:
-            tokenizer_files(candidate)
-            return candidate
-        except FileNotFoundError:
-            continue
-    return None
+    return first_tokenizer((path, tokenizer_path))
 
 
 def check_disk_room(recipe: Recipe) -> None:

@@ -57,18 +57,24 @@ def tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
     return {FILE_NAME: path}
 
 
+def first_tokenizer(candidates: Iterable[str | os.PathLike | None]) -> Path | None:
+    """The first of `candidates` that holds (or is) a tokenizer, or None."""
+    for candidate in candidates:
+        if candidate is None:
+            continue
+        try:
+            tokenizer_files(candidate)
+            return Path(candidate)
+        except FileNotFoundError:
+            continue
+    return None
+
+
 def saved_tokenizer(checkpoint: str | os.PathLike) -> Path | None:
     """The tokenizer that travels with a checkpoint: in the directory itself (an imported model, a step directory) or
     in the step its `latest` names (a run directory, its checkpoints/); None if there is none."""
     path = Path(checkpoint)
-    for candidate in (path, published_step(path)):
-        if candidate is not None and candidate.is_dir():
-            try:
-                tokenizer_files(candidate)
-                return candidate
-            except FileNotFoundError:
-                continue
-    return None
+    return first_tokenizer(d for d in (path, published_step(path)) if d is not None and d.is_dir())
 
 
 def run_tokenizer_path(tokenizer_path: str | None, resume: str, out_dir: str) -> str:
