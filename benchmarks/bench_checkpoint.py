@@ -38,7 +38,7 @@ from fsdp_trainer.train import build_model
 
 
 def training_state(recipe, env) -> dict:
-    model = build_model(recipe, env)
+    model, _ = build_model(recipe, env)
     optimizer = build_optimizer(model, recipe.optim)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

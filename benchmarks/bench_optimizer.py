@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed(recipe.parallel)
     recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
     recipe.train.seed = 0
-    model = build_model(recipe, env)
+    model, _ = build_model(recipe, env)
     generator = torch.Generator(device=env.device).manual_seed(env.rank)
     for p in model.parameters():
         local = torch.randn(p.to_local().shape, generator=generator, device=env.device) * 1e-3

@@ -176,16 +176,16 @@ def block_causal(documents: torch.Tensor, flex: bool = False) -> tuple[torch.Ten
 class Transformer(nn.Module):
     """Llama 3 / Qwen3 causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, flex_attention: bool = False):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.flex_attention = False
-        """Packed examples through flex_attention instead of a boolean mask: fast only compiled, so parallelize() turns
-        it on with torch.compile, on GPUs."""
+        self.flex_attention = flex_attention
+        """Packed examples through flex_attention instead of a boolean mask: fast only compiled (on GPUs, when the
+        blocks are compiled)."""
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
         cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)

@@ -31,7 +31,15 @@ from fsdp_trainer.checkpoint import (
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader, open_data
-from fsdp_trainer.distributed.parallelize import materialize, parallelize, set_gradient_sync
+from fsdp_trainer.distributed.parallelize import (
+    SHARDING,
+    Parallelized,
+    ShardingPlan,
+    materialize,
+    parallelize,
+    set_gradient_sync,
+    uses_flex_attention,
+)
 from fsdp_trainer.distributed.runtime import (
     DistEnv,
     close_distributed,
@@ -59,6 +67,7 @@ def train_step(
     grad_clip: float,
     loss_chunks: int = 1,
     scaler: torch.amp.GradScaler | None = None,
+    plan: ShardingPlan = SHARDING["FULL_SHARD"],
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns global loss, grad norm and the non-finite flag as
     device tensors (no host sync).
@@ -93,7 +102,7 @@ def train_step(
     loss_sum = torch.zeros((), device=device)
     for i, (batch, objective) in enumerate(zip(micro_batches, objectives, strict=True)):
         # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+        set_gradient_sync(model, plan, i == len(micro_batches) - 1)
         loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
         share = share_of_global_mean(loss, targets, world)
         (scaler.scale(share) if fp16 else share).backward()
@@ -219,14 +228,14 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
 # --- construction: each piece a function that another entry point (an evaluation, a preference run) reuses ---------
 
 
-def build_model(recipe: Recipe, env: DistEnv) -> Transformer:
+def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized]:
     """The recipe's model, parallelized and initialised: shapes on meta, then AC / compile / FSDP from outside, then
-    each rank allocates and fills its own shards (the same weights at any world size)."""
+    each rank allocates and fills its own shards (the same weights at any world size); and what was applied."""
     with torch.device("meta"):
-        model = Transformer(recipe.model)
-    parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, recipe.train.seed)
-    return model
+        model = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
+    applied = parallelize(model, recipe.parallel, env.mesh)
+    materialize(model, env.device, recipe.train.seed, applied.cpu_offload)
+    return model, applied
 
 
 def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> TokenLoader:
@@ -254,7 +263,7 @@ def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful]
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
     cfg = recipe.train
     torch.manual_seed(cfg.seed)
-    model = build_model(recipe, env)
+    model, applied = build_model(recipe, env)
     optimizer = build_optimizer(model, recipe.optim)
     # fp16 only, else a no-op. The gradients are where the shards are: on the host under parallel.cpu_offload.
     scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
@@ -274,7 +283,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)
             batches = loader.next_batch()
-            stats = train_step(model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler)
+            stats = train_step(
+                model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan
+            )
             state.finish_step(stats)
             metrics.step_done(state.step)
             last = state.step == cfg.steps

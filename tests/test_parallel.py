@@ -16,6 +16,7 @@ from fsdp_trainer.config import ModelConfig, ParallelConfig
 from fsdp_trainer.distributed import parallelize as parallelize_module
 from fsdp_trainer.distributed import runtime
 from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize, set_gradient_sync
+from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from tests.helpers import run_distributed
 
@@ -39,9 +40,9 @@ def _check_sharded_model(rank, world_size, sharding, ac, cpu_offload=False):
     cfg = ParallelConfig(
         sharding=sharding, activation_checkpointing=ac, mixed_precision="fp32", cpu_offload=cpu_offload
     )
-    parallelize(model, cfg, mesh)
+    applied = parallelize(model, cfg, mesh)
     parallelize_module.fully_shard = real_fully_shard
-    materialize(model, torch.device("cpu"), seed=5)
+    materialize(model, torch.device("cpu"), seed=5, cpu_offload=applied.cpu_offload)
     # Every block and the root: offloaded, unpinned (pinning needs an accelerator), or not at all.
     expected = CPUOffloadPolicy(pin_memory=False) if cpu_offload else None
     assert policies == [expected] * (CFG.n_layers + 1)
@@ -78,14 +79,14 @@ def _gathered_between_micro_steps(rank, world_size, sharding):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     with torch.device("meta"):
         model = Transformer(CFG)
-    parallelize(model, ParallelConfig(sharding=sharding, mixed_precision="fp32"), mesh)
+    applied = parallelize(model, ParallelConfig(sharding=sharding, mixed_precision="fp32"), mesh)
     materialize(model, torch.device("cpu"), seed=5)
     weight = lambda: model.model.layers["0"].mlp.gate_proj.weight  # noqa: E731 (the registered tensor changes)
     tokens = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     kept = []
     for last in (False, True):  # two micro-steps of one optimizer step
-        set_gradient_sync(model, last)
-        model(tokens, tokens).backward()
+        set_gradient_sync(model, applied.plan, last)
+        model(tokens, loss=NextTokenLoss(tokens)).backward()
         kept.append(not isinstance(weight(), DTensor))  # FSDP registers the unsharded tensor while gathered
     # ZeRO-1 keeps the block gathered from the first micro-step into the next (no second all-gather) and frees it
     # after the last, before the optimizer changes its shards; ZeRO-2 frees it after every backward.

@@ -124,8 +124,6 @@ def apply_fsdp(
         # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
         shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
     shard(model, reshard_after_forward=False)
-    model.sharding_plan = plan  # set_gradient_sync reads it on every micro-step
-    model.cpu_offload = cpu_offload  # materialize reads it: the shards must then be allocated on the host
     if prefetch_blocks > 1:
         # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
         # reversed forward order); an explicit list replaces that, so it starts with the adjacent block.
@@ -134,7 +132,17 @@ def apply_fsdp(
             block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks) : i][::-1])
 
 
-def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
+@dataclass(frozen=True)
+class Parallelized:
+    """What parallelize() applied, for the rooms that act on it: materialize() places the shards by it, and the
+    training step syncs gradients by its plan."""
+
+    plan: ShardingPlan
+    cpu_offload: bool
+    """The shards, their gradients and the optimizer state live in host memory."""
+
+
+def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> Parallelized:
     """Apply, in this order: activation checkpointing -> compile -> FSDP per block -> FSDP on the root.
 
     AC must wrap the block before FSDP does, so FSDP's hooks sit outside the recomputed region, and compile goes in
@@ -143,10 +151,15 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> No
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(model)
-        # Packed examples then attend through flex_attention, compiled into a kernel that skips the blocks the mask
-        # empties (eager, it is slower than the boolean mask); torch 2.13 has no flex_attention backward on CPUs.
-        model.flex_attention = mesh.device_type == "cuda"
     apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
+    return Parallelized(SHARDING[cfg.sharding], cfg.cpu_offload)
+
+
+def uses_flex_attention(cfg: ParallelConfig, device: torch.device) -> bool:
+    """Packed examples attend through flex_attention when the blocks are compiled on a GPU, compiled into a kernel
+    that skips the blocks the mask empties; eager it is slower than the boolean mask, and torch 2.13 has no
+    flex_attention backward on CPUs."""
+    return cfg.compile and device.type == "cuda"
 
 
 def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
@@ -158,14 +171,13 @@ def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
         param.copy_(values)
 
 
-def materialize(model: Transformer, device: torch.device, seed: int) -> None:
+def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
     """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size.
 
-    When parallelize() applied parallel.cpu_offload, the shards are allocated in host memory, where FSDP2 requires
+    With `cpu_offload` (what parallelize() applied), the shards are allocated in host memory, where FSDP2 requires
     them, and the buffers (the rotary tables) on the device, where the compute reads them; the values are still drawn
     on the device, so a run with offload starts from the same weights as one without.
     """
-    cpu_offload = getattr(model, "cpu_offload", False)
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         for module in model.modules():
@@ -174,10 +186,10 @@ def materialize(model: Transformer, device: torch.device, seed: int) -> None:
     model.init_weights(seed=seed, fill=_fill_local_shard, device=device)
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+def set_gradient_sync(model: nn.Module, plan: ShardingPlan, enabled: bool) -> None:
     """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally). Under SHARD_OP (ZeRO-1) the
     gathered parameters are also kept after backward until then, so the next micro-step does not gather them again;
     after the last one they are freed, since the optimizer step is about to change their shards."""
     model.set_requires_gradient_sync(enabled)
-    if model.sharding_plan.gathered_for_the_step:
+    if plan.gathered_for_the_step:
         model.set_reshard_after_backward(enabled)
