@@ -104,22 +104,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
         _check_chat_inputs(recipe, files)
 
     if not os.path.exists(data.tokenizer_path):
-        vocab_size = vocab_size or recipe.model.vocab_size
-        if vocab_size > recipe.model.vocab_size:
-            raise ValueError(
-                f"--vocab_size={vocab_size} exceeds the recipe's model.vocab_size={recipe.model.vocab_size}"
-            )
-        with tempfile.TemporaryDirectory() as tmp:  # sentencepiece trains from a plain-text file: a sample
-            sample, chars = os.path.join(tmp, "sample.txt"), 0
-            texts = (text for path in files for text in read_documents(path, text_key, BadRecords(skip=True)))
-            with open(sample, "w", encoding="utf-8") as f:
-                for text in texts:  # documents a line apart (one .txt file: exactly its text)
-                    f.write(("\n" if chars else "") + text[: SAMPLE_CHARS - chars])
-                    chars += len(text) + 1
-                    if chars >= SAMPLE_CHARS:
-                        break
-            train_tokenizer([sample], data.tokenizer_path, vocab_size)
-        print(f"{data.tokenizer_path}: trained, vocab {vocab_size}")
+        _train_tokenizer(recipe, files, text_key, vocab_size or recipe.model.vocab_size)
     tokenizer = load_tokenizer(data.tokenizer_path)
     recipe.model.check_vocab(f"data.tokenizer_path={data.tokenizer_path} (added tokens included)", tokenizer.vocab_size)
     fingerprint = tokenizer.fingerprint()
@@ -155,14 +140,35 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     total_bytes = sum(s.st_size for s in stat)
     workers = workers or os.cpu_count() or 1
     bad = BadRecords(skip=o.skip_bad_records)
-    bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
+    # Conversations are whole records (no text field) with a training mask; no validation output: every token trains.
+    key, mask = (None, o.train_on) if chat else (text_key, None)
+    results = process(files, key, start, data.tokenizer_path, val_fraction if val is not None else 0.0, workers, mask)
     writers = [w for w in (train, val) if w is not None]
+    n_docs = _write(results, train, val, bad, total_bytes)
+    for w in writers:
+        w.finish(stamp)
+    elapsed = time.perf_counter() - start_time
+    for name, w in (("train", train), ("val", val)):
+        if isinstance(w, PackedWriter):
+            print(f"{name}: {w.summary()}")
+    counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
+    skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
+    resumed = f" (resumed at document {start:,})" if start else ""
+    written = sum(w.n_tokens for w in writers) * np.dtype(token_dtype(tokenizer.vocab_size)).itemsize / 1e6
+    print(
+        f"prepared {n_docs:,} {'conversations' if chat else 'documents'}{resumed}{skipped}: {counts} tokens, "
+        f"{sum(w.files for w in writers)} file(s), {written:,.1f} MB written; {total_bytes / 1e6:,.1f} MB of input in "
+        f"{elapsed:.1f} s ({total_bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, {workers} worker(s))"
+    )
+
+
+def _write(results, train, val, bad: BadRecords, total_bytes: int) -> int:
+    """The workers' results into the writers, in input order; returns the documents written. On any failure the
+    writers are abandoned, so nothing half-written stays behind."""
+    bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
     n_docs = 0
     try:
-        split = val_fraction if val is not None else 0.0  # no validation output: every token is for training
-        # Conversations are whole records (no text field) with a training mask.
-        key, mask = (None, o.train_on) if chat else (text_key, None)
-        for result in process(files, key, start, data.tokenizer_path, split, workers, mask):
+        for result in results:
             for where, what in result.bad:
                 bad.found(where, what)
             train.add(result.train)
@@ -173,29 +179,31 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
                 bar.update(result.chars)  # characters, close to bytes for most text
                 bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
     except BaseException:
-        for w in writers:
-            w.abandon()
+        for w in (train, val):
+            if w is not None:
+                w.abandon()
         raise
     finally:
         if bar is not None:
             bar.close()
-    for w in writers:
-        w.finish(stamp)
-    elapsed = time.perf_counter() - start_time
-    n_tokens = sum(w.n_tokens for w in writers)
-    counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
-    skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
-    resumed = f" (resumed at document {start:,})" if start else ""
-    for name, w in (("train", train), ("val", val)):
-        if isinstance(w, PackedWriter):
-            print(f"{name}: {w.summary()}")
-    what = "conversations" if chat else "documents"
-    print(
-        f"prepared {n_docs:,} {what}{resumed}{skipped}: {counts} tokens, {sum(w.files for w in writers)} file(s), "
-        f"{n_tokens * np.dtype(token_dtype(tokenizer.vocab_size)).itemsize / 1e6:,.1f} MB written; "
-        f"{total_bytes / 1e6:,.1f} MB of input in {elapsed:.1f} s ({total_bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, "
-        f"{workers} worker(s))"
-    )
+    return n_docs
+
+
+def _train_tokenizer(recipe: Recipe, files: list[str], text_key: str, vocab_size: int) -> None:
+    """A sentencepiece tokenizer at data.tokenizer_path, trained on the inputs' first SAMPLE_CHARS characters."""
+    if vocab_size > recipe.model.vocab_size:
+        raise ValueError(f"--vocab_size={vocab_size} exceeds the recipe's model.vocab_size={recipe.model.vocab_size}")
+    with tempfile.TemporaryDirectory() as tmp:  # sentencepiece trains from a plain-text file: a sample
+        sample, chars = os.path.join(tmp, "sample.txt"), 0
+        texts = (text for path in files for text in read_documents(path, text_key, BadRecords(skip=True)))
+        with open(sample, "w", encoding="utf-8") as f:
+            for text in texts:  # documents a line apart (one .txt file: exactly its text)
+                f.write(("\n" if chars else "") + text[: SAMPLE_CHARS - chars])
+                chars += len(text) + 1
+                if chars >= SAMPLE_CHARS:
+                    break
+        train_tokenizer([sample], recipe.data.tokenizer_path, vocab_size)
+    print(f"{recipe.data.tokenizer_path}: trained, vocab {vocab_size}")
 
 
 def _check_chat_inputs(recipe: Recipe, files: list[str]) -> None:
