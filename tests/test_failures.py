@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks.runner import torchrun_command, train_command
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import materialize, parallelize
@@ -27,7 +26,9 @@ from tests.helpers import (
     read_metrics,
     run_args,
     run_distributed,
+    torchrun_command,
     train_cli,
+    train_command,
     train_popen,
     wait_for_step,
     worker_pids,
