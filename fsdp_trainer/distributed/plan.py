@@ -221,6 +221,26 @@ def recommend(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: floa
     return min(fits, key=key, default=None)
 
 
+def table(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float) -> str:
+    """The estimates as a markdown table, a row each, with whether it fits."""
+    rows = [
+        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
+        "| optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
+        "| host<->device GB / step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in estimates:
+        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb,
+                 e.accumulated_gb, e.optimizer_step_gb, e.runtime_gb, e.total_gb)  # fmt: skip
+        fits = "yes" if e.fits(device_mem_gb, host_mem_gb) else "no"
+        name = f"{e.sharding} + offload" if e.offload else e.sharding
+        rows.append(
+            f"| {name} | {e.ac} | {' | '.join(f'{x:.2f}' for x in terms)} | {fits} | {e.sent_gb:.2f} "
+            f"({e.internode_gb:.2f}) | {e.host_gb:.2f} | {e.host_traffic_gb:.2f} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = recipe_parser("fsdp_trainer.distributed.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
@@ -257,30 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
         f"device(s) of {mem:.1f} GB"
     )
-    print(
-        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
-        "| optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
-        "| host<->device GB / step |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for e in estimates:
-        terms = (
-            e.state_gb,
-            e.gathered_gb,
-            e.activations_gb,
-            e.logits_gb,
-            e.backward_gb,
-            e.grad_buffers_gb,
-            e.accumulated_gb,
-            e.optimizer_step_gb,
-        )
-        cells = " | ".join(f"{x:.2f}" for x in (*terms, e.runtime_gb, e.total_gb))
-        fits = "yes" if e.fits(mem, host_mem) else "no"
-        name = f"{e.sharding} + offload" if e.offload else e.sharding
-        print(
-            f"| {name} | {e.ac} | {cells} | {fits} | {e.sent_gb:.2f} ({e.internode_gb:.2f}) | {e.host_gb:.2f} | "
-            f"{e.host_traffic_gb:.2f} |"
-        )
+    print(table(estimates, mem, host_mem))
     best = recommend(estimates, mem, host_mem)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)
