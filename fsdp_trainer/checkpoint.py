@@ -345,7 +345,10 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.resumed_from: Path | None = None  # the step directory load() resumed from; its attachments are read back
         self.preempted = False
-        self._preemption: PreemptionFlag | None = PreemptionFlag(env.timeout)
+        # The checkpointer's own CPU round trips (the preemption flag each step, what verification found), on a gloo
+        # group apart from training's collectives.
+        self._control = dist.new_group(backend="gloo", timeout=env.timeout)
+        self._preemption: PreemptionFlag | None = PreemptionFlag(self._control)
         self._pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
@@ -416,7 +419,7 @@ class Checkpointer:
         rank found gathered on all, so that every rank takes the same decision."""
         share = verify_checkpoint(path, dist.get_rank(), dist.get_world_size())
         found: list = [None] * dist.get_world_size()
-        dist.all_gather_object(found, share, group=self._preemption.group)  # gloo: CPU objects, no device involved
+        dist.all_gather_object(found, share, group=self._control)  # gloo: CPU objects, no device involved
         return None if found[0] is None else sorted(problem for share in found for problem in share)
 
     def _verified(self, path: Path) -> Path:
@@ -521,3 +524,5 @@ class Checkpointer:
         if self._preemption is not None:
             self._preemption.close()
             self._preemption = None
+            dist.destroy_process_group(self._control)  # now, not at interpreter exit (see close_distributed)
+            self._control = None

@@ -269,12 +269,13 @@ class PreemptionFlag:
     """SIGTERM (what Slurm, Kubernetes and torchrun send before killing) asks the run to stop after the current step.
 
     Ranks can receive the signal steps apart, so they agree once per step with a MAX all-reduce of one integer on a
-    gloo group of its own: a CPU round trip that never waits on the GPU, unlike reading a device tensor would.
+    gloo `group` (the caller's, apart from training's): a CPU round trip that never waits on the GPU, unlike reading a
+    device tensor would.
     """
 
-    def __init__(self, timeout: timedelta) -> None:
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.received = False
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.group = group
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -286,10 +287,9 @@ class PreemptionFlag:
         return bool(flag.item())
 
     def close(self) -> None:
-        """Give SIGTERM back and free the group now: the handler would keep the group alive until interpreter exit,
-        where freeing it can abort the process (see close_distributed)."""
+        """Give SIGTERM back: the handler would keep the group alive until interpreter exit, where freeing it can
+        abort the process (see close_distributed)."""
         signal.signal(signal.SIGTERM, self._previous_handler)
-        dist.destroy_process_group(self.group)
         self.group = None
 
 
