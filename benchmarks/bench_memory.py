@@ -25,8 +25,8 @@ from runner import report_header, run_ours, synthetic_data
 from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
 from fsdp_trainer.distributed.plan import estimate
 from fsdp_trainer.distributed.runtime import precision_on
-from fsdp_trainer.metrics import STATE_KEYS
 from fsdp_trainer.model import count_params
+from fsdp_trainer.sinks import STATE_KEYS
 
 
 def measure(

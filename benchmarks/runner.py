@@ -14,7 +14,7 @@ import numpy as np
 from fsdp_trainer.config import recipe_to_yaml
 from fsdp_trainer.data.format import write_token_file
 from fsdp_trainer.files import METRICS_FILE, file_sha256
-from fsdp_trainer.metrics import STATE_KEYS
+from fsdp_trainer.sinks import STATE_KEYS
 
 TRAINER = ["-m", "fsdp_trainer.train"]
 BASELINE = [str(Path(__file__).with_name("baseline_loop.py"))]

@@ -51,9 +51,10 @@ from fsdp_trainer.distributed.runtime import (
 )
 from fsdp_trainer.files import check_writable
 from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
-from fsdp_trainer.metrics import Metrics, require_wandb
+from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fsdp_trainer.sinks import require_wandb
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
 logger = logging.getLogger("fsdp_trainer")

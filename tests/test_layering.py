@@ -1,5 +1,5 @@
-"""The import graph points one way (files, config <- model, data, ... <- parallel <- checkpoint, metrics <- train
-<- tools), and model.py stays free of torch.distributed."""
+"""The import graph points one way (files, config <- model, loss, data/ ... <- distributed/ <- checkpoint, metrics <-
+train <- launch <- tools), and model.py stays free of torch.distributed."""
 
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ ALLOWED = {
     "distributed.runtime": {"config", "distributed.parallelize"},
     "distributed.plan": {"config", "model", "optim", "distributed.parallelize", "distributed.runtime"},
     "checkpoint": {"config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
-    "metrics": {"config", "data.loader", "files", "model", "distributed.runtime"},
+    "sinks": {"config", "files"},
+    "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
     "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
     "train": {
-        "checkpoint", "config", "data.loader", "data.format", "files", "loss", "metrics", "model", "optim",
+        "checkpoint", "config", "data.loader", "data.format", "files", "loss", "metrics", "model", "optim", "sinks",
         "distributed.parallelize", "distributed.runtime", "tokenizer",
     },
     "launch": {"config", "train"},

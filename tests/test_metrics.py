@@ -14,7 +14,8 @@ from fsdp_trainer.checkpoint import CHECKSUMS_FILE
 from fsdp_trainer.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 from fsdp_trainer.files import METRICS_FILE
-from fsdp_trainer.metrics import WANDB_RUN_FILE, Metrics, StepTimer, peak_flops
+from fsdp_trainer.metrics import Metrics, StepTimer, peak_flops
+from fsdp_trainer.sinks import WANDB_RUN_FILE
 from tests.helpers import TINY_MODEL, read_metrics, run_args, train_cli
 
 CPU = torch.device("cpu")

@@ -1,0 +1,206 @@
+"""Where a run's records go, on rank 0: a log line, metrics.jsonl, TensorBoard, Weights & Biases, a progress bar.
+
+A sink is a class with write(record) and close(); Metrics (metrics.py) makes the records and hands each to every sink.
+A new sink is a class here, added in Metrics.__init__.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from fsdp_trainer.config import Recipe
+from fsdp_trainer.files import write_atomic
+
+logger = logging.getLogger("fsdp_trainer")
+
+
+STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")
+"""The training state each rank holds, logged once, with their sum as `state_gb`."""
+
+
+class LogLine:
+    """A line on stdout per record, through the `fsdp_trainer` logger."""
+
+    def write(self, record: dict) -> None:
+        if "loss" in record:
+            mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
+            logger.info(
+                f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad_norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
+                f"mem {record['peak_mem_gb']:.2f} GB"
+                + (f" | scale {record['loss_scale']:g}" if "loss_scale" in record else "")
+            )
+        elif "val_loss" in record:
+            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}")
+        elif "state_gb" in record:
+            parts = ", ".join(f"{k.removesuffix('_gb')} {record[k]:.3f}" for k in STATE_KEYS)
+            logger.info(f"training state per rank: {record['state_gb']:.3f} GB ({parts})")
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlFile:
+    """OUT_DIR/metrics.jsonl, a JSON object per line. On resume, the records the interrupted attempt wrote after the
+    checkpoint are dropped first, so each step appears once."""
+
+    def __init__(self, path: str, start_step: int):
+        if start_step and os.path.exists(path):
+            with open(path) as f:
+                # A line cut short by a kill has no newline and no value.
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step]
+            write_atomic(path, "".join(kept))
+        self.file = open(path, "a" if start_step else "w")
+
+    def write(self, record: dict) -> None:
+        # NaN and inf are not JSON; null keeps the file readable by strict parsers (jq, JavaScript).
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# TensorBoard groups scalars by the part before the slash.
+TENSORBOARD_TAGS = {
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "tokens_per_s": "speed/tokens_per_s",
+    "tokens_per_s_per_device": "speed/tokens_per_s_per_device",
+    "mfu": "speed/mfu",
+    "step_time_s": "speed/step_time_s",
+    "step_time_max_s": "speed/step_time_max_s",
+    "peak_mem_gb": "memory/peak_gb",
+    "peak_host_mem_gb": "memory/peak_host_gb",
+    "params_gb": "memory/params_gb",
+    "grads_gb": "memory/grads_gb",
+    "optimizer_gb": "memory/optimizer_gb",
+    "state_gb": "memory/state_gb",
+}
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A record's finite numbers under their TensorBoard / W&B names, the mixture's per-source counts included."""
+    out = {
+        TENSORBOARD_TAGS.get(key, f"train/{key}"): value
+        for key, value in record.items()
+        if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value)
+    }
+    for source, drawn in record.get("mixture", {}).items():
+        out.update({f"data/{source}/{key}": value for key, value in drawn.items()})
+    return out
+
+
+class TensorBoard:
+    """OUT_DIR/tensorboard/: the records' numbers as scalars. Made by `open` only when the optional `tensorboard`
+    package is installed (metrics.jsonl has it all anyway)."""
+
+    @classmethod
+    def open(cls, log_dir: str, start_step: int) -> TensorBoard | None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        # purge_step drops events a previous attempt wrote past the step this run resumes from.
+        return cls(SummaryWriter(log_dir, purge_step=start_step or None))
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def write(self, record: dict) -> None:
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+WANDB_RUN_FILE = "wandb_run.json"
+"""Saved with every checkpoint (an attachment of its step directory): the W&B run id a resumed run continues."""
+
+
+def uses_wandb(recipe: Recipe) -> bool:
+    return recipe.wandb.project is not None and recipe.wandb.mode != "disabled"
+
+
+def require_wandb(recipe: Recipe) -> None:
+    """Before any process group: naming a W&B project without the package installed is one line, not a traceback
+    after the first step."""
+    if not uses_wandb(recipe):
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            f"wandb.project={recipe.wandb.project} needs the wandb package ({e}): pip install wandb, or pip install "
+            "-e '.[wandb]'; or drop wandb.project"
+        ) from None
+
+
+class WandbRun:
+    """Weights & Biases, on rank 0: the scalars TensorBoard gets, under the same names, and the resolved recipe as the
+    run's config. The run id is saved with every checkpoint (WANDB_RUN_FILE), so a run resumed from one (after
+    SIGTERM, a torchrun restart, a requeued Slurm job) continues the same W&B run. W&B keeps a run's steps increasing
+    and drops what is logged at a step it already has, so the steps an interrupted attempt logged after its checkpoint
+    keep their first values and appear once; with an exact resume they are the same numbers (speed aside)."""
+
+    def __init__(self, recipe: Recipe, resumed_from: str | os.PathLike | None, start_step: int = 0):
+        import wandb
+
+        cfg, out_dir = recipe.wandb, recipe.train.out_dir
+        saved = os.path.join(resumed_from, WANDB_RUN_FILE) if resumed_from is not None else None
+        previous = json.loads(Path(saved).read_text())["id"] if saved and os.path.isfile(saved) else None
+        self.run_id = previous or uuid.uuid4().hex[:12]  # W&B ids are lowercase letters and digits
+        os.makedirs(out_dir, exist_ok=True)
+        if previous and cfg.rewind:  # the same run, its history cut back to the checkpoint's step
+            continuing = {"resume_from": f"{previous}?_step={start_step}"}
+        else:
+            continuing = {"id": self.run_id, "resume": "allow" if previous else None}
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=cfg.name or os.path.basename(os.path.abspath(out_dir)),
+            mode=cfg.mode,
+            tags=list(cfg.tags),
+            dir=out_dir,
+            config=dataclasses.asdict(recipe),
+            **continuing,
+        )
+
+    def write(self, record: dict) -> None:
+        self.run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class ProgressBar:
+    """On a terminal, a tqdm bar with ETA, moved every step; log lines print above it, never through it."""
+
+    def __init__(self, total_steps: int, start_step: int):
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        # Log lines go through tqdm.write while the bar is up, so the two never interleave mid-line.
+        self._redirect = logging_redirect_tqdm()  # the root logger, where setup_logging put the handler
+        self._redirect.__enter__()
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+    def update(self, step: int) -> None:
+        self.bar.update(step - self.bar.n)
+
+    def write(self, record: dict) -> None:
+        if "loss" in record:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+        self._redirect.__exit__(None, None, None)
