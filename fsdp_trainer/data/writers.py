@@ -1,0 +1,261 @@
+"""The writers of data preparation: a token file, a packed file of conversations with its flags, or a directory of
+shards with a manifest (the format is format.py's), each written so that nothing half-written is ever taken for
+complete, and a directory of shards so that a preparation killed at any instant and started again keeps the shards
+already complete and goes on from where the last one ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from fsdp_trainer.data.chat import Packer
+from fsdp_trainer.data.encode import Part
+from fsdp_trainer.data.format import (
+    FLAGS_SUFFIX,
+    MANIFEST,
+    META_SUFFIX,
+    TokenFile,
+    disk_dtype,
+    shard_name,
+    token_meta,
+    write_meta,
+    write_token_file,
+)
+from fsdp_trainer.files import file_sha256, write_atomic
+
+
+class FileWriter:
+    """One token file, streamed to a temporary file and renamed when complete (a restart starts it over)."""
+
+    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str):
+        self.path, self.vocab_size, self.tokenizer_sha256 = path, vocab_size, tokenizer_sha256
+        self.dtype = disk_dtype(vocab_size)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path + ".tmp", "wb")
+        self.n_tokens, self.files = 0, 1
+        self.resume_from = 0
+
+    def add(self, part: Part) -> None:
+        self.file.write(part.ids.astype(self.dtype).tobytes())
+        self.n_tokens += len(part.ids)
+
+    def abandon(self) -> None:
+        """After a failure: no half-written file stays behind."""
+        self.file.close()
+        Path(self.path + ".tmp").unlink(missing_ok=True)
+
+    def finish(self, stamp: dict) -> None:
+        self.file.close()
+        os.replace(self.path + ".tmp", self.path)
+        write_meta(self.path, token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256, **self.extra_meta()))
+        write_atomic(f"{self.path}.inputs.json", json.dumps(stamp))
+
+    def extra_meta(self) -> dict:
+        return {}
+
+    @staticmethod
+    def is_done(path: str, stamp: dict) -> bool:
+        stamp_path = Path(f"{path}.inputs.json")
+        return (
+            Path(path).is_file()
+            and Path(f"{path}{META_SUFFIX}").is_file()
+            and stamp_path.is_file()
+            and (json.loads(stamp_path.read_text()) == stamp)
+        )
+
+
+class PackedWriter(FileWriter):
+    """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
+    (format.py), both streamed to temporary files and renamed when complete."""
+
+    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer):
+        super().__init__(path, vocab_size, tokenizer_sha256)
+        self.packer = packer
+        self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
+
+    def add(self, part: Part) -> None:
+        ends = np.cumsum(part.lengths)
+        for start, end in zip(ends - part.lengths, ends, strict=True):
+            for window in self.packer.add(part.ids[start:end].astype(np.int64), part.trained[start:end]):
+                self._write(*window)
+
+    def _write(self, tokens: np.ndarray, flags: np.ndarray) -> None:
+        self.file.write(tokens.astype(self.dtype).tobytes())
+        self.flags.write(flags.tobytes())
+        self.n_tokens += len(tokens)
+
+    def abandon(self) -> None:
+        super().abandon()
+        self.flags.close()
+        Path(self.path + FLAGS_SUFFIX + ".tmp").unlink(missing_ok=True)
+
+    def finish(self, stamp: dict) -> None:
+        for window in self.packer.finish():
+            self._write(*window)
+        self.flags.close()
+        os.replace(self.path + FLAGS_SUFFIX + ".tmp", self.path + FLAGS_SUFFIX)
+        super().finish(stamp)
+
+    def extra_meta(self) -> dict:
+        p = self.packer
+        return {
+            "packed_seq_len": p.seq_len,
+            "examples": p.examples,
+            "supervised_tokens": p.targets,
+            "truncated": p.truncated,
+            "dropped": p.dropped,
+            "untrained": p.untrained,
+        }
+
+    def summary(self) -> str:
+        p = self.packer
+        fill = p.placed / max(p.windows * p.seq_len, 1)
+        return (
+            f"{p.examples:,} examples in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
+            f"supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than data.seq_len, "
+            f"{p.untrained:,} dropped with no answer left within it)"
+        )
+
+
+class _Chunk:
+    """A batch of documents' ids waiting in a ShardWriter, `pos` of them already in shards."""
+
+    def __init__(self, part: Part, offsets: np.ndarray):
+        self.part, self.offsets, self.pos = part, offsets, 0
+        self.starts = np.cumsum(part.lengths) - part.lengths
+
+    def position(self, pos: int) -> tuple[int, int]:
+        """(document, offset in its part) of the token after the first `pos` of this chunk."""
+        k = int(np.searchsorted(self.starts, pos - 1, side="right")) - 1  # the document holding token pos - 1
+        return int(self.part.indices[k]), int(self.offsets[k] + pos - self.starts[k])
+
+
+class ShardWriter:
+    """A directory of token shards of `shard_tokens` tokens each (the last shorter), written in order, each shard
+    atomically, with a manifest last. A shard's meta says where it ends: its last token comes from document `doc`,
+    before `offset` in the part of it this writer gets; a restart goes on from there."""
+
+    def __init__(self, out_dir: str, shard_tokens: int, vocab_size: int, tokenizer_sha256: str, stamp: dict):
+        self.dir, self.shard_tokens = Path(out_dir), shard_tokens
+        self.vocab_size, self.tokenizer_sha256 = vocab_size, tokenizer_sha256
+        self.buffer: deque[_Chunk] = deque()
+        self.buffered = 0
+        self.shards: list[dict] = []
+        self.end = (0, 0)  # where the last complete shard ends
+        self._resume(stamp)
+        self.resume_from = self.end[0]
+
+    def _resume(self, stamp: dict) -> None:
+        """Keep the shards a previous, interrupted run with the same stamp completed and that still verify."""
+        progress = self.dir / "progress.json"
+        if self.dir.is_dir() and (not progress.is_file() or json.loads(progress.read_text()) != stamp):
+            ours = ("shard_", MANIFEST, "progress.json")
+            strangers = [p.name for p in self.dir.iterdir() if not p.name.startswith(ours)]
+            if strangers:
+                raise ValueError(
+                    f"{self.dir} exists and holds files that are not token shards ({', '.join(sorted(strangers)[:3])});"
+                    " choose another data path (a directory of shards, or a file name ending in .bin)"
+                )
+            shutil.rmtree(self.dir)  # shards made from other inputs or options: start over
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(progress, json.dumps(stamp))
+        for index in range(sys.maxsize):
+            path = self.dir / shard_name(index)
+            try:
+                shard = TokenFile(path)
+                if file_sha256(path) != shard.meta["sha256"]:
+                    break
+            except (FileNotFoundError, ValueError, KeyError):
+                break
+            self.shards.append({"file": path.name, "n_tokens": len(shard), "sha256": shard.meta["sha256"]})
+            self.end = tuple(shard.meta["end"])
+        for path in self.dir.iterdir():  # whatever comes after the kept shards is redone
+            if path.name.startswith("shard_") and path.name.split(".")[0] >= shard_name(len(self.shards))[:-4]:
+                path.unlink()
+
+    def add(self, part: Part) -> None:
+        offsets = np.zeros(len(part.indices), dtype=np.int64)  # where in its part each document's ids here start
+        if len(part.indices) and part.indices[0] <= self.end[0]:  # after a restart: drop what kept shards hold
+            part, offsets = self._after(part)
+        if len(part.ids):
+            self.buffer.append(_Chunk(part, offsets))
+            self.buffered += len(part.ids)
+        while self.buffered >= self.shard_tokens:
+            self._write_shard(self.shard_tokens)
+
+    def _after(self, part: Part) -> tuple[Part, np.ndarray]:
+        """The documents' ids from this writer's position on."""
+        doc, offset = self.end
+        indices, lengths, pieces, offsets, start = [], [], [], [], 0
+        for index, length in zip(part.indices.tolist(), part.lengths.tolist(), strict=True):
+            drop = length if index < doc else min(offset, length) if index == doc else 0
+            if length > drop:
+                indices.append(index)
+                lengths.append(length - drop)
+                pieces.append(part.ids[start + drop : start + length])
+                offsets.append(drop)
+            start += length
+        kept = Part(np.array(indices, np.int64), np.array(lengths, np.int64), np.concatenate(pieces or [part.ids[:0]]))
+        return kept, np.array(offsets, np.int64)
+
+    def _write_shard(self, n_tokens: int) -> None:
+        pieces, taken = [], 0
+        while taken < n_tokens:
+            chunk = self.buffer[0]
+            take = min(len(chunk.part.ids) - chunk.pos, n_tokens - taken)
+            pieces.append(chunk.part.ids[chunk.pos : chunk.pos + take])
+            chunk.pos += take
+            taken += take
+            end = chunk.position(chunk.pos)
+            if chunk.pos == len(chunk.part.ids):
+                self.buffer.popleft()
+        self.buffered -= n_tokens
+        path = self.dir / shard_name(len(self.shards))
+        tokens = np.concatenate(pieces)
+        sha = hashlib.sha256(tokens.astype(disk_dtype(self.vocab_size), copy=False))
+        write_token_file(
+            path, tokens, self.vocab_size, self.tokenizer_sha256, {"sha256": sha.hexdigest(), "end": list(end)}
+        )
+        self.shards.append({"file": path.name, "n_tokens": n_tokens, "sha256": sha.hexdigest()})
+        self.end = end
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(shard["n_tokens"] for shard in self.shards) + self.buffered
+
+    @property
+    def files(self) -> int:
+        return len(self.shards)
+
+    def finish(self, stamp: dict) -> None:
+        if self.buffered:
+            self._write_shard(self.buffered)
+        manifest = {
+            "shards": self.shards,
+            **token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256),
+            "stamp": stamp,
+        }
+        write_atomic(self.dir / MANIFEST, json.dumps(manifest, indent=1))
+        (self.dir / "progress.json").unlink()
+
+    def abandon(self) -> None:
+        """After a failure: the complete shards stay, for a restart to check and keep; nothing else was written."""
+
+    @staticmethod
+    def is_done(path: str, stamp: dict) -> bool:
+        manifest = Path(path) / MANIFEST
+        return manifest.is_file() and json.loads(manifest.read_text()).get("stamp") == stamp
+
+
+def writer_kind(path: str):
+    return FileWriter if Path(path).suffix else ShardWriter
+
+
