@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig, OptimConfig, parse_recipe
+from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.muon import NS_COEFFICIENTS, assign_owners, newton_schulz_flops, orthogonalize
 from fsdp_trainer.optim import build_optimizer, clip_grad_norm_, lr_at
@@ -99,7 +100,7 @@ def test_muon_steps_as_torch_muon_and_leaves_the_rest_to_adamw(monkeypatch):
         for model, optimizers in ((ours, [optimizer]), (ref, [torch_muon, torch_adamw])):
             for o in optimizers:
                 o.zero_grad()
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
+            (model(tokens[:, :-1], loss=NextTokenLoss(tokens[:, 1:])) / tokens[:, 1:].numel()).backward()
             for o in optimizers:
                 o.step()
     for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):

@@ -154,8 +154,6 @@ def process(
             yield pending.popleft().get()
 
 
-
-
 def is_validation(indices: np.ndarray, val_fraction: float) -> np.ndarray:
     """Which documents (by index in the input stream) of multi-document inputs go to validation: a hash of the index
     (splitmix64), so the choice is the same on every run and spread evenly through the corpus."""
@@ -165,7 +163,3 @@ def is_validation(indices: np.ndarray, val_fraction: float) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
     return x < np.uint64(val_fraction * 2**64)
-
-
-
-

@@ -2,9 +2,9 @@
 imports torch).
 
 A token file is a flat little-endian array of uint16 (vocab_size <= 65536: ids 0-65535) or uint32 ids, with
-`<file>.meta.json` beside it giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint (tokenizer.fingerprint, a sha256). A large
-corpus is a directory of such files (shards) with a `manifest.json` listing them in order; it reads as their
-concatenation.
+`<file>.meta.json` beside it giving `dtype`, `n_tokens`, `vocab_size` and the tokenizer's fingerprint
+(tokenizer.fingerprint, a sha256). A large corpus is a directory of such files (shards) with a `manifest.json` listing
+them in order; it reads as their concatenation.
 
 Fine-tuning data is packed: the file is windows of exactly `packed_seq_len` tokens (its meta says how many), each
 holding whole examples and padding, with `<file>.flags` beside it: a byte per token, TARGET where the next token is

@@ -18,6 +18,8 @@ from glob import glob, has_magic
 
 TASK_BYTES = 1 << 20  # text per tokenization task: large enough to amortize the trip to a worker
 TASK_DOCS = 1024
+
+
 @dataclass
 class BadRecords:
     skip: bool
@@ -180,6 +182,3 @@ def tasks(files: list[str], text_key: str | None, start: int) -> Iterator[Task]:
             if skip < len(records):
                 yield Task(index + skip, path, kind, number + skip, records[skip:])
             index += len(records)
-
-
-

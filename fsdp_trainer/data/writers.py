@@ -257,5 +257,3 @@ class ShardWriter:
 
 def writer_kind(path: str):
     return FileWriter if Path(path).suffix else ShardWriter
-
-
