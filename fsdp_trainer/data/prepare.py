@@ -3,7 +3,8 @@ the orchestration of sources.py (input files -> records), encode.py (the worker 
 
 Inputs are files or globs, of the formats sources.py reads. They are read as a stream, in order, and tokenized in
 batches by `workers` processes with at most a few batches in flight, so memory stays bounded whatever the corpus size;
-results are taken back in input order, so the bytes written are the same for any number of workers. Each document is encoded as the model was pretrained (BOS where the tokenizer adds one, EOS last).
+results are taken back in input order, so the bytes written are the same for any number of workers. Each document is
+encoded as the model was pretrained (BOS where the tokenizer adds one, EOS last).
 
 The tokenizer is the one at data.tokenizer_path, used as it is; only when nothing exists there is a sentencepiece
 tokenizer trained, on a sample of the inputs (their first SAMPLE_CHARS characters), never the whole corpus.
