@@ -43,6 +43,7 @@ from fsdp_trainer.distributed.parallelize import (
 from fsdp_trainer.distributed.runtime import (
     DistEnv,
     close_distributed,
+    die_with_launcher,
     init_distributed,
     process_group_backend,
     resolve_precision,
@@ -329,6 +330,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
 
 @record
 def main(argv: list[str] | None = None) -> None:
+    die_with_launcher()  # under torchrun: a worker never outlives its launcher
     recipe = parse_recipe(argv)  # bad recipe: one `error:` line, exit 1
     try:  # still before any collective: one line, exit 1
         train_file, val_file = check_run(recipe)

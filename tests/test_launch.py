@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from fsdp_trainer.checkpoint import verify_checkpoint
 from fsdp_trainer.launch import child_pids, split_argv
-from tests.helpers import REPO, run_args, train_cli, wait_for_step
+from tests.helpers import REPO, run_args, train_cli, train_popen, wait_for_step, worker_pids
 
 LAUNCHER = [sys.executable, "-m", "fsdp_trainer.launch"]
 
@@ -106,3 +107,33 @@ def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data,
         line.startswith("error: rank 0: checkpoint ")
         and "of shape (128, 64) but the recipe's model has (96, 64)" in line
     )
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_killed_launcher_and_the_next_run_resumes(tiny_data, tmp_path):
+    """SIGKILL of torchrun alone (not its group: each worker has a session of its own): the workers are gone within
+    seconds instead of training on beside the next attempt; `latest` names a complete checkpoint, which resumes."""
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    proc = train_popen(run_args(tiny_data, out, 100_000, checkpoint={"every": 1}), log)
+    wait_for_step(out, 3, proc, log)
+    workers = worker_pids(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30  # the kernel's signal is immediate; this only bounds a broken test
+    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers), "workers outlived torchrun"
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert verify_checkpoint(latest) == []
+    stopped_at = int(latest.name.removeprefix("step_"))
+    again = train_cli(run_args(tiny_data, out, stopped_at + 2, checkpoint={"every": 1}), nproc=2)
+    assert f"resumed from {latest}" in again.stdout
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie (a dead child its reaper has not collected yet counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

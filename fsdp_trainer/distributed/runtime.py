@@ -241,6 +241,28 @@ def _use_expandable_segments() -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """A worker started by torchrun's agent (torchrun, fsdp-train) is killed by the kernel the moment its launcher
+    dies: a `kill -9` of the launcher, or the OOM killer picking it, would otherwise leave the workers training on
+    (torchrun starts each in a session of its own) and saving into the run directory beside the next attempt. SIGKILL,
+    not SIGTERM: a worker must not publish a checkpoint its dead launcher's peers may never finish. If the launcher died
+    before this call (the worker then has a new parent, init's pid 1), the worker exits at once. Elsewhere (plain
+    `python -m`, Slurm's srun without torchrun) nothing changes; on a platform without prctl neither."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): a worker may outlive torchrun")
+        return
+    if os.getppid() == 1:  # reparented: the launcher is already gone
+        os._exit(1)
+
+
 def close_distributed() -> None:
     """Destroy every process group, and free now, not at interpreter exit, whatever still holds one in a reference
     cycle (FSDP's mesh info holds its group). A gloo group freed at exit can abort the process: its worker thread,
