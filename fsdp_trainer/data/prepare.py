@@ -30,12 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.data.chat import Packer, check_options
 from fsdp_trainer.data.encode import process
-from fsdp_trainer.data.format import token_dtype
+from fsdp_trainer.data.format import disk_dtype
 from fsdp_trainer.data.sources import BadRecords, expand_inputs, kind_of, read_documents
 from fsdp_trainer.data.writers import FileWriter, PackedWriter, ShardWriter, writer_kind
 from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
@@ -93,9 +91,6 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     data.tokenizer_path (trained there first if there is none). With format chat, the inputs are conversations,
     written packed into data.seq_len windows (see chat.py)."""
     o = options
-    val_fraction, vocab_size, text_key, workers, shard_tokens = (
-        o.val_fraction, o.vocab_size, o.text_key, o.workers, o.shard_tokens
-    )  # fmt: skip
     data = recipe.data
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, recipe.checkpoint.resume, recipe.train.out_dir)
     chat = o.format == "chat"
@@ -105,7 +100,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
         _check_chat_inputs(recipe, files)
 
     if not os.path.exists(data.tokenizer_path):
-        _train_tokenizer(recipe, files, text_key, vocab_size or recipe.model.vocab_size)
+        _train_tokenizer(recipe, files, o.text_key, o.vocab_size or recipe.model.vocab_size)
     tokenizer = load_tokenizer(data.tokenizer_path)
     recipe.model.check_vocab(f"data.tokenizer_path={data.tokenizer_path} (added tokens included)", tokenizer.vocab_size)
     fingerprint = tokenizer.fingerprint()
@@ -113,14 +108,14 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     stamp = {
         "inputs": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, stat, strict=True)],
         "tokenizer": fingerprint,
-        "val_fraction": val_fraction,
-        "text_key": text_key,
-        "shard_tokens": shard_tokens,
+        "val_fraction": o.val_fraction,
+        "text_key": o.text_key,
+        "shard_tokens": o.shard_tokens,
         "skip_bad_records": o.skip_bad_records,
     }
     if chat:
         stamp.update(format=o.format, train_on=o.train_on, long_examples=o.long_examples, seq_len=data.seq_len)
-    outputs = [data.train_path] + ([data.val_path] if data.val_path and val_fraction else [])
+    outputs = [data.train_path] + ([data.val_path] if data.val_path and o.val_fraction else [])
     if not o.force and all(writer_kind(p).is_done(p, stamp) for p in outputs):
         print(f"data already prepared: {', '.join(outputs)} (pass --force to rebuild)")
         return
@@ -133,17 +128,18 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
             return FileWriter(path, tokenizer.vocab_size, fingerprint)
         return ShardWriter(path, tokens_per_shard, tokenizer.vocab_size, fingerprint, stamp)
 
-    train = writer(data.train_path, shard_tokens)
+    train = writer(data.train_path, o.shard_tokens)
     # Validation shards are smaller in proportion, so both writers complete shards at about the same documents and a
     # restart, which goes on from the older of their positions, loses little.
-    val = writer(data.val_path, max(1, round(shard_tokens * val_fraction))) if data.val_path and val_fraction else None
+    val_shard = max(1, round(o.shard_tokens * o.val_fraction))
+    val = writer(data.val_path, val_shard) if data.val_path and o.val_fraction else None
     start = min(w.resume_from for w in (train, val) if w is not None)
     total_bytes = sum(s.st_size for s in stat)
-    workers = workers or os.cpu_count() or 1
+    workers = o.workers or os.cpu_count() or 1
     bad = BadRecords(skip=o.skip_bad_records)
     # Conversations are whole records (no text field) with a training mask; no validation output: every token trains.
-    key, mask = (None, o.train_on) if chat else (text_key, None)
-    results = process(files, key, start, data.tokenizer_path, val_fraction if val is not None else 0.0, workers, mask)
+    key, mask = (None, o.train_on) if chat else (o.text_key, None)
+    results = process(files, key, start, data.tokenizer_path, o.val_fraction if val is not None else 0.0, workers, mask)
     writers = [w for w in (train, val) if w is not None]
     n_docs = _write(results, train, val, bad, total_bytes)
     for w in writers:
@@ -155,7 +151,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
     resumed = f" (resumed at document {start:,})" if start else ""
-    written = sum(w.n_tokens for w in writers) * np.dtype(token_dtype(tokenizer.vocab_size)).itemsize / 1e6
+    written = sum(w.n_tokens for w in writers) * disk_dtype(tokenizer.vocab_size).itemsize / 1e6
     print(
         f"prepared {n_docs:,} {'conversations' if chat else 'documents'}{resumed}{skipped}: {counts} tokens, "
         f"{sum(w.files for w in writers)} file(s), {written:,.1f} MB written; {total_bytes / 1e6:,.1f} MB of input in "

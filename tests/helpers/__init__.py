@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from fsdp_trainer.distributed.runtime import close_distributed
 from fsdp_trainer.files import METRICS_FILE
+from fsdp_trainer.launch import child_pids
 
 REPO = Path(__file__).resolve().parents[2]
 # benchmarks/runner.py under the name the benchmark scripts import it by (their folder is on their path), so that a test
@@ -147,15 +148,10 @@ def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Pa
 def worker_pids(launcher_pid: int) -> list[int]:
     """The training processes torchrun started (its children running fsdp_trainer.train)."""
     pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in child_pids(launcher_pid):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"fsdp_trainer.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
         except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == launcher_pid and b"fsdp_trainer.train" in cmdline:
-            pids.append(int(entry))
+            continue  # gone meanwhile
     return pids
