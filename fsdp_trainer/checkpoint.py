@@ -359,7 +359,7 @@ class Checkpointer:
     def load(self) -> int | None:
         """Restore according to `checkpoint.resume`; returns the step resumed from, or None for a fresh start."""
         resume = self.cfg.resume
-        has_own = (self.dir / LATEST_FILE).is_file()
+        has_own = published_step(self.dir) is not None
         if resume == "none" or (resume == "auto" and not has_own):
             return None
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
@@ -428,7 +428,7 @@ class Checkpointer:
     def _newest_verified(self) -> Path:
         """The step `latest` names if it verifies; else, with one warning naming what failed, the newest older
         published step that does (keep_last kept it); CheckpointError if none does."""
-        latest = (self.dir / LATEST_FILE).read_text().strip()
+        latest = published_step(self.dir).name
         older = [p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name < latest]
         failed = []
         for name in [latest, *sorted(older, reverse=True)]:
@@ -495,8 +495,8 @@ class Checkpointer:
             error = f"rank {rank}: {type(cause).__name__}: {cause}"
         if self.is_main:
             shutil.rmtree(path, ignore_errors=True)
-        latest = self.dir / LATEST_FILE
-        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no checkpoint was saved"
+        step = published_step(self.dir)
+        kept = f"{self.dir / LATEST_FILE} still names {step.name}" if step else "no checkpoint was saved"
         raise CheckpointError(f"saving checkpoint {path} failed ({error}); {kept}")
 
     def _published(self, path: Path, total_s: float, blocked_s: float) -> None:
@@ -510,7 +510,7 @@ class Checkpointer:
     def _prune(self) -> None:
         if not self.cfg.keep_last:
             return
-        latest = (self.dir / LATEST_FILE).read_text().strip()
+        latest = published_step(self.dir).name
         published = sorted(p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name) and p.name <= latest)
         for name in published[: -self.cfg.keep_last]:
             shutil.rmtree(self.dir / name, ignore_errors=True)
