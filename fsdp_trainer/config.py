@@ -23,7 +23,7 @@ bytes per element the planner counts. Names, not dtypes, so that reading a recip
 preparation never does)."""
 AUTO = "auto"
 """parallel.mixed_precision's default: the precision the device computes natively, resolved at start-up
-(parallel.resolve_precision) and recorded resolved in config.yaml, metrics and checkpoints."""
+(distributed/runtime.py: resolve_precision) and recorded resolved in config.yaml, metrics and checkpoints."""
 
 
 # torch is imported here, not in a TYPE_CHECKING block: jsonargparse executes those while it reads the sections.
@@ -31,7 +31,7 @@ def compute_dtype(name: str) -> torch.dtype:  # noqa: F821
     import torch
 
     if name == AUTO:  # a programming error, not a user's: the device decides, once it is known
-        raise ValueError("parallel.mixed_precision=auto must be resolved first (parallel.resolve_precision)")
+        raise ValueError("parallel.mixed_precision=auto must be resolved first (distributed.runtime.resolve_precision)")
     return getattr(torch, COMPUTE_DTYPES[name])
 
 
