@@ -13,7 +13,12 @@ data stream and step count.
 
 A step directory counts only once `.metadata` exists and `latest` names it; `latest` is replaced atomically
 (temp file + os.replace) after every rank has finished writing, so a crash at any instant leaves `latest` naming a
-complete checkpoint. Retention deletes only published steps older than the newest `keep_last`.
+complete checkpoint. Retention deletes only published steps older than the newest `keep_last`. A save that fails on
+any rank (a full disk) fails on every rank at the same step; its partial directory is removed, and the run stops or
+goes on as `checkpoint.on_save_error` says.
+
+Reading runs no code: DCP unpickles `.metadata` and the non-tensor entries, which a checkpoint from elsewhere could
+fill with any callable; CheckpointReader and CheckpointLoadPlanner admit only what DCP's own files are made of.
 
 Checksums: each rank hashes the files it wrote (in the background thread for async saves), and the coordinator folds
 them into checksums.json before `latest` may name the step. Every file is verified before it is trusted: on resume
@@ -27,15 +32,19 @@ reaches any rank (preemption), whatever `every` says.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +53,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -58,7 +69,14 @@ from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
-from fsdp_trainer.files import CHECKPOINTS_DIR, CONFIG_FILE, LATEST_FILE, published_step, write_atomic
+from fsdp_trainer.files import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    LATEST_FILE,
+    published_step,
+    write_atomic,
+    write_failure,
+)
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, first_tokenizer, tokenizer_files
@@ -94,14 +112,37 @@ def file_checksum(path: Path) -> dict[str, int]:
     return {"bytes": size, "crc32": crc}
 
 
+class NamingFileSystem(FileSystem):
+    """DCP's file access, with a failed write raised as the OSError behind it, naming the file: a write that finds the
+    disk full raises ENOSPC without a file name, and torch.save's zip writer turns it into "RuntimeError: [enforce fail
+    at inline_container.cc:672] . unexpected pos" (the ENOSPC only its context). The message should say which file of
+    which rank did not fit, and why."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as e:
+            cause = e
+            while cause is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__ or cause.__context__
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror, cause.filename or str(path)) from e
+
+
 class ChecksummedWriter(dcp.FileSystemWriter):
-    """DCP's file writer, plus checksums and attachments. Each rank hashes the files it has just written (re-read from
-    the page cache) and leaves the result beside them; the coordinator, which runs `finish` only once every rank's
-    writes are done, writes `.metadata` and the attachments and folds every checksum into CHECKSUMS_FILE. For an async
-    save all of this runs in the background thread."""
+    """DCP's file writer, plus checksums, attachments and publication. Each rank hashes the files it has just written
+    (re-read from the page cache) and leaves the result beside them; the coordinator, which runs `finish` only once
+    every rank's writes are done, writes `.metadata` and the attachments, folds every checksum into CHECKSUMS_FILE,
+    and last points `latest` at the step. For an async save all of this runs in the background thread.
+    Whatever fails on whichever rank, DCP raises it on every rank, `latest` included: the ranks never disagree on
+    whether a step was saved."""
 
     def __init__(self, path: str | os.PathLike, attachments: dict[str, bytes]):
         super().__init__(path)
+        self.fs = NamingFileSystem()
         self.attachments = attachments
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
@@ -124,6 +165,99 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         for name in [".metadata", *self.attachments]:
             files[name] = file_checksum(path / name)
         write_atomic(path / CHECKSUMS_FILE, json.dumps({"algorithm": "crc32", "files": files}, indent=1))
+        publish_latest(path.parent, path.name)
+
+
+# --- reading without running code ----------------------------------------------------------------------------------
+
+# What DCP's `.metadata` pickle is made of (torch 2.13, every kind of checkpoint this trainer writes), besides torch's
+# dtypes: anything else in it is not DCP metadata, and unpickling it could run code.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle, admitting only the classes DCP's metadata is made of: as torch.load(weights_only=True) does for
+    tensors, a foreign `.metadata` (a shared run, a download) cannot name a function for pickle to call."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or is_dtype:
+            return super().find_class(module, name)
+        raise CheckpointError(
+            f"{self.path} names {module}.{name}, which a checkpoint's metadata never holds: refused unread, since "
+            "unpickling it could run code (this metadata was not written by torch.distributed.checkpoint, or was "
+            "altered since); use only checkpoints from sources you trust"
+        )
+
+
+class CheckpointReader(dcp.FileSystemReader):
+    """DCP's file reader, with `.metadata` read by _MetadataUnpickler instead of pickle.load. Every read of a
+    checkpoint goes through it."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f, path).load()
+            except CheckpointError:
+                raise
+            except Exception as e:  # truncated or not a pickle at all
+                raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class CheckpointLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the non-tensor entries (the step, the data position, the loss scale) first read by
+    torch.load(weights_only=True): DCP's default reads them with weights_only=False, which runs any code they name."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        torch.load(value, weights_only=True)  # plain data only (a few bytes: ints, strings), else UnpicklingError
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The metadata of a complete DCP directory, read without running code (CheckpointReader)."""
+    return CheckpointReader(str(path)).read_metadata()
+
+
+def load_state(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """dcp.load of `state` from `path` through CheckpointReader and CheckpointLoadPlanner; a refused or unreadable
+    entry on any rank is one CheckpointError naming it."""
+    try:
+        dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=CheckpointLoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        rank, (cause, _) = next(iter(e.failures.items()))
+        raise CheckpointError(f"loading {path} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
 
 
 def file_problem(path: Path, name: str, expected: dict[str, int]) -> str | None:
@@ -167,14 +301,19 @@ def checkpoint_steps(path: str | os.PathLike) -> list[Path]:
 
 
 def checkpoint_status(path: Path) -> tuple[str, str]:
-    """(status, detail) of one step directory: ok, unverified (saved before checksums), incomplete or corrupted."""
+    """(status, detail) of one step directory: ok, unverified (saved before checksums), incomplete, refused (its
+    metadata names code to run) or corrupted."""
     if not is_complete(path):
         return "incomplete", "no .metadata: its save never finished, or it was cut short"
     problems = verify_checkpoint(path)
-    if problems is None:
-        return "unverified", f"no {CHECKSUMS_FILE} (saved before checksums existed)"
     if problems:
         return "corrupted", "; ".join(problems)
+    try:
+        read_metadata(path)  # checksums cannot vouch for it: whoever wrote a foreign .metadata wrote them too
+    except CheckpointError as e:
+        return "refused", str(e)
+    if problems is None:
+        return "unverified", f"no {CHECKSUMS_FILE} (saved before checksums existed)"
     files = json.loads((path / CHECKSUMS_FILE).read_text())["files"]
     return "ok", f"{len(files)} files, {sum(f['bytes'] for f in files.values()) / 1e6:,.1f} MB"
 
@@ -245,7 +384,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model before DCP fails deep inside with a shape error."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     for name, tensor in model_state.items():
         key = f"model.{name}"
         saved = metadata.get(key)
@@ -294,7 +433,7 @@ def publish_latest(ckpt_dir: Path, name: str) -> None:
 
 def saved_entries(path: Path) -> set[str]:
     """The top-level entries (model, optim, data, train) a DCP checkpoint holds."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = read_metadata(path).state_dict_metadata
     return {key.split(".", 1)[0] for key in metadata}
 
 
@@ -305,7 +444,7 @@ def load_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -
     state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
     with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        load_state(state, path, no_dist=True)
     return state["model"]
 
 
@@ -314,12 +453,17 @@ def save_model_weights(
 ) -> Path:
     """Write full weights as a weights-only checkpoint `out_dir/checkpoints/step_00000000` and publish it, so that
     `--checkpoint.resume out_dir` starts training from them. Needs no process group."""
-    ckpt_dir = Path(out_dir) / CHECKPOINTS_DIR
-    path = ckpt_dir / "step_00000000"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": state}, storage_writer=ChecksummedWriter(path, attachments or {}), no_dist=True)
-    publish_latest(ckpt_dir, path.name)
+    path = Path(out_dir) / CHECKPOINTS_DIR / "step_00000000"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"model": state}, storage_writer=ChecksummedWriter(path, attachments or {}), no_dist=True)
+    except (OSError, CheckpointException) as e:  # a full disk: no partial step left to be taken for a checkpoint
+        shutil.rmtree(path, ignore_errors=True)
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        if isinstance(cause, OSError):
+            raise OSError(f"{write_failure(cause, path.parent)}; no partial checkpoint was left at {path}") from e
+        raise
     return path
 
 
@@ -337,6 +481,7 @@ class Checkpointer:
         self.dir = Path(recipe.train.out_dir) / CHECKPOINTS_DIR
         self.states = states
         self.is_main = env.is_main
+        self.local_main = env.local_rank == 0  # says what every rank of its node found
         self.precision = recipe.parallel.mixed_precision  # resolved: what this run computes in
         self.attachments = {
             RECIPE_FILE: recipe_to_yaml(recipe).encode(),
@@ -367,7 +512,7 @@ class Checkpointer:
         if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
             if not has_own:  # fresh optimizer, data stream and step
                 check_model_shapes(path, self.states["model"].state_dict())
-                dcp.load({"model": self.states["model"]}, checkpoint_id=str(path))
+                load_state({"model": self.states["model"]}, path)
                 logger.info(f"loaded weights from {path}; starting at step 0")
                 return None
             # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
@@ -380,7 +525,7 @@ class Checkpointer:
         missing = set(self.states) - saved
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
-        dcp.load(self.states, checkpoint_id=str(path))
+        load_state(self.states, path)
         step = self.states["train"].step
         self.last_saved, self.resumed_from = step, path
         logger.info(f"resumed from {path} at step {step}")
@@ -446,23 +591,28 @@ class Checkpointer:
 
     def save_if_due(self, step: int, last: bool = False) -> None:
         """Save `step` if it is a `checkpoint.every` step, or the `last` of the run (unless saved already), or if
-        SIGTERM reached any rank; then `preempted` says the run must stop. Also publishes a background write that has
-        finished since the last call."""
-        if self._pending is not None and self._pending[0].done():
-            self._finish_pending()
-        self.preempted = self._preemption.agreed()  # one tiny CPU all-reduce per step; see PreemptionFlag
+        SIGTERM reached any rank; then `preempted` says the run must stop. Also settles a background write that every
+        rank has finished since the last call."""
+        writing = self._pending is not None and not self._pending[0].done()
+        # One tiny CPU all-reduce per step (see PreemptionFlag): SIGTERM on any rank, a background write still going on
+        # any rank. Settled once no rank writes, so that every rank sees a failed write at the same step.
+        self.preempted, writing = self._preemption.agreed(writing)
+        if self._pending is not None and not writing:
+            self._finish_pending(final=False)
         every = self.cfg.every
         due = self.preempted or (bool(every) and (step % every == 0 or last))
         if due and self.last_saved != step:
             if self.preempted:  # every rank saves this step, then the run exits 0; a restart resumes here
                 logger.info(f"SIGTERM: saving step {step} and stopping")
-            self.save(step)
+            self.save(step, final=last or self.preempted)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, final: bool) -> None:
+        """Save `step` (in the background with async_save; `latest` moves once it is complete). A `final` save (the
+        run's last, or on SIGTERM) that fails stops the run whatever checkpoint.on_save_error says."""
         self.last_saved = step
         path = self.dir / f"step_{step:08d}"
         if self._pending is not None:  # one write in flight at a time
-            self._finish_pending()
+            self._finish_pending(final=False)
         start = time.perf_counter()
         try:
             writer = ChecksummedWriter(path, self.attachments)
@@ -472,38 +622,51 @@ class Checkpointer:
                 return
             dcp.save(self.states, storage_writer=writer)
         except (OSError, CheckpointException) as e:
-            self._abandon(path, e)
-        # dcp.save returns on the coordinator (rank 0) only after gathering every rank's write results and writing
-        # .metadata, so the directory is complete here and `latest` may point at it.
+            self._failed(path, e, final)
+            return
+        # dcp.save returns only after the coordinator wrote .metadata, the checksums and `latest`, on every rank.
         blocked = time.perf_counter() - start
         self._published(path, blocked, blocked)
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, final: bool) -> None:
         future, path, start, blocked = self._pending
         self._pending = None
         try:
             future.result()  # re-raises a failed background write
         except (OSError, CheckpointException) as e:
-            self._abandon(path, e)
+            self._failed(path, e, final)
+            return
         self._published(path, time.perf_counter() - start, blocked)
 
-    def _abandon(self, path: Path, error: BaseException) -> None:
-        """A save failed (disk full, quota, permissions) on some rank, and DCP raised it on every rank: remove the
-        partial directory and fail with the cause; `latest` was never moved, so it names the previous checkpoint."""
+    def _failed(self, path: Path, error: BaseException, final: bool) -> None:
+        """A save failed on some rank (a full disk, a quota, an I/O error), and DCP raised it on every rank: the partial
+        step directory is removed, `latest` (moved only once a step is complete) still names the previous checkpoint,
+        each node's first rank says so in one line, and the run stops with CheckpointError or, under
+        on_save_error=continue, trains on and saves at the next due step. A `final` save stops it either way: nothing
+        would save its steps again."""
         if isinstance(error, CheckpointException) and error.failures:
-            rank, (cause, _) = next(iter(error.failures.items()))
-            error = f"rank {rank}: {type(cause).__name__}: {cause}"
+            rank, (error, _) = next(iter(error.failures.items()))
+        else:
+            rank = dist.get_rank()
+        if isinstance(error, OSError):
+            cause = f"rank {rank}: {write_failure(error, self.dir)}"
+        else:
+            cause = f"rank {rank}: {type(error).__name__}: {error}"
         if self.is_main:
             shutil.rmtree(path, ignore_errors=True)
-        step = published_step(self.dir)
-        kept = f"{self.dir / LATEST_FILE} still names {step.name}" if step else "no checkpoint was saved"
-        raise CheckpointError(f"saving checkpoint {path} failed ({error}); {kept}")
+        previous = published_step(self.dir)
+        kept = f"{self.dir / LATEST_FILE} still names {previous.name}" if previous else "no checkpoint was saved before"
+        message = f"checkpoint {path.name} was not saved: {cause}; {kept}"
+        if self.cfg.on_save_error == "stop" or final:
+            why = "checkpoint.on_save_error=stop" if self.cfg.on_save_error == "stop" else "the run's last save"
+            raise CheckpointError(f"{message}; stopping ({why}): make room, then run the same command to resume")
+        if self.local_main:
+            logger.warning(
+                f"{message}; training on, to save again at the next due step (checkpoint.on_save_error=continue)"
+            )
 
     def _published(self, path: Path, total_s: float, blocked_s: float) -> None:
         if self.is_main:
-            if not (path / CHECKSUMS_FILE).is_file():
-                raise CheckpointError(f"{path} was written without {CHECKSUMS_FILE}; `latest` names the previous step")
-            publish_latest(self.dir, path.name)
             self._prune()
             logger.info(f"saved checkpoint {path} ({total_s:.2f} s, training blocked {blocked_s:.2f} s)")
 
@@ -515,14 +678,16 @@ class Checkpointer:
         for name in published[: -self.cfg.keep_last]:
             shutil.rmtree(self.dir / name, ignore_errors=True)
 
-    def close(self, publish: bool = True) -> None:
-        """Wait for a background write and publish it (unless `publish` is False, after a failure that may have
-        broken its collectives), and give SIGTERM back."""
-        if self._pending is not None and publish:
-            self._finish_pending()
-        self._pending = None
-        if self._preemption is not None:
-            self._preemption.close()
-            self._preemption = None
-            dist.destroy_process_group(self._control)  # now, not at interpreter exit (see close_distributed)
-            self._control = None
+    def close(self, wait: bool = True) -> None:
+        """Wait for a background write and settle it (unless not `wait`: after a failure that may have broken its
+        collectives), and give SIGTERM back."""
+        try:
+            if self._pending is not None and wait:
+                self._finish_pending(final=True)
+        finally:
+            self._pending = None
+            if self._preemption is not None:
+                self._preemption.close()
+                self._preemption = None
+                dist.destroy_process_group(self._control)  # now, not at interpreter exit (see close_distributed)
+                self._control = None

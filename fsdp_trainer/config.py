@@ -318,6 +318,10 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
     """`auto`: continue from checkpoints/latest if it exists; `none`: start fresh; or a checkpoint directory."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """A save that fails on any rank (disk full, quota, I/O error) is removed and `latest` keeps the last complete one;
+    then `stop`: exit 1, resume once there is room; `continue`: train on and save at the next due step (the run's last
+    save stops it either way)."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")

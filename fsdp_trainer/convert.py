@@ -25,6 +25,7 @@ from fsdp_trainer.checkpoint import (
     verified_checkpoint,
 )
 from fsdp_trainer.config import ModelConfig, compute_dtype, load_sections, sections_to_yaml
+from fsdp_trainer.files import write_failure
 from fsdp_trainer.hf import (
     check_safetensors,
     check_with_transformers,
@@ -145,6 +146,8 @@ def consolidate(
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except OSError as e:  # a full disk: the temporary directory goes, and OUT_DIR never appeared
+        raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(t.numel() for t in state.values())

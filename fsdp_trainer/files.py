@@ -5,27 +5,59 @@ OUT_DIR/metrics.jsonl    one JSON object per logged step (metrics.py)
 OUT_DIR/tensorboard/     the same scalars as TensorBoard events (metrics.py)
 OUT_DIR/checkpoints/     step directories and `latest`, the name of the newest complete one: checkpoint.py writes
                          them; published_step() below is the one reader of `latest` that needs no torch
+OUT_DIR/run.lock         locked by the live run's first rank (RunLock), with who it is; empty once a run ended cleanly
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import json
+import logging
 import os
+import shutil
+import socket
+import time
 from pathlib import Path
+
+logger = logging.getLogger("fsdp_trainer")
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+LOCK_FILE = "run.lock"
 
 
 def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
-    """Write `content` to `path` through a temporary file and a rename: readers see the old file or the new one."""
+    """Write `content` to `path` through a temporary file and a rename: readers see the old file or the new one, also
+    when the write fails."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+    try:
+        tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+    except OSError as e:  # a full disk: no temp file left behind, and the error names the file
+        tmp.unlink(missing_ok=True)
+        e.filename = e.filename or str(tmp)
+        raise
     os.replace(tmp, path)
+
+
+def size_text(n: float) -> str:
+    """A byte count as people read it: GB, else MB."""
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+def write_failure(error: OSError, where: str | os.PathLike) -> str:
+    """What went wrong with a write under directory `where`, for a one-line message: the file (where the error
+    names it), the reason, and the room left on that disk (full disk, quota, I/O error)."""
+    where = Path(where)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = size_text(shutil.disk_usage(where).free)
+    return f"writing {error.filename or where} failed ({error.strerror or error}), {free} free there now"
 
 
 def published_step(path: str | os.PathLike) -> Path | None:
@@ -62,3 +94,112 @@ def file_sha256(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# --- one live run per directory -------------------------------------------------------------------------------------
+
+
+class RunDirInUse(ValueError):
+    """Another live run holds the lock of this train.out_dir."""
+
+
+def _holder(record: str) -> str:
+    """Who a lock file's record names, for a message."""
+    try:
+        who = json.loads(record)
+        slurm = f", Slurm job {who['slurm_job']}" if who.get("slurm_job") else ""
+        return f"pid {who['pid']} on host {who['host']}{slurm}, started {who['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a run that left no record of itself"
+
+
+def _in_use(path: Path, record: str) -> RunDirInUse:
+    return RunDirInUse(
+        f"train.out_dir={path.parent} is in use by a live run ({_holder(record)}; it holds {path}): two runs in one "
+        "directory overwrite each other's checkpoints. Wait for it to end or stop it, or choose another train.out_dir"
+    )
+
+
+def _no_locks(e: OSError) -> bool:
+    """The file system offers no locks (some network file systems, Lustre mounted without -o flock)."""
+    return e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def check_run_dir_free(out_dir: str | os.PathLike) -> None:
+    """Raise RunDirInUse if a live run holds `out_dir`'s lock; touches nothing (a shared lock, taken and dropped).
+    fsdp-train calls it before it starts any worker."""
+    path = Path(out_dir) / LOCK_FILE
+    try:
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _in_use(path, f.read()) from None
+            except OSError as e:
+                if not _no_locks(e):
+                    raise
+    except FileNotFoundError:
+        pass
+
+
+class RunLock:
+    """One live run per train.out_dir: an advisory lock (flock) on OUT_DIR/run.lock, held by the job's first rank from
+    start-up to exit, with the holder's host, pid, Slurm job and start time in the file for the refusal message.
+
+    The kernel releases the lock when its holder dies, however it dies (SIGKILL, the OOM killer, a node that reboots
+    releases its network file system locks), so a crash never needs manual clean-up: the next run takes the lock over
+    and says whose record it found. A torchrun restart or a resumed preempted job takes it again the same way.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.path = Path(out_dir) / LOCK_FILE
+        self._file = None
+
+    def acquire(self, wait_s: float = 2.0) -> None:
+        """Take the lock, or raise RunDirInUse naming the holder. `wait_s` covers another job's check_run_dir_free,
+        whose shared lock lasts microseconds; a live run's lock is never released while it trains."""
+        f = open(self.path, "a+")  # "a+", not "w": the holder's record stays until the lock is ours
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    f.seek(0)
+                    error = _in_use(self.path, f.read())
+                    f.close()
+                    raise error from None
+                time.sleep(0.05)
+            except OSError as e:
+                f.close()
+                if not _no_locks(e):
+                    raise
+                logger.warning(
+                    f"{self.path.parent}'s file system offers no file locks: nothing stops a second run there"
+                )
+                return
+        f.seek(0)
+        previous = f.read()
+        if previous:  # a holder that died without release(): killed, or its node lost
+            logger.info(f"taking over {self.path} from a run that ended without releasing it ({_holder(previous)})")
+        record = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """Empty the record (a clean end) and drop the lock. The file stays: deleting a lock file races with the next
+        run that has it open."""
+        if self._file is None:
+            return
+        self._file.truncate(0)
+        self._file.close()  # closing drops the flock
+        self._file = None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling, compute_dtype
@@ -126,7 +128,13 @@ def save_safetensors(
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
         shard = {name: state[name].to(torch_dtype).contiguous() for name in names}
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        try:
+            save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)": an OSError in Rust
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(out_dir / file)) from e
         weight_map.update(dict.fromkeys(names, file))
         del shard
     if len(files) > 1:

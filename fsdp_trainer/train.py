@@ -50,7 +50,7 @@ from fsdp_trainer.distributed.runtime import (
     silent_ranks,
     sum_over_ranks,
 )
-from fsdp_trainer.files import check_writable
+from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
 from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
@@ -262,6 +262,23 @@ def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful]
     return ckpt
 
 
+def lock_out_dir(out_dir: str, env: DistEnv) -> RunLock | None:
+    """One live run per train.out_dir: the job's first rank takes the directory's lock before anything is written
+    there, and every rank learns whether it did (one broadcast at start-up), so all fail alike; RunDirInUse names the
+    holder. Returns the lock on rank 0, None elsewhere."""
+    lock, refusal = None, [None]
+    if env.is_main:
+        lock = RunLock(out_dir)
+        try:
+            lock.acquire()
+        except RunDirInUse as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirInUse(refusal[0])
+    return lock
+
+
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
     cfg = recipe.train
     torch.manual_seed(cfg.seed)
@@ -300,9 +317,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
                 break
         ckpt.save_if_due(state.step, last=True)
     except BaseException as e:
-        # A background save of an earlier, good step is published before a non-finite step fails the run; after
-        # other failures the collectives it needs may be broken, so it is not waited for.
-        ckpt.close(publish=isinstance(e, NonFiniteError))
+        # A background save of an earlier, good step is waited for before a non-finite step fails the run; after
+        # other failures the collectives it needs may be broken, so it is not.
+        ckpt.close(wait=isinstance(e, NonFiniteError))
         raise
     ckpt.close()
     metrics.close()
@@ -311,15 +328,16 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
 
 def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Everything about a run that can be wrong before any process group exists: the token files against the
-    tokenizer and the model, the W&B package, the output directory and its room, the backend. Returns the opened
-    token files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any
-    worker, and every worker again."""
+    tokenizer and the model, the W&B package, the output directory (its room, and no live run holding it), the
+    backend. Returns the opened token files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls
+    it before it starts any worker, and every worker again."""
     # null: the tokenizer that travels with the checkpoint the run starts from, recorded resolved in config.yaml.
     data, resume = recipe.data, recipe.checkpoint.resume
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
     files = open_data(recipe)
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
+    check_run_dir_free(recipe.train.out_dir)
     if recipe.checkpoint.every:
         check_disk_room(recipe)
     if resume not in ("auto", "none"):
@@ -339,9 +357,11 @@ def main(argv: list[str] | None = None) -> None:
         fail(e)
     # auto -> what the device computes natively; config.yaml, metrics and checkpoints record the resolved value.
     recipe.parallel.mixed_precision = resolve_precision(recipe.parallel.mixed_precision, env)
+    lock = None
     try:
+        lock = lock_out_dir(recipe.train.out_dir, env)  # before anything is written there
         train(recipe, env, train_file, val_file)
-    except (CheckpointError, NonFiniteError) as e:  # every rank finds the same problem: the node's first rank says it
+    except (CheckpointError, NonFiniteError, RunDirInUse) as e:  # every rank finds it: the node's first rank says it
         if env.local_rank == 0:
             print(f"error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
@@ -355,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: rank {env.rank}: {type(e).__name__}: {cause}{hint}", file=sys.stderr, flush=True)
         raise
     finally:
+        if lock is not None:
+            lock.release()
         close_distributed()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -13,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from fsdp_trainer.checkpoint import (
     CHECKSUMS_FILE,
     RECIPE_FILE,
     CheckpointError,
     checkpoint_status,
+    file_checksum,
+    load_state,
     save_model_weights,
     verified_checkpoint,
     verify_checkpoint,
@@ -322,3 +326,67 @@ def test_training_state_keys_stay_loadable_from_older_checkpoints():
         "overflow_steps",
         "loss_scaler",
     }
+
+
+# --- a checkpoint from elsewhere runs no code -------------------------------------------------------------------------
+
+
+class _CreatesAFile:
+    """What a hostile pickle holds: unpickling it calls open(path, "w"), creating the file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def _plant(step: Path, marker: Path) -> None:
+    """Rewrite a step's .metadata as someone else's would be: its real content plus an object that creates `marker`
+    when unpickled, with checksums.json rewritten to match (whoever wrote the file wrote those too)."""
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    metadata.planner_data = _CreatesAFile(marker)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((step / CHECKSUMS_FILE).read_text())
+    manifest["files"][".metadata"] = file_checksum(step / ".metadata")
+    (step / CHECKSUMS_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_planted_metadata_is_refused_by_every_reader_and_runs_nothing(tiny_data, tmp_path, one_step_checkpoint):
+    step, marker = tmp_path / "ckpt", tmp_path / "created_by_the_pickle"
+    shutil.copytree(one_step_checkpoint, step)
+    _plant(step, marker)
+    pickle.loads((step / ".metadata").read_bytes())  # the test's own check that the planted file does run code
+    assert marker.exists()
+    marker.unlink()
+    refusal = f"{step / '.metadata'} names io.open, which a checkpoint's metadata never holds: refused unread"
+    train = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": step}), check=False)
+    tools = {
+        name: subprocess.run(
+            [sys.executable, str(REPO / "tools" / name), str(step), *extra], capture_output=True, text=True
+        )
+        for name, extra in [
+            ("consolidate.py", [str(tmp_path / "hf")]),
+            ("generate.py", ["--max_new_tokens", "2"]),
+            ("verify_checkpoint.py", []),
+        ]
+    }
+    for name, proc in [("train", train), *tools.items()]:
+        assert proc.returncode == 1, (name, proc.stdout, proc.stderr)
+        out = proc.stdout if name == "verify_checkpoint.py" else proc.stderr
+        assert out.count(refusal) == 1 and proc.stderr.count("\n") <= 1, (name, proc.stdout, proc.stderr)
+    assert tools["verify_checkpoint.py"].stdout.startswith("ckpt  refused  ")
+    assert not marker.exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_planted_training_state_entry_is_refused_and_runs_nothing(tmp_path):
+    """The non-tensor entries (step, data position, loss scale) are pickles inside the shard files; DCP's own planner
+    reads them with weights_only=False."""
+    marker = tmp_path / "created_by_the_pickle"
+    dcp.save({"w": torch.ones(2), "train": {"step": _CreatesAFile(marker)}}, checkpoint_id=tmp_path, no_dist=True)
+    dcp.load({"w": torch.zeros(2), "train": {"step": 0}}, checkpoint_id=tmp_path, no_dist=True)  # DCP alone: it runs
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match=f"loading {tmp_path} failed on rank 0: UnpicklingError: Weights only"):
+        load_state({"w": torch.zeros(2), "train": {"step": 0}}, tmp_path, no_dist=True)
+    assert not marker.exists()

@@ -6,18 +6,22 @@ complete, good checkpoint."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_trainer.checkpoint import checkpoint_status
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import materialize, parallelize
+from fsdp_trainer.launch import child_pids
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
@@ -138,11 +142,115 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_data, tmp_path
     )
     assert proc.returncode == 1
     ckpts = tmp_path / "checkpoints"
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: rank 0: saving checkpoint {ckpts}/step_00000008 failed (rank 0: OSError: [Errno 27] File too large); "
-        f"{ckpts}/latest still names step_00000004"
-    )
+    assert re.fullmatch(
+        f"error: rank 0: checkpoint step_00000008 was not saved: rank 0: writing {ckpts}/step_00000008/"
+        r"__0_0.distcp failed \(File too large\), [\d.,]+ [GM]B free there now; "
+        f"{ckpts}/latest still names step_00000004; stopping \\(checkpoint.on_save_error=stop\\): make room, then "
+        "run the same command to resume",
+        proc.stderr.strip(),
+    ), proc.stderr
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000004"]  # the partial step 8 is gone
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB file system of the test's own (tmpfs) where the machine lets it mount one, else None."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", disk]
+        mounted = subprocess.run(mount, capture_output=True).returncode
+    except FileNotFoundError:  # no mount command
+        mounted = 1
+    yield disk if mounted == 0 else None
+    if mounted == 0:
+        subprocess.run(["umount", "-l", disk], check=True)
+
+
+def fill(path, leave: int) -> None:
+    """Fill the disk `path` is on with `path` until `leave` bytes are free (whatever a run writes meanwhile)."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while f.write(bytes(1 << 16)):
+                pass
+        except OSError:
+            pass
+        f.truncate(max(0, f.tell() - leave))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room(
+    tiny_data, tmp_path, small_disk, async_save
+):
+    """The disk fills while a 2-rank run trains (a filler file on a small tmpfs; where mounting is not allowed, ENOSPC
+    on rank 1 while a flag file exists): each failed save is one warning line naming the step, the file and the free
+    space; `latest` stays on the last complete step and no step past it is complete; once the space is back, the next
+    due save succeeds, and every checkpoint left verifies."""
+    out, log = (small_disk or tmp_path) / "run", tmp_path / "log.txt"
+    flag = (small_disk or tmp_path) / "filler"
+    args = run_args(
+        tiny_data,
+        out,
+        2_000,  # stopped long before; bounds what a broken test writes
+        # keep_last 0 on the small disk: pruning an old step would free room for the next save to fit, by chance
+        checkpoint={
+            "every": 2,
+            "keep_last": 0 if small_disk else 3,
+            "async_save": async_save,
+            "on_save_error": "continue",
+        },
+    )
+    if small_disk is None:
+        script = str(REPO / "tests" / "helpers" / "full_disk.py")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "FULL_DISK_RANK": "1", "FULL_DISK_FLAG": str(flag)}
+        proc = subprocess.Popen(
+            torchrun_command([script, *args], nproc=2),
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+        )
+    else:
+        proc = train_popen(args, log)
+    ckpts = out / "checkpoints"
+    try:
+        wait_for_step(out, 3, proc, log)
+        if small_disk is None:
+            flag.write_bytes(b"")
+        else:
+            fill(flag, leave=300_000)  # a shard (~1 MB) does not fit, a metrics line does
+        warning = re.compile(
+            r"checkpoint (step_\d{8}) was not saved: rank (\d): writing (\S+) failed \(No space left on device\), "
+            r"[\d.,]+ [GM]B free there now; "
+            + re.escape(str(ckpts / "latest"))
+            + r" still names (step_\d{8}); training on"
+        )
+        deadline = time.monotonic() + 120
+        while not (found := warning.search(log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        failed, rank, file, kept = found.groups()
+        assert file.startswith(str(ckpts / failed) + "/") and (small_disk is not None or rank == "1"), found.group(0)
+        published = (ckpts / "latest").read_text().strip()
+        assert published >= kept and published < failed  # `latest` never moved to the failed step
+        assert not any((p / "checksums.json").exists() for p in ckpts.glob("step_*") if p.name > published)
+        flag.unlink()  # the space is back
+        while (ckpts / "latest").read_text().strip() <= failed:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        for pid in child_pids(proc.pid):  # as a scheduler's preemption does: the current step is saved, exit 0
+            os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    lines = warning.findall(text)
+    assert len(lines) == len({line[0] for line in lines}) >= 1  # one line per failed save (one node)
+    assert "Traceback" not in text and "error:" not in text, text[-3000:]
+    steps = sorted(ckpts.glob("step_*"))
+    assert steps and all(checkpoint_status(step)[0] == "ok" for step in steps)  # nothing partial left
+    assert (ckpts / "latest").read_text().strip() == steps[-1].name
 
 
 def _error_lines(log: str) -> list[str]:
@@ -198,3 +306,45 @@ def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
     assert any(
         line.startswith("error: rank 0: ") and "rank 1 reported no failure of its own" in line for line in lines
     ), log.read_text()[-3000:]
+
+
+def _tool_with_files_capped(tool: str, *args) -> subprocess.CompletedProcess:
+    """tools/`tool` with every file it writes capped at 100 kB (EFBIG past that, as ENOSPC on a full disk)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / tool), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY)),
+    )
+
+
+def test_tools_that_run_out_of_room_leave_nothing_that_looks_complete(tiny_data, tmp_path):
+    """prepare_data (a token file, a directory of shards), consolidate and import_hf: one line naming the file and the
+    room left; no output a user or a later run could take for complete; the same commands with room succeed."""
+    corpus, run = tiny_data.parent / "corpus.txt", tmp_path / "run"
+    expected = r"error: writing (\S+) failed \(File too large\), [\d.,]+ [GM]B free there now; "
+    for out in (tmp_path / "tokens.bin", tmp_path / "shards"):
+        proc = _tool_with_files_capped(
+            "prepare_data.py", "--recipe", tiny_data, "--input", corpus, "--data.train_path", out, "--data.val_path",
+            "null", "--data.tokenizer_path", tiny_data.parent / "tokenizer.model", "--shard_tokens", "60000",
+        )  # fmt: skip
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert re.match(expected + "nothing half-written is left", proc.stderr), proc.stderr
+        if out.suffix:  # no file of the token file's family
+            assert not list(tmp_path.glob("tokens.bin*"))
+        else:  # no manifest (the loader refuses the directory; a rerun goes on) and no shard without its meta
+            assert not (out / "manifest.json").exists() and not list(out.glob("*.tmp"))
+            assert all((out / f"{shard.name}.meta.json").is_file() for shard in out.glob("shard_*.bin"))
+
+    train_cli(run_args(tiny_data, run, 1, checkpoint={"every": 1}))
+    proc = _tool_with_files_capped("consolidate.py", run, tmp_path / "hf", "--verify", "files")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert re.match(expected + f"nothing was written to {tmp_path / 'hf'}$", proc.stderr.strip()), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "shards"]  # no hf/, no temporary directory
+
+    subprocess.run([sys.executable, "tools/consolidate.py", run, tmp_path / "hf"], check=True, cwd=REPO)
+    proc = _tool_with_files_capped("import_hf.py", tmp_path / "hf", tmp_path / "imported")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert re.match(expected + "no partial checkpoint was left", proc.stderr), proc.stderr
+    assert not (tmp_path / "imported" / "checkpoints" / "step_00000000").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,10 +121,7 @@ def test_workers_die_with_a_killed_launcher_and_the_next_run_resumes(tiny_data, 
     assert len(workers) == 2
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 30  # the kernel's signal is immediate; this only bounds a broken test
-    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in workers), "workers outlived torchrun"
+    _wait_gone(workers)
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert verify_checkpoint(latest) == []
     stopped_at = int(latest.name.removeprefix("step_"))
@@ -131,9 +129,73 @@ def test_workers_die_with_a_killed_launcher_and_the_next_run_resumes(tiny_data, 
     assert f"resumed from {latest}" in again.stdout
 
 
+def _wait_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30  # the kernel's signal is immediate; this only bounds a broken test
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in pids), "workers outlived torchrun"
+
+
+def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_crash_needs_no_clean_up(tiny_data, tmp_path):
+    """While a run trains, another on its out_dir (one process, torchrun, or fsdp-train before it spawns anything)
+    exits 1 with one line naming the holder and writes nothing; once the first is SIGKILLed, launcher and workers,
+    the next run takes the lock over and resumes."""
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    args = run_args(tiny_data, out, 100_000, checkpoint={"every": 1})
+    proc = train_popen(args, log)
+    try:
+        wait_for_step(out, 2, proc, log)
+        workers = sorted(worker_pids(proc.pid))
+        config = (out / "config.yaml").read_bytes()
+        holder = f"train.out_dir={out} is in use by a live run (pid {workers[0]} on host {socket.gethostname()}"
+        for nproc in (1, 2):  # under plain torchrun, its own report of the failed workers follows our line
+            second = train_cli(args, nproc=nproc, check=False)
+            assert second.returncode == 1, second.stderr
+            (line, *torchruns) = second.stderr.strip().splitlines()
+            assert line.startswith("error: ") and holder in line and second.stderr.count(holder) == 1, line
+            assert nproc == 2 or not torchruns
+        launcher = subprocess.run(
+            [*LAUNCHER, "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+        )
+        assert launcher.returncode == 1 and launcher.stderr.startswith(f"error: {holder}"), launcher.stderr
+        assert launcher.stderr.count("\n") == 1
+        assert (out / "config.yaml").read_bytes() == config  # the refused runs wrote nothing
+    finally:
+        for pid in worker_pids(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    _wait_gone(workers)
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.name.removeprefix("step_"))
+    again = train_cli(run_args(tiny_data, out, stopped_at + 1, checkpoint={"every": 1}), nproc=2)
+    assert f"from a run that ended without releasing it (pid {workers[0]} on host" in again.stdout, again.stdout
+    assert f"resumed from {latest}" in again.stdout
+    assert (out / "run.lock").read_text() == ""  # released at the end of a clean run
+
+
 def _alive(pid: int) -> bool:
     """Not a zombie (a dead child its reaper has not collected yet counts as gone)."""
-    try:
+    try:  # a pid that is gone raises here
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_where_the_kernel_sends_no_parent_death_signal_a_watchdog_ends_the_worker(tmp_path):
+    """The fallback off Linux, run here: a parent starts a child that watches it; SIGKILL the parent, the child is
+    gone within a few polls."""
+    child = (
+        "import time; from fsdp_trainer.distributed.runtime import watch_launcher; import os; "
+        "watch_launcher(os.getppid(), every_s=0.05); print('watching', flush=True); time.sleep(120)"
+    )
+    parent = (
+        f"import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        "print(child.pid, flush=True); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    child_pid = int(proc.stdout.readline())
+    assert proc.stdout.readline() == "watching\n" and _alive(child_pid)
+    proc.kill()
+    proc.wait()
+    _wait_gone([child_pid])

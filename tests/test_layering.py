@@ -23,7 +23,9 @@ ALLOWED = {
     "data.sources": set(),
     "data.encode": {"data.chat", "data.format", "data.sources", "tokenizer"},
     "data.writers": {"data.chat", "data.encode", "data.format", "files"},
-    "data.prepare": {"config", "data.chat", "data.encode", "data.format", "data.sources", "data.writers", "tokenizer"},
+    "data.prepare": {
+        "config", "data.chat", "data.encode", "data.format", "data.sources", "data.writers", "files", "tokenizer"
+    },
     "muon": set(),
     "optim": {"config", "muon"},
     "hf": {"config", "tokenizer"},
@@ -33,7 +35,7 @@ ALLOWED = {
     "checkpoint": {"config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
     "sinks": {"config", "files"},
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
-    "convert": {"checkpoint", "config", "hf", "model", "tokenizer"},
+    "convert": {"checkpoint", "config", "files", "hf", "model", "tokenizer"},
     "train": {
         "checkpoint", "config", "data.loader", "data.format", "files", "loss", "metrics", "model", "optim", "sinks",
         "distributed.parallelize", "distributed.runtime", "tokenizer",

@@ -4,9 +4,9 @@
     python tools/verify_checkpoint.py runs/1b/checkpoints/step_00001000        # one step
 
 For checkpoints copied between clusters or kept on a doubtful disk: every file of each step is read and compared with
-the size and CRC-32 in its checksums.json. Prints a line per step (ok, unverified: saved before checksums existed,
-incomplete, or corrupted with the file named) and which step `latest` names; exits 1 if any step is corrupted or
-incomplete, 0 otherwise.
+the size and CRC-32 in its checksums.json, and its `.metadata` read without running code. Prints a line per step (ok,
+unverified: saved before checksums existed, incomplete, refused: its metadata names code to run, or corrupted with the
+file named) and which step `latest` names; exits 1 if any step is corrupted, incomplete or refused, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     for step in steps:
         start = time.perf_counter()
         status, detail = checkpoint_status(step)
-        bad += status in ("corrupted", "incomplete")
+        bad += status in ("corrupted", "incomplete", "refused")
         print(f"{step.name}  {status:<10}  {detail} ({time.perf_counter() - start:.2f} s)", flush=True)
     latest = published_step(steps[-1].parent)
     if latest is not None:

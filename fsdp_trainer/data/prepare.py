@@ -36,6 +36,7 @@ from fsdp_trainer.data.encode import process
 from fsdp_trainer.data.format import disk_dtype
 from fsdp_trainer.data.sources import BadRecords, expand_inputs, kind_of, read_documents
 from fsdp_trainer.data.writers import FileWriter, PackedWriter, ShardWriter, writer_kind
+from fsdp_trainer.files import write_failure
 from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
 
 BUNDLED_CORPUS = Path(__file__).parents[1] / "assets" / "shakespeare.txt.gz"
@@ -141,9 +142,15 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     key, mask = (None, o.train_on) if chat else (o.text_key, None)
     results = process(files, key, start, data.tokenizer_path, o.val_fraction if val is not None else 0.0, workers, mask)
     writers = [w for w in (train, val) if w is not None]
-    n_docs = _write(results, train, val, bad, total_bytes)
-    for w in writers:
-        w.finish(stamp)
+    try:
+        n_docs = _write(results, train, val, bad, total_bytes)
+        for w in writers:
+            w.finish(stamp)
+    except OSError as e:  # a full disk or quota: the writers removed what they had half-written
+        raise OSError(
+            f"{write_failure(e, Path(data.train_path).parent)}; nothing half-written is left (complete shards are "
+            "kept): make room and run the same command again"
+        ) from e
     elapsed = time.perf_counter() - start_time
     for name, w in (("train", train), ("val", val)):
         if isinstance(w, PackedWriter):

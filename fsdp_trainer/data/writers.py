@@ -44,15 +44,31 @@ class FileWriter:
         self.resume_from = 0
 
     def add(self, part: Part) -> None:
-        self.file.write(part.ids.astype(self.dtype).tobytes())
+        try:
+            self.file.write(part.ids.astype(self.dtype).tobytes())
+        except OSError as e:  # a full disk: say which file
+            e.filename = e.filename or self.file.name
+            raise
         self.n_tokens += len(part.ids)
 
     def abandon(self) -> None:
-        """After a failure: no half-written file stays behind."""
-        self.file.close()
-        Path(self.path + ".tmp").unlink(missing_ok=True)
+        """After a failure: no half-written file stays behind, and none of the files finish() writes."""
+        try:
+            self.file.close()
+        except OSError:
+            pass  # flushing the rest failed too: the file goes anyway
+        for suffix in (".tmp", "", META_SUFFIX, ".inputs.json"):
+            Path(self.path + suffix).unlink(missing_ok=True)
 
     def finish(self, stamp: dict) -> None:
+        """The file, then its meta, then the inputs' stamp that says it is complete; on a failure, none of them."""
+        try:
+            self._finish(stamp)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def _finish(self, stamp: dict) -> None:
         self.file.close()
         os.replace(self.path + ".tmp", self.path)
         write_meta(self.path, token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256, **self.extra_meta()))
@@ -94,15 +110,19 @@ class PackedWriter(FileWriter):
 
     def abandon(self) -> None:
         super().abandon()
-        self.flags.close()
-        Path(self.path + FLAGS_SUFFIX + ".tmp").unlink(missing_ok=True)
+        try:
+            self.flags.close()
+        except OSError:
+            pass
+        for suffix in (FLAGS_SUFFIX + ".tmp", FLAGS_SUFFIX):
+            Path(self.path + suffix).unlink(missing_ok=True)
 
-    def finish(self, stamp: dict) -> None:
+    def _finish(self, stamp: dict) -> None:
         for window in self.packer.finish():
             self._write(*window)
         self.flags.close()
         os.replace(self.path + FLAGS_SUFFIX + ".tmp", self.path + FLAGS_SUFFIX)
-        super().finish(stamp)
+        super()._finish(stamp)
 
     def extra_meta(self) -> dict:
         p = self.packer

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -245,22 +246,41 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def die_with_launcher() -> None:
-    """A worker started by torchrun's agent (torchrun, fsdp-train) is killed by the kernel the moment its launcher
-    dies: a `kill -9` of the launcher, or the OOM killer picking it, would otherwise leave the workers training on
-    (torchrun starts each in a session of its own) and saving into the run directory beside the next attempt. SIGKILL,
-    not SIGTERM: a worker must not publish a checkpoint its dead launcher's peers may never finish. If the launcher died
-    before this call (the worker then has a new parent, init's pid 1), the worker exits at once. Elsewhere (plain
-    `python -m`, Slurm's srun without torchrun) nothing changes; on a platform without prctl neither."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    """A worker started by torchrun's agent (torchrun, fsdp-train) dies the moment its launcher dies: a `kill -9` of the
+    launcher, or the OOM killer picking it, would otherwise leave the workers training on (torchrun starts each in a
+    session of its own) and saving into the run directory beside the next attempt. On Linux the kernel sends SIGKILL
+    (prctl's parent-death signal), not SIGTERM: a worker must not publish a checkpoint its dead launcher's peers may
+    never finish; if the launcher died before the call (the worker then has a new parent), the worker exits at once.
+    Elsewhere a watchdog thread polls the parent instead. Plain `python -m` and Slurm's srun without torchrun: nothing
+    changes."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    import ctypes
+    launcher = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logger.warning(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): a worker may outlive torchrun")
-        return
-    if os.getppid() == 1:  # reparented: the launcher is already gone
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != launcher or launcher == 1:  # reparented: the launcher is already gone
+                os._exit(1)
+            return
+        logger.warning(f"prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}): watching torchrun by polling")
+    watch_launcher(launcher)
+
+
+def watch_launcher(launcher: int, every_s: float = 1.0) -> threading.Thread:
+    """A daemon thread that ends the process (exit 1, no checkpoint published) within `every_s` of its parent, pid
+    `launcher`, dying (at once if that is init's pid 1: the parent is gone already): the parent-death signal where the
+    kernel has none."""
+
+    def watch() -> None:
+        while os.getppid() == launcher != 1:
+            time.sleep(every_s)
         os._exit(1)
+
+    thread = threading.Thread(target=watch, name="watch_launcher", daemon=True)
+    thread.start()
+    return thread
 
 
 def close_distributed() -> None:
@@ -290,9 +310,9 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 class PreemptionFlag:
     """SIGTERM (what Slurm, Kubernetes and torchrun send before killing) asks the run to stop after the current step.
 
-    Ranks can receive the signal steps apart, so they agree once per step with a MAX all-reduce of one integer on a
-    gloo `group` (the caller's, apart from training's): a CPU round trip that never waits on the GPU, unlike reading a
-    device tensor would.
+    Ranks can receive the signal steps apart, so they agree once per step with a MAX all-reduce of a few integers on
+    a gloo `group` (the caller's, apart from training's): a CPU round trip that never waits on the GPU, unlike reading
+    a device tensor would.
     """
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -303,10 +323,11 @@ class PreemptionFlag:
     def _on_signal(self, signum, frame) -> None:
         self.received = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([int(self.received)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+    def agreed(self, *flags: bool) -> list[bool]:
+        """[SIGTERM reached some rank, then for each of the caller's `flags`: true on some rank], in one all-reduce."""
+        values = torch.tensor([int(self.received), *map(int, flags)])
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in values.tolist()]
 
     def close(self) -> None:
         """Give SIGTERM back: the handler would keep the group alive until interpreter exit, where freeing it can
