@@ -57,17 +57,29 @@ def test_assistant_tokens_and_nothing_else_are_trained(chatml_tokenizer):
     # The text is transformers' rendering of the template, and the ids those of the whole text.
     text = hf.apply_chat_template(CONVERSATION, tokenize=False)
     assert ids.tolist() == hf(text, add_special_tokens=False).input_ids
-    # The trained tokens, typed out from the template: each answer with its end of turn, the generation prompt not.
+    # The trained tokens, typed out from the template: each answer through its end of turn, not the newline the
+    # template writes after it, nor the generation prompt.
     pieces = [
         ("<|im_start|>system\nAnswer in verse.<|im_end|>\n<|im_start|>user\nWho goes there?<|im_end|>\n", False),
         ("<|im_start|>assistant\n", False),
-        ("Nay, answer me: stand, and unfold yourself.<|im_end|>\n", True),
-        ("<|im_start|>user\nLong live the king!<|im_end|>\n<|im_start|>assistant\n", False),
-        ("<think>\n\n</think>\n\nBernardo?<|im_end|>\n", True),
+        ("Nay, answer me: stand, and unfold yourself.<|im_end|>", True),
+        ("\n<|im_start|>user\nLong live the king!<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\nBernardo?<|im_end|>", True),
+        ("\n", False),
     ]
     expected = [flag for piece, flag in pieces for _ in hf(piece, add_special_tokens=False).input_ids]
     assert "".join(piece for piece, _ in pieces) == text
     assert trained.tolist() == expected
+    # The same from transformers' offsets: the tokens from the end of each generation prompt to the end of each answer's
+    # content and its <|im_end|>, the convention TRL and axolotl train on.
+    offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    spans, at = [], 0
+    for k, message in enumerate(CONVERSATION):
+        if message["role"] == "assistant":
+            start = len(hf.apply_chat_template(CONVERSATION[:k], tokenize=False, add_generation_prompt=True))
+            at = text.index(message["content"], start) + len(message["content"])
+            spans.append((start, at + len("<|im_end|>")))
+    assert trained.tolist() == [any(a <= s and e <= b for a, b in spans) for s, e in offsets]
 
     all_ids, all_trained = ChatEncoder(load_tokenizer(path), "all").encode({"messages": CONVERSATION})
     assert all_ids.tolist() == ids.tolist() and all_trained.all()
@@ -83,9 +95,10 @@ def test_prompt_response_pairs_and_the_default_template(chatml_tokenizer, tiny_d
     sp = load_tokenizer(tiny_data.parent / "tokenizer.model")
     ids, trained = ChatEncoder(sp).encode({"prompt": "Who goes there?", "response": "Bernardo?"})
     prompt = sp.encode("<|user|>\nWho goes there?\n<|assistant|>\n")
-    answer = sp.encode("Bernardo?\n") + [sp.eos_id]
-    assert ids.tolist() == prompt + answer
-    assert trained.tolist() == [False] * len(prompt) + [True] * len(answer)
+    answer = sp.encode("Bernardo?") + [sp.eos_id]
+    after = sp.encode("\n")  # the template's newline after the turn, untrained
+    assert ids.tolist() == prompt + answer + after
+    assert trained.tolist() == [False] * len(prompt) + [True] * len(answer) + [False] * len(after)
 
 
 def test_packing_keeps_examples_whole_best_fit_and_counts_long_ones():

@@ -4,8 +4,9 @@ A record is `{"messages": [{"role": ..., "content": ...}, ...]}` (the HF / OpenA
 `{"prompt": ..., "response": ...}` (one user turn and the assistant's answer). It is rendered with the tokenizer's
 own chat template (`chat_template` of tokenizer_config.json, or chat_template.jinja), through jinja2 the way
 transformers renders it, or for a tokenizer without one with DEFAULT_TEMPLATE. The tokens trained on are the
-assistant's turns: each from the end of the generation prompt the template puts before it to the end of the turn
-(its end-of-turn token included, so the model learns to stop); with train_on="all", every token.
+assistant's turns: each from the end of the generation prompt the template puts before it through its end-of-turn
+token (so the model learns to stop), not the whitespace the template writes after that; with train_on="all", every
+token.
 
 Examples are packed into windows of exactly seq_len tokens, whole (best fit among a few open windows), so none is
 split across windows; one longer than seq_len is truncated to it, or dropped; one left with no token to train on is
@@ -110,7 +111,8 @@ class ChatEncoder:
 
     def answer_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
         """Where in the rendered conversation `text` each assistant turn lies, as character spans: from the end of
-        the conversation before it with the generation prompt, to the end of the conversation through it."""
+        the conversation before it with the generation prompt, to the end of the conversation through it, less the
+        whitespace after its end-of-turn token."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -132,7 +134,9 @@ class ChatEncoder:
                 if at < 0 or not text.startswith(closing, at + len(content)):
                     raise BadConversation(f"cannot find where the chat template puts message {i} (assistant)")
                 end = at + len(content) + len(closing)
-            spans.append((len(before), end))
+            # The answer ends with its end-of-turn token; the whitespace a template writes after it (ChatML's newline
+            # after <|im_end|>) is the next turn's business, as in TRL and axolotl.
+            spans.append((len(before), max(len(before), len(text[:end].rstrip()))))
         return spans
 
     def prompt(self, messages: list[dict]) -> list[int]:
