@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from fsdp_trainer.adapters.lora import is_adapter
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import (
@@ -250,11 +251,12 @@ def read_metadata(path: Path) -> Metadata:
     return CheckpointReader(str(path)).read_metadata()
 
 
-def load_state(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
-    """dcp.load of `state` from `path` through CheckpointReader and CheckpointLoadPlanner; a refused or unreadable
-    entry on any rank is one CheckpointError naming it."""
+def load_state(state: dict[str, Any], path: Path, partial: bool = False, **kwargs: Any) -> None:
+    """dcp.load of `state` from `path` through CheckpointReader and CheckpointLoadPlanner (`partial`: the entries the
+    checkpoint lacks keep their values); a refused or unreadable entry on any rank is one CheckpointError naming it."""
+    planner = CheckpointLoadPlanner(allow_partial_load=partial)
     try:
-        dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=CheckpointLoadPlanner(), **kwargs)
+        dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=planner, **kwargs)
     except CheckpointException as e:
         rank, (cause, _) = next(iter(e.failures.items()))
         raise CheckpointError(f"loading {path} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
@@ -382,12 +384,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return path
 
 
-def check_model_shapes(path: Path, model_state: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model before DCP fails deep inside with a shape error."""
+def check_model_shapes(path: Path, model_state: dict[str, Any], adapters_optional: bool = False) -> None:
+    """Refuse a checkpoint of another model before DCP fails deep inside with a shape error. With
+    `adapters_optional`, a checkpoint without the model's LoRA adapters (its base model) passes."""
     metadata = read_metadata(path).state_dict_metadata
     for name, tensor in model_state.items():
         key = f"model.{name}"
         saved = metadata.get(key)
+        if saved is None and adapters_optional and is_adapter(name):
+            continue
         if saved is None:
             raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
         if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(tensor.shape):
@@ -510,9 +515,9 @@ class Checkpointer:
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
         self._carry_generation_config(path)
         if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
-            if not has_own:  # fresh optimizer, data stream and step
-                check_model_shapes(path, self.states["model"].state_dict())
-                load_state({"model": self.states["model"]}, path)
+            if not has_own:  # fresh optimizer, data stream and step; LoRA adapters as initialised, on this base
+                check_model_shapes(path, self.states["model"].state_dict(), adapters_optional=True)
+                load_state({"model": self.states["model"]}, path, partial=True)
                 logger.info(f"loaded weights from {path}; starting at step 0")
                 return None
             # The same command again after a preemption or a torchrun restart: the run goes on from its own latest

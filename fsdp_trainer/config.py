@@ -266,6 +266,31 @@ class OptimConfig:
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA): train small matrices beside the frozen model's projections instead of every weight."""
+
+    rank: int | None = None
+    """Rank of each adapter; null trains every weight (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale: an adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """The linear layers of every block that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj (PEFT's target_modules)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1, or null")
+        _require(0.0 <= self.dropout < 1.0, f"lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        _require(not unknown, f"lora.targets has {unknown}; choose among {', '.join(LORA_TARGETS)}")
+        _require(bool(self.targets), "lora.targets is empty; name at least one of " + ", ".join(LORA_TARGETS))
+
+
 @dataclass
 class TrainConfig:
     """Length of the run, logging and evaluation."""
@@ -356,6 +381,7 @@ class Recipe:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)

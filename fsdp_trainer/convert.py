@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fsdp_trainer.adapters.lora import apply_lora, merged
 from fsdp_trainer.checkpoint import (
     CHECKPOINTS_DIR,
     RECIPE_FILE,
@@ -24,7 +25,7 @@ from fsdp_trainer.checkpoint import (
     save_model_weights,
     verified_checkpoint,
 )
-from fsdp_trainer.config import ModelConfig, compute_dtype, load_sections, sections_to_yaml
+from fsdp_trainer.config import LoraConfig, ModelConfig, compute_dtype, load_sections, sections_to_yaml
 from fsdp_trainer.files import write_failure
 from fsdp_trainer.hf import (
     check_safetensors,
@@ -50,11 +51,27 @@ def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
         return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
 
 
-def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path | None]:
-    """(step directory, model config, tokenizer file or None) of a checkpoint, checkpoints/ or run directory."""
+def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path | None, LoraConfig | None]:
+    """(step directory, model config, tokenizer file or None, LoRA config if it was trained with adapters) of a
+    checkpoint, checkpoints/ or run directory."""
     ckpt = verified_checkpoint(path)  # a corrupted checkpoint never becomes a model or an HF directory
     sections = load_sections(checkpoint_recipe(ckpt))
-    return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
+    lora = sections["lora"] if "lora" in sections and sections["lora"].rank is not None else None
+    return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path), lora
+
+
+def _model_weights(ckpt: Path, cfg: ModelConfig, lora: LoraConfig | None) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
+    model has no place for them); tied embeddings once, under embed_tokens."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        if lora is not None:
+            apply_lora(model, lora)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    state = load_model_weights(ckpt, shapes)
+    return merged(state, lora) if lora is not None else state
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -71,8 +88,8 @@ def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         state = load_safetensors(path)
         tokenizer_path = path
     else:
-        ckpt, cfg, tokenizer_path = _read_checkpoint(path)
-        state = load_model_weights(ckpt, _shapes(cfg))
+        ckpt, cfg, tokenizer_path, lora = _read_checkpoint(path)
+        state = _model_weights(ckpt, cfg, lora)
         if tokenizer_path is None:
             raise FileNotFoundError(f"{ckpt} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
     model = Transformer(cfg)
@@ -99,14 +116,11 @@ def consolidate(
     check_logits: bool = False,
 ) -> Path:
     """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py)."""
-    ckpt, cfg, tokenizer_path = _read_checkpoint(ckpt_dir)
+    ckpt, cfg, tokenizer_path, lora = _read_checkpoint(ckpt_dir)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
-    shapes = _shapes(cfg)
-    if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
-    state = load_model_weights(ckpt, shapes)
+    state = _model_weights(ckpt, cfg, lora)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
 

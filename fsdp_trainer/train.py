@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_trainer.adapters.lora import apply_lora, init_lora
 from fsdp_trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -35,6 +36,7 @@ from fsdp_trainer.distributed.parallelize import (
     SHARDING,
     Parallelized,
     ShardingPlan,
+    fill_local_shard,
     materialize,
     parallelize,
     set_gradient_sync,
@@ -232,11 +234,17 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
 
 def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized]:
     """The recipe's model, parallelized and initialised: shapes on meta, then AC / compile / FSDP from outside, then
-    each rank allocates and fills its own shards (the same weights at any world size); and what was applied."""
+    each rank allocates and fills its own shards (the same weights at any world size); and what was applied. With
+    lora.rank set, every weight is frozen and the blocks' projections get adapters (adapters/lora.py)."""
     with torch.device("meta"):
         model = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
+    lora = recipe.lora.rank is not None
+    if lora:  # adapters beside the frozen weights, sharded with them
+        apply_lora(model, recipe.lora)
     applied = parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, recipe.train.seed, applied.cpu_offload)
+    if lora:
+        init_lora(model, recipe.train.seed, fill_local_shard, env.device)
     return model, applied
 
 

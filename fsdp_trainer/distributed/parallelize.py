@@ -162,7 +162,7 @@ def uses_flex_attention(cfg: ParallelConfig, device: torch.device) -> bool:
     return cfg.compile and device.type == "cuda"
 
 
-def _fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
+def fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
     """Write this rank's part of a full-shape tensor into a (possibly sharded) parameter, without communication."""
     if isinstance(param, DTensor):
         local = distribute_tensor(values, param.device_mesh, param.placements, src_data_rank=None).to_local()
@@ -183,7 +183,7 @@ def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, torch.empty_like(buffer, device=device))  # stays the same (non-)persistent buffer
-    model.init_weights(seed=seed, fill=_fill_local_shard, device=device)
+    model.init_weights(seed=seed, fill=fill_local_shard, device=device)
 
 
 def set_gradient_sync(model: nn.Module, plan: ShardingPlan, enabled: bool) -> None:

@@ -1,0 +1,89 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021), applied to a built model from outside, as PEFT applies them.
+
+apply_lora() swaps each target nn.Linear of every block for a LoRALinear that keeps the frozen weight under its name
+(`model.layers.0.self_attn.q_proj.weight`, so a base checkpoint loads and an HF export reads as before) and adds
+PEFT's `lora_A` (rank x in) and `lora_B` (out x rank):
+
+    y = x W^T + (alpha / rank) * B A dropout(x)
+
+A starts Kaiming-uniform, as PEFT's, and B at zero, so the adapted model starts as the base model exactly. Everything
+else is frozen: no gradients and no optimizer state. Apply it on the meta device, before parallelize(): FSDP then
+shards the adapters with the weights they adapt.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_trainer.config import LoraConfig
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer (no bias, as every projection here) plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
+    """Freeze every parameter of `model` and give each `cfg.targets` projection of its blocks an adapter."""
+    model.requires_grad_(False)
+    for block in model.model.layers.children():
+        for name, module in list(block.named_modules()):
+            if name.rsplit(".", 1)[-1] in cfg.targets and isinstance(module, nn.Linear):
+                parent_name, _, child = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                setattr(parent, child, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (by its name) belongs to an adapter, not to the model it adapts."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@torch.no_grad()
+def init_lora(
+    model: nn.Module, seed: int, fill: Callable[[torch.Tensor, torch.Tensor], None], device: torch.device
+) -> None:
+    """A as PEFT's (kaiming_uniform_ with a=sqrt(5), i.e. uniform within 1/sqrt(in_features)) from a generator seeded
+    by (seed, parameter name), so the same at any world size; B zero. `fill` writes full values into a (sharded)
+    parameter, as for the model's own init."""
+    for name, param in model.named_parameters():
+        name = ".".join(part for part in name.split(".") if not part.startswith("_"))  # wrappers' `_` path parts
+        if name.endswith("lora_B.weight"):
+            fill(param, torch.zeros(param.shape, dtype=param.dtype, device=device))
+        elif name.endswith("lora_A.weight"):
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1 / math.sqrt(param.shape[1])
+            values = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
+            fill(param, values.to(param.dtype))
+
+
+def merged(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """A full state dict of a model with adapters, as the model without: each adapted weight W + (alpha / rank) B A
+    (computed in fp32), the adapters dropped."""
+    out = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
+    scaling = cfg.alpha / cfg.rank
+    for name in state:
+        if name.endswith(".lora_A.weight"):
+            prefix = name.removesuffix(".lora_A.weight")
+            a, b = state[name].float(), state[f"{prefix}.lora_B.weight"].float()
+            weight = out[f"{prefix}.weight"]
+            out[f"{prefix}.weight"] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
+    return out
