@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fsdp_trainer.adapters.lora import apply_lora, merged
+from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
 from fsdp_trainer.checkpoint import (
     CHECKPOINTS_DIR,
     RECIPE_FILE,
@@ -33,6 +33,7 @@ from fsdp_trainer.hf import (
     hf_config,
     load_safetensors,
     model_config_from_hf,
+    save_peft_adapter,
     save_safetensors,
     write_tokenizer_files,
 )
@@ -60,18 +61,55 @@ def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path |
     return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path), lora
 
 
-def _model_weights(ckpt: Path, cfg: ModelConfig, lora: LoraConfig | None) -> dict[str, torch.Tensor]:
+def _model_weights(
+    ckpt: Path, cfg: ModelConfig, lora: LoraConfig | None, adapters_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
-    model has no place for them); tied embeddings once, under embed_tokens."""
+    model has no place for them), or with `adapters_only` the adapters alone; tied embeddings once, under
+    embed_tokens."""
     with torch.device("meta"):
         model = Transformer(cfg)
         if lora is not None:
             apply_lora(model, lora)
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if cfg.tie_embeddings:
+    shapes = {name: t.shape for name, t in model.state_dict().items() if is_adapter(name) or not adapters_only}
+    if cfg.tie_embeddings and not adapters_only:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
     state = load_model_weights(ckpt, shapes)
-    return merged(state, lora) if lora is not None else state
+    return merged(state, lora) if lora is not None and not adapters_only else state
+
+
+def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
+    """A LoRA run's adapters as a PEFT adapter directory, which appears only once complete (tools/consolidate.py
+    --lora adapter)."""
+    ckpt, cfg, _, lora = _read_checkpoint(ckpt_dir)
+    if lora is None:
+        raise ValueError(f"{ckpt} was trained without LoRA (lora.rank null): it has no adapters; drop --lora adapter")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
+    adapters = _model_weights(ckpt, cfg, lora, adapters_only=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_peft_adapter(adapters, lora, tmp, dtype)
+        _publish_dir(tmp, out)
+    except OSError as e:
+        raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{ckpt} -> {out} (PEFT LoRA adapter: rank {lora.rank}, {len(adapters)} tensors, {dtype})")
+    return out
+
+
+def _publish_dir(tmp: Path, out: Path) -> None:
+    """Rename a finished temporary directory to `out`, with the user's usual permissions (mkdtemp made it private)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [tmp, *tmp.iterdir()]:
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -153,13 +191,7 @@ def consolidate(
                 print(f"max |logits(transformers) - logits(ours)| = {diff:.2e}")
                 if diff > (1e-4 if dtype == "fp32" else 5e-2):
                     raise ValueError(f"transformers' logits differ from ours by {diff:.2e}")
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp made it private; give it the user's usual permissions
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        _publish_dir(tmp, out)
     except OSError as e:  # a full disk: the temporary directory goes, and OUT_DIR never appeared
         raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
     finally:

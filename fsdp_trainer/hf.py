@@ -1,5 +1,5 @@
 """Hugging Face formats: config.json <-> ModelConfig, safetensors shards (written, read and checked), tokenizer files
-from sentencepiece, and the check that transformers loads what we wrote.
+from sentencepiece, PEFT's LoRA adapter directory, and the check that transformers loads what we wrote.
 
 Our parameter names are HF's and RoPE uses HF's rotate-half layout (model.py), so weights move between the two
 formats by name, unchanged; only the tied `lm_head.weight` is left out of HF files, as HF does.
@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from fsdp_trainer.config import COMPUTE_DTYPES, ModelConfig, RopeScaling, compute_dtype
+from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -102,6 +102,35 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
+
+
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a module's name in an adapter file (`base_model.model.model.layers.0.self_attn.q_proj.lora_A
+.weight`); the rest of the name is ours, which is HF's."""
+
+
+def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_dir: Path, dtype: str) -> None:
+    """A PEFT LoRA adapter directory: adapter_model.safetensors under PEFT's names and adapter_config.json, which
+    `peft.PeftModel.from_pretrained(base_model, out_dir)` loads."""
+    torch_dtype = compute_dtype(dtype)
+    tensors = {PEFT_PREFIX + name: t.to(torch_dtype).contiguous() for name, t in adapters.items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def save_safetensors(

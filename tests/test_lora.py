@@ -164,3 +164,14 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() > 1e-4  # trained: not the base any more
         torch.testing.assert_close(merged(tokens).logits, ours.eval()(tokens), rtol=1e-5, atol=1e-5)
+
+    # The adapters alone, as PEFT's adapter directory, onto the base model: the same logits.
+    tool("consolidate.py", run, tmp_path / "adapter", "--lora", "adapter")
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"
+    ]  # fmt: skip
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+    proc = tool("consolidate.py", base_run, tmp_path / "none", "--lora", "adapter", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "was trained without LoRA" in proc.stderr

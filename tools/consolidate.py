@@ -2,11 +2,16 @@
 
     python tools/consolidate.py runs/debug/checkpoints/step_00000150 hf_out [--dtype bf16] [--max_shard_gb 5]
     python tools/consolidate.py runs/debug hf_out          # the run's latest checkpoint
+    python tools/consolidate.py runs/lora adapter_out --lora adapter     # a LoRA run's adapters, for PEFT
 
 Writes model.safetensors (or shards + model.safetensors.index.json), config.json, tokenizer.model, tokenizer.json
 and tokenizer_config.json, loadable offline by transformers' AutoModelForCausalLM / AutoTokenizer.from_pretrained.
 Needs no process group. Memory: the fp32 model plus one shard; `--verify hf` (the default when transformers is
 installed) loads the written model once more to check it.
+
+A LoRA run's adapters are merged into the weights they adapt (`--lora merge`, the default), or written alone as a
+PEFT adapter directory (`--lora adapter`: adapter_model.safetensors and adapter_config.json, which
+peft.PeftModel.from_pretrained loads onto the base model).
 
 The output appears only once complete and checked: it is written to a temporary directory beside OUT_DIR and
 renamed. What is checked: every tensor name, shape and value in the files, and with `--verify hf` that
@@ -21,7 +26,7 @@ from typing import Literal
 from jsonargparse import ArgumentParser
 
 from fsdp_trainer.config import one_line_errors
-from fsdp_trainer.convert import consolidate
+from fsdp_trainer.convert import consolidate, export_adapter
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,9 +44,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--check_logits", type=bool, nargs="?", const=True, default=False, help="compare transformers' logits with ours"
     )
+    parser.add_argument(
+        "--lora",
+        type=Literal["merge", "adapter"],
+        default="merge",
+        help="a LoRA run: merge the adapters into an HF model, or write them alone as a PEFT adapter directory",
+    )
     with one_line_errors():
         args = parser.parse_args(argv)
-        consolidate(args.ckpt_dir, args.out_dir, args.dtype, args.max_shard_gb, args.verify, args.check_logits)
+        if args.lora == "adapter":
+            export_adapter(args.ckpt_dir, args.out_dir, args.dtype)
+        else:
+            consolidate(args.ckpt_dir, args.out_dir, args.dtype, args.max_shard_gb, args.verify, args.check_logits)
 
 
 if __name__ == "__main__":
