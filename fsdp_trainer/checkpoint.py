@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -74,6 +75,7 @@ from fsdp_trainer.files import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     LATEST_FILE,
+    file_sha256,
     published_step,
     write_atomic,
     write_failure,
@@ -337,16 +339,49 @@ def verified_checkpoint(path: str | os.PathLike) -> Path:
 
 
 class ModelState(Stateful):
-    """The model's (sharded) weights under their HF names, whatever wrappers the model carries."""
+    """The model's (sharded) weights under their HF names, whatever wrappers the model carries; with `adapters_only`
+    (a LoRA run), its adapters alone: the frozen weights are the base's, recorded in LORA_BASE_FILE, not saved again."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, adapters_only: bool = False):
+        self.model, self.adapters_only = model, adapters_only
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        return {name: t for name, t in state.items() if is_adapter(name)} if self.adapters_only else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=not self.adapters_only))
+
+
+LORA_BASE_FILE = "lora_base.json"
+"""In a LoRA run's step directory: the model its adapters apply to, {"path": a weights-only checkpoint, or null for
+the recipe's seeded init; "fingerprint": sha256 of that checkpoint's checksums.json}."""
+
+
+def base_fingerprint(path: Path) -> str:
+    """What identifies a weights-only checkpoint's values: the sha256 of its checksums.json (the size and CRC-32 of
+    every file), or of its .metadata where it has none."""
+    manifest = path / CHECKSUMS_FILE
+    return file_sha256(manifest if manifest.is_file() else path / ".metadata")
+
+
+def lora_base(ckpt: Path) -> Path | None:
+    """The base model a LoRA checkpoint's adapters apply to (None: the recipe's seeded init), checked against the
+    fingerprint recorded when the run started; CheckpointError naming both if it is gone or changed."""
+    if not (ckpt / LORA_BASE_FILE).is_file():
+        raise CheckpointError(f"{ckpt} has no {LORA_BASE_FILE}: it is not a LoRA checkpoint of this trainer")
+    record = json.loads((ckpt / LORA_BASE_FILE).read_text())
+    if record["path"] is None:
+        return None
+    base = Path(record["path"])
+    if not is_complete(base):
+        raise CheckpointError(f"{ckpt}'s adapters apply to {base}, which is gone; put that checkpoint back")
+    if base_fingerprint(base) != record["fingerprint"]:
+        raise CheckpointError(
+            f"{ckpt}'s adapters were trained on {base} as it was then, and its weights have changed since (fingerprint "
+            f"{base_fingerprint(base)[:12]}, recorded {record['fingerprint'][:12]}); put the original back"
+        )
+    return base
 
 
 class OptimState(Stateful):
@@ -492,6 +527,9 @@ class Checkpointer:
             RECIPE_FILE: recipe_to_yaml(recipe).encode(),
             **{name: path.read_bytes() for name, path in tokenizer_files(recipe.data.tokenizer_path).items()},
         }
+        self.adapters_only = getattr(states.get("model"), "adapters_only", False)
+        if self.adapters_only:  # until load() says otherwise: the adapters apply to the recipe's seeded init
+            self.attachments[LORA_BASE_FILE] = json.dumps({"path": None, "fingerprint": None}).encode()
         self.last_saved: int | None = None
         self.resumed_from: Path | None = None  # the step directory load() resumed from; its attachments are read back
         self.preempted = False
@@ -516,14 +554,23 @@ class Checkpointer:
         self._carry_generation_config(path)
         if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
             if not has_own:  # fresh optimizer, data stream and step; LoRA adapters as initialised, on this base
-                check_model_shapes(path, self.states["model"].state_dict(), adapters_optional=True)
-                load_state({"model": self.states["model"]}, path, partial=True)
+                self._load_base(path)
                 logger.info(f"loaded weights from {path}; starting at step 0")
                 return None
             # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
             # instead of starting over from the weights (and losing every step since).
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
-            path = self._newest_verified()
+            started_from, path = path, self._newest_verified()
+            if self.adapters_only and lora_base(path) != started_from.resolve():
+                raise CheckpointError(
+                    f"this run's adapters were trained on {lora_base(path)}, not on {started_from}; resume with "
+                    f"--checkpoint.resume {lora_base(path)}, or start a new run in another train.out_dir"
+                )
+        if self.adapters_only:  # the frozen weights come from the base the adapters were trained on
+            base = lora_base(path)
+            if base is not None:
+                self._load_base(base)
+            self.attachments[LORA_BASE_FILE] = (path / LORA_BASE_FILE).read_bytes()
         check_model_shapes(path, self.states["model"].state_dict())
         self._check_precision(path)
         saved = saved_entries(path)
@@ -535,6 +582,16 @@ class Checkpointer:
         self.last_saved, self.resumed_from = step, path
         logger.info(f"resumed from {path} at step {step}")
         return step
+
+    def _load_base(self, path: Path) -> None:
+        """The weights of a weights-only checkpoint into the model; a LoRA run's adapters keep their values, and its
+        later checkpoints record which base they apply to."""
+        model = ModelState(self.states["model"].model)  # every weight, whatever the run saves
+        check_model_shapes(path, model.state_dict(), adapters_optional=True)
+        load_state({"model": model}, path, partial=True)
+        if self.adapters_only:
+            record = {"path": str(path.resolve()), "fingerprint": base_fingerprint(path)}
+            self.attachments[LORA_BASE_FILE] = json.dumps(record).encode()
 
     def _carry_generation_config(self, path: Path) -> None:
         """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it,

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from fsdp_trainer.checkpoint import (
     checkpoint_recipe,
     checkpoint_tokenizer,
     load_model_weights,
+    lora_base,
     save_model_weights,
     verified_checkpoint,
 )
@@ -52,52 +54,77 @@ def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
         return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
 
 
-def _read_checkpoint(path: str | os.PathLike) -> tuple[Path, ModelConfig, Path | None, LoraConfig | None]:
-    """(step directory, model config, tokenizer file or None, LoRA config if it was trained with adapters) of a
-    checkpoint, checkpoints/ or run directory."""
+@dataclass
+class _Checkpoint:
+    """What a checkpoint, checkpoints/ or run directory holds, for export."""
+
+    path: Path
+    """The step directory."""
+    model: ModelConfig
+    tokenizer: Path | None
+    lora: LoraConfig | None
+    """The adapters it was trained with, if any."""
+    seed: int
+    """The seed of its weight init (a LoRA run from scratch: the frozen weights are that init)."""
+
+
+def _read_checkpoint(path: str | os.PathLike) -> _Checkpoint:
     ckpt = verified_checkpoint(path)  # a corrupted checkpoint never becomes a model or an HF directory
     sections = load_sections(checkpoint_recipe(ckpt))
-    lora = sections["lora"] if "lora" in sections and sections["lora"].rank is not None else None
-    return ckpt, sections["model"], checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path), lora
+    lora = sections["lora"] if sections["lora"].rank is not None else None
+    tokenizer = checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
+    return _Checkpoint(ckpt, sections["model"], tokenizer, lora, sections["train"].seed)
 
 
-def _model_weights(
-    ckpt: Path, cfg: ModelConfig, lora: LoraConfig | None, adapters_only: bool = False
-) -> dict[str, torch.Tensor]:
+def _model_weights(ckpt: _Checkpoint, adapters_only: bool = False) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
     model has no place for them), or with `adapters_only` the adapters alone; tied embeddings once, under
-    embed_tokens."""
+    embed_tokens. A LoRA checkpoint holds its adapters only: the rest comes from the base it records."""
+    cfg, lora = ckpt.model, ckpt.lora
     with torch.device("meta"):
         model = Transformer(cfg)
         if lora is not None:
             apply_lora(model, lora)
-    shapes = {name: t.shape for name, t in model.state_dict().items() if is_adapter(name) or not adapters_only}
-    if cfg.tie_embeddings and not adapters_only:
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
-    state = load_model_weights(ckpt, shapes)
-    return merged(state, lora) if lora is not None and not adapters_only else state
+    adapters = {name: shape for name, shape in shapes.items() if is_adapter(name)}
+    weights = {name: shape for name, shape in shapes.items() if name not in adapters}
+    if lora is None:
+        return load_model_weights(ckpt.path, weights)
+    state = load_model_weights(ckpt.path, adapters)
+    if adapters_only:
+        return state
+    base = lora_base(ckpt.path)
+    if base is not None:
+        state.update(load_model_weights(base, weights))
+    else:  # trained from the recipe's seeded init, which is the same at any world size
+        init = Transformer(cfg)
+        init.init_weights(seed=ckpt.seed)
+        state.update({name: t for name, t in init.state_dict().items() if name in weights})
+    return merged(state, lora)
 
 
 def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
     """A LoRA run's adapters as a PEFT adapter directory, which appears only once complete (tools/consolidate.py
     --lora adapter)."""
-    ckpt, cfg, _, lora = _read_checkpoint(ckpt_dir)
-    if lora is None:
-        raise ValueError(f"{ckpt} was trained without LoRA (lora.rank null): it has no adapters; drop --lora adapter")
+    ckpt = _read_checkpoint(ckpt_dir)
+    if ckpt.lora is None:
+        raise ValueError(f"{ckpt.path} was trained without LoRA (lora.rank null), so it has no adapters; drop --lora")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
-    adapters = _model_weights(ckpt, cfg, lora, adapters_only=True)
+    adapters = _model_weights(ckpt, adapters_only=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_peft_adapter(adapters, lora, tmp, dtype)
+        save_peft_adapter(adapters, ckpt.lora, tmp, dtype)
         _publish_dir(tmp, out)
     except OSError as e:
         raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{ckpt} -> {out} (PEFT LoRA adapter: rank {lora.rank}, {len(adapters)} tensors, {dtype})")
+    print(f"{ckpt.path} -> {out} (PEFT LoRA adapter: rank {ckpt.lora.rank}, {len(adapters)} tensors, {dtype})")
     return out
 
 
@@ -126,10 +153,10 @@ def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         state = load_safetensors(path)
         tokenizer_path = path
     else:
-        ckpt, cfg, tokenizer_path, lora = _read_checkpoint(path)
-        state = _model_weights(ckpt, cfg, lora)
+        ckpt = _read_checkpoint(path)
+        cfg, tokenizer_path, state = ckpt.model, ckpt.tokenizer, _model_weights(ckpt)
         if tokenizer_path is None:
-            raise FileNotFoundError(f"{ckpt} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
+            raise FileNotFoundError(f"{ckpt.path} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
     model = Transformer(cfg)
     model.load_state_dict(state, strict=not cfg.tie_embeddings)
     return model.eval(), load_tokenizer(tokenizer_path)
@@ -154,11 +181,12 @@ def consolidate(
     check_logits: bool = False,
 ) -> Path:
     """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py)."""
-    ckpt, cfg, tokenizer_path, lora = _read_checkpoint(ckpt_dir)
+    read = _read_checkpoint(ckpt_dir)
+    ckpt, cfg, tokenizer_path = read.path, read.model, read.tokenizer
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
-    state = _model_weights(ckpt, cfg, lora)
+    state = _model_weights(read)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
 

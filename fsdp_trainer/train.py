@@ -296,7 +296,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
     loader = build_loader(recipe, env, train_file)
     state = TrainState(cfg.on_nonfinite, env.device, scaler)
-    states = {"model": ModelState(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
+    model_state = ModelState(model, adapters_only=recipe.lora.rank is not None)  # LoRA: its checkpoints, adapters only
+    states = {"model": model_state, "optim": OptimState(model, optimizer), "data": loader, "train": state}
     ckpt = build_checkpointer(recipe, env, states)
     if env.is_main:
         write_config(recipe)

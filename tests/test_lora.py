@@ -3,19 +3,23 @@ and gradients), and trained sharded on 2 gloo ranks against one process, with re
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_trainer.adapters.lora import apply_lora, init_lora, is_adapter
-from fsdp_trainer.checkpoint import load_model_weights
-from fsdp_trainer.config import LORA_TARGETS, LoraConfig, ModelConfig
+from fsdp_trainer.checkpoint import load_model_weights, read_metadata
+from fsdp_trainer.config import LORA_TARGETS, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize
 from fsdp_trainer.hf import model_config_from_hf
 from fsdp_trainer.model import Transformer
-from tests.helpers import run_args, train_cli, train_losses
+from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.train import train_step
+from tests.helpers import run_args, run_distributed, train_cli, train_losses
 from tests.test_hf import tool
 
 transformers = pytest.importorskip("transformers")
@@ -24,13 +28,13 @@ peft = pytest.importorskip("peft")
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
-def _hf_model():
+def _hf_model(seed: int = 0):
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval(), model_config_from_hf(config.to_dict(), "test")
 
 
@@ -114,22 +118,40 @@ def test_lora_two_ranks_equal_one_process_resume_and_only_adapters_change(tiny_d
     assert "at step 5" in proc.stdout
     torch.testing.assert_close(_values(train_losses(moved)), _values(losses_two), rtol=1e-5, atol=0)
 
-    # The frozen weights are the init's, to the bit; the adapters moved.
-    cfg = ModelConfig(**json.loads(tiny_data.read_text())["model"])
+    # A LoRA checkpoint holds the adapters, their optimizer state and the training state, not the frozen weights.
+    saved = read_metadata(two / "checkpoints" / "step_00000010").state_dict_metadata
+    model_keys = [key for key in saved if key.startswith("model.")]
+    assert model_keys and all(is_adapter(key) for key in model_keys)
+    assert all(is_adapter(key) for key in saved if key.startswith("optim.state."))
+
+
+def _frozen_weights_stay_bitwise(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
     with torch.device("meta"):
         model = Transformer(cfg)
-        apply_lora(model, LoraConfig(rank=4, alpha=8.0))
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    start = load_model_weights(two / "checkpoints" / "step_00000005", shapes)
-    end = load_model_weights(two / "checkpoints" / "step_00000010", shapes)
-    init = Transformer(cfg)
-    init.init_weights(seed=0)
-    for name, tensor in end.items():
+    apply_lora(model, LORA)
+    applied = parallelize(model, ParallelConfig(mixed_precision="fp32"), mesh)
+    materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
+    init_lora(model, 0, fill_local_shard, torch.device("cpu"))
+    before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
+        id(p) for name, p in model.named_parameters() if is_adapter(name)
+    }
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=generator)
+        train_step(model, optimizer, [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)], 1e-2, 1.0)
+    for name, param in model.named_parameters():
         if is_adapter(name):
-            assert not torch.equal(tensor, start[name]), name
-        elif not name.startswith("rope_"):
-            assert torch.equal(tensor, init.state_dict()[name]), name
-    assert any(end[n].abs().max() > 0 for n in end if n.endswith("lora_B.weight"))
+            assert not torch.equal(param.full_tensor(), before[name]), name
+        else:
+            assert torch.equal(param.full_tensor(), before[name]), name
+
+
+def test_only_the_adapters_change_and_only_they_have_optimizer_state():
+    run_distributed(_frozen_weights_stay_bitwise)
 
 
 @pytest.mark.slow
@@ -152,14 +174,13 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
 
     tool("consolidate.py", run, tmp_path / "merged", "--verify", "files")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with torch.device("meta"):
-        ours = Transformer(cfg)
-        apply_lora(ours, LoraConfig(rank=4, alpha=8.0))
-    shapes = {name: t.shape for name, t in ours.state_dict().items()}
-    state = load_model_weights(run / "checkpoints" / "step_00000004", shapes)
+    # Ours: the imported weights and the run's adapters (all its checkpoint holds of the model).
     ours = Transformer(cfg)
     apply_lora(ours, LoraConfig(rank=4, alpha=8.0))
-    ours.load_state_dict(state)
+    shapes = {name: t.shape for name, t in ours.state_dict().items() if is_adapter(name)}
+    adapters = load_model_weights(run / "checkpoints" / "step_00000004", shapes)
+    missing, unexpected = ours.load_state_dict({**hf.state_dict(), **adapters}, strict=False)
+    assert not unexpected and all(name.startswith("rope_") for name in missing)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (ours(tokens) - hf(tokens).logits).abs().max() > 1e-4  # trained: not the base any more
@@ -173,5 +194,22 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+    # The same command again (a preemption, a restart) goes on from the run's own checkpoint, on the same base.
+    again = train_cli([*args, *overrides, "--train.steps", "6"])
+    assert "resumed from" in again.stdout and "at step 4" in again.stdout
+    assert sorted(train_losses(run)) == list(range(1, 7))
+
+    # Another base under the same run: one line, nothing trained on it; the base gone: one line from the exporters.
+    other, _ = _hf_model(seed=1)
+    other.save_pretrained(tmp_path / "hf_other")
+    tool("import_hf.py", tmp_path / "hf_other", tmp_path / "other")
+    wrong = [a if a != str(tmp_path / "imported") else str(tmp_path / "other") for a in args]
+    proc = train_cli([*wrong, *overrides], check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"this run's adapters were trained on {tmp_path / 'imported'}" in proc.stderr, proc.stderr
+    shutil.move(tmp_path / "imported", tmp_path / "moved")
+    proc = tool("consolidate.py", run, tmp_path / "gone", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "which is gone" in proc.stderr, proc.stderr
     proc = tool("consolidate.py", base_run, tmp_path / "none", "--lora", "adapter", check=False)
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "was trained without LoRA" in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert "was trained without LoRA (lora.rank null), so it has no adapters; drop --lora" in proc.stderr
