@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from fsdp_trainer.adapters.lora import is_adapter
+from fsdp_trainer.adapters.lora import apply_lora, is_adapter
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import (
@@ -80,7 +80,7 @@ from fsdp_trainer.files import (
     write_atomic,
     write_failure,
 )
-from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG, first_tokenizer, tokenizer_files
 
@@ -457,7 +457,10 @@ def check_disk_room(recipe: Recipe) -> None:
     out_dir = recipe.train.out_dir
     with torch.device("meta"):
         model = Transformer(recipe.model)
-    need = MASTER_WEIGHT_BYTES * count_params(recipe.model) + optimizer_state_bytes(recipe.optim, model)
+        if recipe.lora.rank is not None:  # its checkpoints hold the adapters and their state only
+            apply_lora(model, recipe.lora)
+    saved = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    need = MASTER_WEIGHT_BYTES * saved + optimizer_state_bytes(recipe.optim, model)
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise ValueError(

@@ -28,8 +28,8 @@ def updated_by_muon(name: str, param: torch.Tensor) -> bool:
 
 
 def optimizer_state_bytes(cfg: OptimConfig, model: nn.Module) -> int:
-    """Bytes of optimizer state for a model's parameters (a model on the meta device will do)."""
-    params = list(model.named_parameters())  # tied weights once
+    """Bytes of optimizer state for a model's trainable parameters (a model on the meta device will do)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weights once
     muon = sum(p.numel() for name, p in params if cfg.name == "muon" and updated_by_muon(name, p))
     return MUON_STATE_BYTES * muon + OPTIMIZER_STATE_BYTES * (sum(p.numel() for _, p in params) - muon)
 

@@ -31,7 +31,7 @@ ALLOWED = {
     "hf": {"config", "tokenizer"},
     "distributed.parallelize": {"config", "model"},
     "distributed.runtime": {"config", "distributed.parallelize"},
-    "distributed.plan": {"config", "model", "optim", "distributed.parallelize", "distributed.runtime"},
+    "distributed.plan": {"adapters.lora", "config", "model", "optim", "distributed.parallelize", "distributed.runtime"},
     "adapters.lora": {"config"},
     "checkpoint": {"adapters.lora", "config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
     "sinks": {"config", "files"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from collections import namedtuple
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
 from fsdp_trainer.distributed.plan import activation_bytes_per_token, estimate, plan, recommend
 from fsdp_trainer.model import Transformer, count_params
 from tests.helpers import REPO
+
+shutil_usage = namedtuple("usage", "total used free")
 
 
 def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tuple[int, int]) -> int:
@@ -186,3 +189,40 @@ def test_muon_state_is_one_buffer_per_block_matrix():
     assert e.optimizer_step_gb == pytest.approx((12 * projections / 2 + 4 * (3 * m * n + 3 * m * m)) / 1e9)
     recipe.optim.name = "adamw"  # fused, in place
     assert estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda").optimizer_step_gb == 0
+
+
+def test_lora_prices_frozen_weights_without_gradients_or_optimizer_state():
+    """With adapters, every weight is still held (fp32 shards), but only the adapters have gradients, AdamW state,
+    accumulated gradients and reduce-scattered bytes; the disk check asks room for the adapters' checkpoint only."""
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "8b.yaml"), "--lora.rank", "16"])
+    full = Recipe(model=recipe.model, data=recipe.data)
+    cfg, r = recipe.model, 16
+    q, kv = cfg.n_heads * cfg.resolved_head_dim, cfg.n_kv_heads * cfg.resolved_head_dim
+    shapes = [
+        (cfg.dim, q),
+        (cfg.dim, kv),
+        (cfg.dim, kv),
+        (q, cfg.dim),
+        *[(cfg.dim, cfg.ffn_dim)] * 2,
+        (cfg.ffn_dim, cfg.dim),
+    ]
+    adapters = cfg.n_layers * sum(r * (i + o) for i, o in shapes)  # A: r x in, B: out x r, for each projection
+    n_params = count_params(cfg) + adapters
+    for sharding, group in (("FULL_SHARD", 8), ("NO_SHARD", 1)):
+        e = estimate(recipe, nproc=8, nnodes=1, sharding=sharding, ac="full", device="cuda")
+        assert e.state_gb == pytest.approx((4 * n_params + (4 + 8) * adapters) / group / 1e9)
+        assert e.state_gb < estimate(full, nproc=8, nnodes=1, sharding=sharding, ac="full", device="cuda").state_gb / 3
+    accumulating = parse_recipe(["--recipe", str(REPO / "recipes" / "8b.yaml"), "--lora.rank", "16",
+                                 "--data.grad_accum_steps", "2"])  # fmt: skip
+    e = estimate(accumulating, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
+    assert e.accumulated_gb == pytest.approx(4 * adapters / 1e9)
+
+
+def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatch, tmp_path):
+    from fsdp_trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil_usage(total=1e12, used=0, free=10e9))
+    args = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--train.out_dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="has 10.0 GB free, and one checkpoint of this model takes 96.4 GB"):
+        checkpoint.check_disk_room(parse_recipe(args))
+    checkpoint.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB

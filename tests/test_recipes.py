@@ -22,6 +22,8 @@ EXPECTED_PARAMS = {
     "qwen3_0.6b_finetune.yaml": 596_049_920,
     "sft_llama3_2_1b.yaml": 1_235_814_400,
     "sft_qwen3_0.6b.yaml": 596_049_920,
+    "lora_llama3_2_1b.yaml": 1_235_814_400,
+    "lora_qwen3_0.6b.yaml": 596_049_920,
 }
 
 

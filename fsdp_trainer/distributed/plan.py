@@ -58,6 +58,7 @@ from typing import Literal
 
 import torch
 
+from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
@@ -111,22 +112,24 @@ def gathers_per_step(sharding: str, accum: int) -> int:
 
 
 def comm_bytes_per_rank(
-    sharding: str, n_params: int, compute_bytes: int, accum: int, nproc: int, nnodes: int
+    sharding: str, n_params: int, compute_bytes: int, accum: int, nproc: int, nnodes: int, trainable: int | None = None
 ) -> tuple[float, float]:
     """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
 
     Within a shard group of S ranks, parameters are all-gathered in the compute dtype on every micro-step (in
     forward, and again in backward when they were freed after forward) and fp32 gradients reduce-scattered once;
     across R replicas, each rank all-reduces its fp32 gradient shard. A ring collective sends (n-1)/n of its buffer.
+    Only the `trainable` parameters (default: all; LoRA: the adapters) have gradients to reduce.
     """
     plan = SHARDING[sharding]
     replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
+    trainable = n_params if trainable is None else trainable
     sent = replicas_sent = 0.0
     if shard_group > 1:
-        per_param = gathers_per_step(sharding, accum) * compute_bytes + GRADIENT_BYTES
-        sent += per_param * n_params * (shard_group - 1) / shard_group
+        gathered = gathers_per_step(sharding, accum) * compute_bytes * n_params
+        sent += (gathered + GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
     if replicas > 1:
-        replicas_sent = 2 * GRADIENT_BYTES * (n_params / shard_group) * (replicas - 1) / replicas  # all-reduce
+        replicas_sent = 2 * GRADIENT_BYTES * (trainable / shard_group) * (replicas - 1) / replicas  # all-reduce
         sent += replicas_sent
     if nnodes == 1:
         return sent, 0.0
@@ -158,40 +161,43 @@ def estimate(
     cfg, data = recipe.model, recipe.data
     _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
     a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
-    n_params, n_block = count_params(cfg), count_params(cfg, one_block=True)
-    n_root = n_params - cfg.n_layers * n_block
+    n_block = count_params(cfg, one_block=True)
+    n_root = count_params(cfg) - cfg.n_layers * n_block
     prefetch = recipe.parallel.prefetch_blocks
     tokens = data.micro_batch_size * data.seq_len
 
     with torch.device("meta"):
         meta_model = Transformer(cfg)
+        if recipe.lora.rank is not None:  # frozen weights: no gradient, no optimizer state
+            apply_lora(meta_model, recipe.lora)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     optimizer = optimizer_state_bytes(recipe.optim, meta_model)
     optimizer_step = optimizer_step_bytes(recipe.optim, meta_model, shard_group)
-    state = ((MASTER_WEIGHT_BYTES + GRADIENT_BYTES) * n_params + optimizer) / shard_group
+    state = (MASTER_WEIGHT_BYTES * n_params + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     gathered = a * (kept_blocks * n_block + n_root)
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
-    gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root)
+    gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
     saved, full = activation_bytes_per_token(cfg, a, ac)
     activations = tokens * cfg.n_layers * saved
     logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.vocab_size * 12
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
-    sent, internode = comm_bytes_per_rank(sharding, n_params, a, data.grad_accum_steps, nproc, nnodes)
+    sent, internode = comm_bytes_per_rank(sharding, n_params, a, data.grad_accum_steps, nproc, nnodes, trainable)
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
-    accumulated = GRADIENT_BYTES * n_params if data.grad_accum_steps > 1 and shard_group > 1 else 0
+    accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
         # The optimizer steps on the host too, with what it allocates.
         host, state, optimizer_step = state + optimizer_step, 0, 0
-        traffic = (MASTER_WEIGHT_BYTES * gathers_per_step(sharding, data.grad_accum_steps) + GRADIENT_BYTES) * (
-            n_params / shard_group
-        )
+        gathered_shards = MASTER_WEIGHT_BYTES * gathers_per_step(sharding, data.grad_accum_steps) * n_params
+        traffic = (gathered_shards + GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
