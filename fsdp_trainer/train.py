@@ -29,7 +29,7 @@ from fsdp_trainer.checkpoint import (
     check_disk_room,
     resolve_checkpoint,
 )
-from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
+from fsdp_trainer.config import Recipe, compute_dtype, fail, parse_recipe, write_config
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader, open_data
 from fsdp_trainer.distributed.parallelize import (
@@ -240,7 +240,7 @@ def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized
         model = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
     lora = recipe.lora.rank is not None
     if lora:  # adapters beside the frozen weights, sharded with them
-        apply_lora(model, recipe.lora)
+        apply_lora(model, recipe.lora, frozen_dtype=compute_dtype(recipe.parallel.mixed_precision))
     applied = parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, recipe.train.seed, applied.cpu_offload)
     if lora:

@@ -154,6 +154,34 @@ def test_only_the_adapters_change_and_only_they_have_optimizer_state():
     run_distributed(_frozen_weights_stay_bitwise)
 
 
+def _bf16_frozen_weights(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+    losses = {}
+    for frozen_dtype in (None, torch.bfloat16):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        apply_lora(model, LORA, frozen_dtype=frozen_dtype)
+        applied = parallelize(model, ParallelConfig(mixed_precision="bf16"), mesh)
+        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
+        init_lora(model, 0, fill_local_shard, torch.device("cpu"))
+        if frozen_dtype is not None:  # stored as it is gathered: half the bytes; the adapters stay fp32
+            dtypes = {name: p.dtype for name, p in model.named_parameters()}
+            assert all(d == (torch.float32 if is_adapter(n) else torch.bfloat16) for n, d in dtypes.items()), dtypes
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
+        generator = torch.Generator().manual_seed(rank)
+        losses[frozen_dtype] = []
+        for _ in range(3):
+            tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=generator)
+            stats = train_step(model, optimizer, [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)], 1e-2, 1.0)
+            losses[frozen_dtype].append(stats["loss"].item())
+    assert losses[None] == losses[torch.bfloat16]  # the same bf16 weights reach the matmuls either way: bitwise
+
+
+def test_frozen_weights_held_in_bf16_train_bitwise_as_fp32_shards_gathered_to_bf16():
+    run_distributed(_bf16_frozen_weights)
+
+
 @pytest.mark.slow
 def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_data, tmp_path):
     """import_hf's weights-only checkpoint is the base: step 0's loss is the base model's; consolidate merges the

@@ -41,9 +41,14 @@ class LoRALinear(nn.Module):
         return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig) -> None:
-    """Freeze every parameter of `model` and give each `cfg.targets` projection of its blocks an adapter."""
+def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
+    """Freeze every parameter of `model`, held in `frozen_dtype` from now on (the compute dtype: with no fp32 master
+    copy, a frozen weight is stored as FSDP would all-gather it anyway, so the forward is unchanged and its memory
+    halves in bf16), and give each `cfg.targets` projection of its blocks an adapter (fp32, as trained weights are)."""
     model.requires_grad_(False)
+    if frozen_dtype is not None:
+        for param in model.parameters():
+            param.data = param.data.to(frozen_dtype)
     for block in model.model.layers.children():
         for name, module in list(block.named_modules()):
             if name.rsplit(".", 1)[-1] in cfg.targets and isinstance(module, nn.Linear):

@@ -174,7 +174,9 @@ def estimate(
     trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     optimizer = optimizer_state_bytes(recipe.optim, meta_model)
     optimizer_step = optimizer_step_bytes(recipe.optim, meta_model, shard_group)
-    state = (MASTER_WEIGHT_BYTES * n_params + GRADIENT_BYTES * trainable + optimizer) / shard_group
+    # Frozen weights (LoRA) are held in the compute dtype, as they are gathered: no fp32 master copy to keep.
+    held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable)
+    state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     gathered = a * (kept_blocks * n_block + n_root)
@@ -196,8 +198,7 @@ def estimate(
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
         # The optimizer steps on the host too, with what it allocates.
         host, state, optimizer_step = state + optimizer_step, 0, 0
-        gathered_shards = MASTER_WEIGHT_BYTES * gathers_per_step(sharding, data.grad_accum_steps) * n_params
-        traffic = (gathered_shards + GRADIENT_BYTES * trainable) / shard_group
+        traffic = (held * gathers_per_step(sharding, data.grad_accum_steps) + GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
