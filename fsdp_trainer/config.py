@@ -282,6 +282,9 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """The linear layers of every block that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     down_proj (PEFT's target_modules)."""
+    adapter: str | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to start the adapters from
+    instead of their init, to train it further; its r, lora_alpha and target_modules must match the keys above."""
 
     def __post_init__(self) -> None:
         _require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1, or null")

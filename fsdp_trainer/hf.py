@@ -133,6 +133,35 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
+def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of a PEFT LoRA adapter directory under our names, checked against the recipe's `lora` section:
+    an adapter of another rank, scale or set of targets would train as something else than it was."""
+    adapter_dir = Path(adapter_dir)
+    config_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    for path in (config_path, weights):
+        if not path.is_file():
+            raise FileNotFoundError(f"lora.adapter={adapter_dir} has no {path.name}: not a PEFT adapter directory")
+    config = json.loads(config_path.read_text())
+    targets = config.get("target_modules")
+    targets = sorted([targets] if isinstance(targets, str) else targets or [])
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path} is a {config.get('peft_type')} adapter, not LoRA")
+    for theirs, ours in (("r", "rank"), ("lora_alpha", "alpha")):
+        found, wanted = config.get(theirs), getattr(lora, ours)
+        if found != wanted:
+            raise ValueError(f"{config_path} has {theirs}={found}, the recipe lora.{ours}={wanted}; make them agree")
+    if targets != sorted(lora.targets):
+        raise ValueError(f"{config_path} adapts {targets}, the recipe's lora.targets {sorted(lora.targets)}")
+    if config.get("use_dora") or config.get("use_rslora") or config.get("bias", "none") != "none":
+        raise ValueError(f"{config_path} uses DoRA, rsLoRA or trained biases, which this trainer's LoRA does not")
+    tensors = {}
+    for name, tensor in read_safetensors_one_by_one(weights):
+        if not name.startswith(PEFT_PREFIX) or ".lora_" not in name:
+            raise ValueError(f"{weights} holds {name}, not a LoRA matrix of a causal LM under PEFT's names")
+        tensors[name.removeprefix(PEFT_PREFIX).replace(".default.", ".")] = tensor.float()
+    return tensors
+
+
 def save_safetensors(
     state: dict[str, torch.Tensor], out_dir: str | os.PathLike, dtype: str, max_shard_bytes: int
 ) -> list[str]:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer.adapters.lora import apply_lora, init_lora
+from fsdp_trainer.adapters.lora import apply_lora, init_lora, load_adapters
 from fsdp_trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -53,6 +53,7 @@ from fsdp_trainer.distributed.runtime import (
     sum_over_ranks,
 )
 from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
+from fsdp_trainer.hf import load_peft_adapter
 from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
@@ -264,9 +265,13 @@ def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> Toke
 
 
 def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful]) -> Checkpointer:
-    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH)."""
+    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH); a fresh
+    LoRA run with lora.adapter starts its adapters from that PEFT adapter."""
     ckpt = Checkpointer(recipe, env, states)
-    ckpt.load()
+    if ckpt.load() is None and recipe.lora.adapter is not None:  # a fresh start from an existing PEFT adapter
+        load_adapters(states["model"].model, load_peft_adapter(recipe.lora.adapter, recipe.lora), fill_local_shard)
+        if env.is_main:
+            logger.info(f"adapters loaded from {recipe.lora.adapter}")
     return ckpt
 
 
@@ -351,6 +356,10 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
         check_disk_room(recipe)
     if resume not in ("auto", "none"):
         resolve_checkpoint(resume)  # a path that holds no checkpoint
+    if recipe.lora.adapter is not None:
+        if recipe.lora.rank is None:
+            raise ValueError(f"lora.adapter={recipe.lora.adapter} needs lora.rank (the adapter's r)")
+        load_peft_adapter(recipe.lora.adapter, recipe.lora)  # readable, and made for this rank, scale and targets
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files
 

@@ -222,6 +222,17 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+    # A new run from the same base and that PEFT adapter starts with exactly its adapters; another rank: one line.
+    cont = tmp_path / "cont"
+    start = [a if a != str(run) else str(cont) for a in overrides]
+    train_cli([*args, *start, "--lora.adapter", str(tmp_path / "adapter"), "--train.steps", "0"])  # saves step 0
+    started = load_model_weights(cont / "checkpoints" / "step_00000000", shapes)
+    assert all(torch.equal(started[name], adapters[name]) for name in shapes)
+    peft_start = [*args, *start, "--lora.adapter", str(tmp_path / "adapter")]
+    wrong_rank = train_cli([*peft_start, "--lora.rank", "8"], check=False)
+    assert wrong_rank.returncode == 1 and wrong_rank.stderr.count("\n") == 1, wrong_rank.stderr
+    assert "adapter_config.json has r=4, the recipe lora.rank=8; make them agree" in wrong_rank.stderr
+
     # The same command again (a preemption, a restart) goes on from the run's own checkpoint, on the same base.
     again = train_cli([*args, *overrides, "--train.steps", "6"])
     assert "resumed from" in again.stdout and "at step 4" in again.stdout

@@ -92,3 +92,24 @@ def merged(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.T
             weight = out[f"{prefix}.weight"]
             out[f"{prefix}.weight"] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
     return out
+
+
+@torch.no_grad()
+def load_adapters(
+    model: nn.Module, adapters: dict[str, torch.Tensor], fill: Callable[[torch.Tensor, torch.Tensor], None]
+) -> None:
+    """Set the model's adapters to `adapters` (full tensors by name, e.g. a PEFT adapter's); `fill` writes each into
+    its (sharded) parameter. Every adapter of the model must be given, and nothing else."""
+    left = dict(adapters)
+    for name, param in model.named_parameters():
+        name = ".".join(part for part in name.split(".") if not part.startswith("_"))
+        if not is_adapter(name):
+            continue
+        if name not in left:
+            raise ValueError(f"the adapter has no {name}; it was made for other layers or another model")
+        values = left.pop(name)
+        if tuple(values.shape) != tuple(param.shape):
+            raise ValueError(f"the adapter's {name} has shape {tuple(values.shape)}, the model's {tuple(param.shape)}")
+        fill(param, values.to(device=param.device, dtype=param.dtype))
+    if left:
+        raise ValueError(f"the adapter has {sorted(left)[0]}, which this model has no place for")
