@@ -31,7 +31,13 @@ ALLOWED = {
     "hf": {"config", "tokenizer"},
     "distributed.parallelize": {"config", "model"},
     "distributed.runtime": {"config", "distributed.parallelize"},
-    "distributed.plan": {"adapters.lora", "config", "model", "optim", "distributed.parallelize", "distributed.runtime"},
+    "distributed.fake": {
+        "adapters.lora", "config", "data.loader", "distributed.parallelize", "model", "optim", "train"
+    },
+    "distributed.plan": {
+        "adapters.lora", "config", "model", "optim", "distributed.fake", "distributed.parallelize",
+        "distributed.runtime",
+    },
     "adapters.lora": {"config"},
     "checkpoint": {"adapters.lora", "config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
     "sinks": {"config", "files"},

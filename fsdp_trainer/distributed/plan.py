@@ -50,6 +50,7 @@ allocator fragmentation typically adds 5-10%.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -60,6 +61,7 @@ import torch
 
 from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
+from fsdp_trainer.distributed.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, count_params
@@ -248,6 +250,23 @@ def table(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float) -
     return "\n".join(rows)
 
 
+def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: int) -> str:
+    """The estimate of each row without offload beside the peak one step allocates at the real shapes on fake tensors
+    (distributed/fake.py), both without the runtime term (CUDA context, NCCL, fragmentation), which a fake step has
+    none of."""
+    init_fake_world(nproc * nnodes)
+    rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for e in estimates:
+        if e.offload:
+            continue
+        case = copy.deepcopy(recipe)
+        case.parallel.sharding, case.parallel.activation_checkpointing = e.sharding, e.ac
+        planned, measured = e.total_gb - e.runtime_gb, measured_peak_gb(case, nproc, nnodes)
+        rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | {measured:.2f} | {planned / measured:.2f} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = recipe_parser("fsdp_trainer.distributed.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
@@ -261,6 +280,15 @@ def main(argv: list[str] | None = None) -> None:
         help="host memory per rank, for offload (default: this machine's RAM / nproc)",
     )
     parser.add_argument("--device", type=Literal["cuda", "cpu"] | None, help="default: cuda if a GPU is visible")
+    parser.add_argument(
+        "--check",
+        type=bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="also run one step of each row at the real shapes and world size on fake tensors and a fake process "
+        "group (no memory, no devices: seconds per row) and print its measured peak beside the estimate",
+    )
     recipe, args = parse_args(parser, argv)
     if args.nproc < 1 or args.nnodes < 1:
         fail("--nproc and --nnodes must be >= 1")
@@ -285,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         f"device(s) of {mem:.1f} GB"
     )
     print(table(estimates, mem, host_mem))
+    if args.check:
+        print(check_table(recipe, estimates, args.nproc, args.nnodes))
     best = recommend(estimates, mem, host_mem)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)

@@ -1,0 +1,62 @@
+"""One training step at a recipe's real shapes and world size, run without allocating memory or having the devices:
+FakeTensorMode for the tensors, torch's fake process group for the collectives, FSDPMemTracker for the peak. It is
+the planner's cross-check (`python -m fsdp_trainer.distributed.plan ... --check`): an 8B model on 64 ranks runs in
+seconds on a laptop's CPU.
+
+What it measures is what the step allocates per rank (parameters, gradients, optimizer state, activations,
+temporaries, collective buffers), as the caching allocator would be asked for it; not the CUDA context, NCCL's buffers
+or allocator fragmentation, which the planner's `runtime` term stands for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_trainer.adapters.lora import apply_lora
+from fsdp_trainer.config import Recipe, compute_dtype
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.train import train_step
+
+
+def init_fake_world(world_size: int) -> None:
+    """Make this process rank 0 of a fake process group of `world_size` ranks: collectives return at once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
+    """Peak GB one rank allocates in a steady-state optimizer step (the second: AdamW's state exists) of `recipe`, on a
+    fake world of nproc x nnodes ranks (init_fake_world first). The recipe's precision must be resolved."""
+    parallel, data = recipe.parallel, recipe.data
+    replicas, group = SHARDING[parallel.sharding].mesh_shape(nproc * nnodes, nproc)
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (group,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh("cpu", (replicas, group), mesh_dim_names=("dp_replicate", "dp_shard"))
+    parallel.compile = False  # nothing to compile for fake tensors
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.device("meta"):
+            model = Transformer(recipe.model)
+        if recipe.lora.rank is not None:
+            apply_lora(model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
+        applied = parallelize(model, parallel, mesh)
+        model.to_empty(device="cpu")
+        optimizer = build_optimizer(model, recipe.optim)
+        shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
+        batches = [MicroBatch(t[:, :-1], t[:, 1:], None) for t in torch.randint(0, recipe.model.vocab_size, shape)]
+        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan)
+        train_step(*args)
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((batches[0].inputs,))
+        with tracker:
+            train_step(*args)
+        peak = tracker.get_tracker_snapshot("peak")
+    return max(by_kind["Total"] for by_kind in peak.values()) / 1e9
