@@ -21,7 +21,7 @@ from pathlib import Path
 from runner import report_header, run_ours, synthetic_data
 
 from fsdp_trainer.config import compute_dtype, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
-from fsdp_trainer.distributed.plan import comm_bytes_per_rank
+from fsdp_trainer.distributed.plan import comm_bytes_per_rank, regathered_in_backward
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import count_params
 
@@ -29,7 +29,9 @@ from fsdp_trainer.model import count_params
 def sent(recipe, n_params: int, nproc: int) -> float:
     """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.distributed.plan (one node)."""
     a = compute_dtype(recipe.parallel.mixed_precision).itemsize
-    return comm_bytes_per_rank(recipe.parallel.sharding, n_params, a, recipe.data.grad_accum_steps, nproc, 1)[0]
+    regathered = regathered_in_backward(recipe.model)
+    sharding, accum = recipe.parallel.sharding, recipe.data.grad_accum_steps
+    return comm_bytes_per_rank(sharding, n_params, a, accum, nproc, 1, regathered)[0]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -101,13 +101,15 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
     }
     a = 2 if precision == "bf16" else 4
     assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)
-    assert estimates["FULL_SHARD"].sent_gb == pytest.approx((2 * accum * a + 4) * n_params * 7 / 8 / 1e9)
+    regathered = (recipe.model.n_layers - 1) * count_params(recipe.model, one_block=True)  # all blocks but the last
+    gathered = accum * a * (n_params + regathered)
+    assert estimates["FULL_SHARD"].sent_gb == pytest.approx((gathered + 4 * n_params) * 7 / 8 / 1e9)
     assert estimates["SHARD_OP"].sent_gb == pytest.approx((a + 4) * n_params * 7 / 8 / 1e9)  # whatever accum is
     accumulated = 4 * n_params / 1e9 if accum > 1 else 0  # unsharded fp32 gradients over the micro-steps
     assert estimates["SHARD_OP"].accumulated_gb == estimates["FULL_SHARD"].accumulated_gb == pytest.approx(accumulated)
     assert estimates["NO_SHARD"].accumulated_gb == 0  # its gradients are whole anyway
-    if precision == "fp32" and accum == 1:
-        assert estimates["FULL_SHARD"].sent_gb == pytest.approx(1.5 * estimates["NO_SHARD"].sent_gb)
+    if precision == "fp32" and accum == 1:  # 12P less the last block's and the root's backward gathers, against 8P
+        assert estimates["NO_SHARD"].sent_gb < estimates["FULL_SHARD"].sent_gb < 1.5 * estimates["NO_SHARD"].sent_gb
     assert all(e.internode_gb == 0 for e in estimates.values())
     assert recommend(list(estimates.values()), 1e9).sharding == best
 
@@ -137,8 +139,9 @@ def test_cpu_offload_moves_the_state_to_the_host_for_copies_every_step(sharding,
     moved = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cuda", offload=True)
     assert moved.host_gb == pytest.approx(kept.state_gb) == pytest.approx(16 * n_params / shard_group / 1e9)
     assert moved.state_gb == 0 and moved.total_gb == pytest.approx(kept.total_gb - kept.state_gb)
-    gathers = {"FULL_SHARD": 2 * accum, "SHARD_OP": 1, "NO_SHARD": accum}[sharding]  # ZeRO-1 once per step
-    assert moved.host_traffic_gb == pytest.approx((4 * gathers + 4) * n_params / shard_group / 1e9)
+    regathered = (recipe.model.n_layers - 1) * count_params(recipe.model, one_block=True)
+    gathered = {"FULL_SHARD": accum * (n_params + regathered), "SHARD_OP": n_params, "NO_SHARD": accum * n_params}
+    assert moved.host_traffic_gb == pytest.approx(4 * (gathered[sharding] + n_params) / shard_group / 1e9)
     assert moved.sent_gb == kept.sent_gb and kept.host_gb == kept.host_traffic_gb == 0
     on_cpu = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cpu", offload=True)
     assert on_cpu.host_gb == on_cpu.host_traffic_gb == 0 and on_cpu.state_gb == kept.state_gb

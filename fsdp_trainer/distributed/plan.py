@@ -29,7 +29,8 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   gradients in fp32 until the last one reduce-scatters them, 4P for the whole step;
 - offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
   cross to the device before every all-gather and their fp32 gradients back once per step:
-  (4 x gathers + 4)P/S bytes per step each way taken together (`host<->device`); the device keeps the rest;
+  (4G + 4P)/S bytes per step each way taken together, G the parameters gathered per step (below) (`host<->device`);
+  the device keeps the rest;
 - optimizer step: what the step allocates, after backward has freed the activations and gradient buffers (so the
   peak counts the largest of the three): nothing for fused AdamW; Muon's exchange of whole matrices about 12 bytes
   per matrix weight / S (the rows sent and received, the matrices a rank owns, fp32) plus one matrix's iteration;
@@ -37,12 +38,14 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
 Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of
-a buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and again in backward on
-every micro-step, in the compute dtype, and reduce-scatters fp32 gradients once: (2ka + 4)P(W-1)/W; ZeRO-2 gathers
+a buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and, but for the last block
+and the root (kept gathered between the two), again in backward on every micro-step, in the compute dtype, and
+reduce-scatters fp32 gradients once: (ka(P + R) + 4P)(W-1)/W, R = (layers - 1) x block parameters; ZeRO-2 gathers
 once per micro-step: (ka + 4)P(W-1)/W; ZeRO-1 (SHARD_OP) gathers once per step, keeping the parameters over the
 micro-steps: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
-a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network. In one
-dtype ZeRO-3 sends 1.5x DDP; with bf16 compute and fp32 reduction the two are equal.
+a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network. These
+are the collectives tests/test_collectives.py counts, one by one. In one dtype ZeRO-3 sends about 1.5x DDP; with bf16
+compute and fp32 reduction the two are about equal.
 
 Validated against peak memory measured on CPU (docs/benchmarks.md); treat GPU figures as a plan, not a promise:
 allocator fragmentation typically adds 5-10%.
@@ -105,21 +108,36 @@ class Estimate:
         return self.total_gb <= device_mem_gb and self.host_gb <= host_mem_gb
 
 
-def gathers_per_step(sharding: str, accum: int) -> int:
-    """How often a rank all-gathers its parameter shards per optimizer step: in forward and, when they were freed
-    after it, again in backward, on every micro-step but under ZeRO-1, which keeps them over the step."""
+def gathered_per_step(sharding: str, accum: int, n_params: int, regathered: int) -> int:
+    """Parameters a rank all-gathers per optimizer step (elements of the gathered outputs): all of them in forward on
+    every micro-step and, where they are freed after forward, the `regathered` ones again in backward (every block but
+    the last: the root and the last block stay gathered between the two); ZeRO-1 keeps them over the step and gathers
+    once, whatever the accumulation. tests/test_collectives.py counts the same collective by collective."""
     plan = SHARDING[sharding]
-    gathers = 2 if plan.reshard_after_forward else 1
-    return gathers if plan.gathered_for_the_step else gathers * accum
+    per_micro_step = n_params + (regathered if plan.reshard_after_forward else 0)
+    return per_micro_step if plan.gathered_for_the_step else per_micro_step * accum
+
+
+def regathered_in_backward(cfg: ModelConfig) -> int:
+    """Parameters FSDP gathers again in backward after freeing them in forward (ZeRO-3): every block but the last."""
+    return (cfg.n_layers - 1) * count_params(cfg, one_block=True)
 
 
 def comm_bytes_per_rank(
-    sharding: str, n_params: int, compute_bytes: int, accum: int, nproc: int, nnodes: int, trainable: int | None = None
+    sharding: str,
+    n_params: int,
+    compute_bytes: int,
+    accum: int,
+    nproc: int,
+    nnodes: int,
+    regathered: int,
+    trainable: int | None = None,
 ) -> tuple[float, float]:
     """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
 
     Within a shard group of S ranks, parameters are all-gathered in the compute dtype on every micro-step (in
-    forward, and again in backward when they were freed after forward) and fp32 gradients reduce-scattered once;
+    forward, and `regathered` of them again in backward when freed after forward: gathered_per_step) and fp32
+    gradients reduce-scattered once;
     across R replicas, each rank all-reduces its fp32 gradient shard. A ring collective sends (n-1)/n of its buffer.
     Only the `trainable` parameters (default: all; LoRA: the adapters) have gradients to reduce.
     """
@@ -128,7 +146,7 @@ def comm_bytes_per_rank(
     trainable = n_params if trainable is None else trainable
     sent = replicas_sent = 0.0
     if shard_group > 1:
-        gathered = gathers_per_step(sharding, accum) * compute_bytes * n_params
+        gathered = compute_bytes * gathered_per_step(sharding, accum, n_params, regathered)
         sent += (gathered + GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
     if replicas > 1:
         replicas_sent = 2 * GRADIENT_BYTES * (trainable / shard_group) * (replicas - 1) / replicas  # all-reduce
@@ -191,7 +209,10 @@ def estimate(
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
-    sent, internode = comm_bytes_per_rank(sharding, n_params, a, data.grad_accum_steps, nproc, nnodes, trainable)
+    regathered = regathered_in_backward(cfg)
+    sent, internode = comm_bytes_per_rank(
+        sharding, n_params, a, data.grad_accum_steps, nproc, nnodes, regathered, trainable
+    )
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
     accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
@@ -200,7 +221,9 @@ def estimate(
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
         # The optimizer steps on the host too, with what it allocates.
         host, state, optimizer_step = state + optimizer_step, 0, 0
-        traffic = (held * gathers_per_step(sharding, data.grad_accum_steps) + GRADIENT_BYTES * trainable) / shard_group
+        # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
+        copied = gathered_per_step(sharding, data.grad_accum_steps, n_params, regathered) * held / n_params
+        traffic = (copied + GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
