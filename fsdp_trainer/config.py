@@ -346,6 +346,10 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
     """`auto`: continue from checkpoints/latest if it exists; `none`: start fresh; or a checkpoint directory."""
+    export_hf: bool = False
+    """After the last step, write the model as an HF directory to train.out_dir/hf: each rank writes its shards and
+    DCP's HuggingFaceStorageWriter consolidates them, so no process holds the whole model (consolidate.py does the same
+    from any checkpoint later, in one process). Not with LoRA adapters: consolidate.py merges them."""
     on_save_error: Literal["stop", "continue"] = "stop"
     """A save that fails on any rank (disk full, quota, I/O error) is removed and `latest` keeps the last complete one;
     then `stop`: exit 1, resume once there is room; `continue`: train on and save at the next due step (the run's last
@@ -390,6 +394,11 @@ class Recipe:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            not (self.checkpoint.export_hf and self.lora.rank is not None),
+            "checkpoint.export_hf writes the model without adapters; with lora.rank set, export with "
+            "tools/consolidate.py RUN OUT (merged) or --lora adapter (PEFT)",
+        )
         _require(
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} must be <= model.max_seq_len={self.model.max_seq_len}",

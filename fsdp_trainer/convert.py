@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
 from fsdp_trainer.checkpoint import (
@@ -27,7 +31,7 @@ from fsdp_trainer.checkpoint import (
     save_model_weights,
     verified_checkpoint,
 )
-from fsdp_trainer.config import LoraConfig, ModelConfig, compute_dtype, load_sections, sections_to_yaml
+from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype, load_sections, sections_to_yaml
 from fsdp_trainer.files import write_failure
 from fsdp_trainer.hf import (
     check_safetensors,
@@ -170,6 +174,41 @@ def write_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
         return
     for name, path in tokenizer_files(tokenizer.path).items():
         shutil.copyfile(path, out_dir / name)
+
+
+HF_EXPORT_DIR = "hf"
+"""Under train.out_dir: the HF directory checkpoint.export_hf writes at the end of a run."""
+
+
+def export_hf_sharded(model: torch.nn.Module, recipe: Recipe, is_main: bool) -> Path:
+    """Every rank's shards of the model's weights as one HF directory train.out_dir/hf (fp32), written by DCP's
+    HuggingFaceStorageWriter and consolidated into model safetensors by the coordinator, so no process gathers the
+    whole model; rank 0 adds config.json, the tokenizer and the sampling defaults. Collective: call it on every rank.
+    The directory is written beside its place and renamed, so a reader never sees half of it."""
+    cfg = recipe.model
+    out = Path(recipe.train.out_dir) / HF_EXPORT_DIR
+    tmp = out.with_name(f".{out.name}.partial")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt cut short
+    dist.barrier()  # no rank writes into the directory before it is clean
+    state = get_model_state_dict(model)
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    writer = HuggingFaceStorageWriter(
+        str(tmp), fqn_to_index_mapping=dict.fromkeys(state, 1), save_distributed=True, enable_consolidation=True
+    )
+    dcp.save(state, storage_writer=writer)
+    if is_main:
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)  # each rank's part, now consolidated
+        tokenizer = load_tokenizer(recipe.data.tokenizer_path) if recipe.data.tokenizer_path else None
+        config = hf_config(cfg, "fp32", tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            write_tokenizer(tokenizer, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    dist.barrier()  # every rank returns once the directory is in place
+    return out
 
 
 def consolidate(

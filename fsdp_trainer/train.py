@@ -30,6 +30,7 @@ from fsdp_trainer.checkpoint import (
     resolve_checkpoint,
 )
 from fsdp_trainer.config import Recipe, compute_dtype, fail, parse_recipe, write_config
+from fsdp_trainer.convert import export_hf_sharded
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader, open_data
 from fsdp_trainer.distributed.parallelize import (
@@ -336,6 +337,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         ckpt.close(wait=isinstance(e, NonFiniteError))
         raise
     ckpt.close()
+    if recipe.checkpoint.export_hf and not ckpt.preempted:
+        logger.info(f"exported the model as an HF directory: {export_hf_sharded(model, recipe, env.is_main)}")
     metrics.close()
     logger.info(f"done: run written to {cfg.out_dir}")
 

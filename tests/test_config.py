@@ -46,6 +46,9 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["--data.micro_batch_size", "0"], "data.micro_batch_size=0 must be positive"),
         (["--model.rope_scaling.factor", "0.5"], "model.rope_scaling.factor=0.5 must be >= 1"),
         (["--recipe", "/no/such.yaml"], 'Parser key "recipe": File does not exist'),
+        (["--lora.rank", "0"], "lora.rank=0 must be >= 1, or null"),
+        (["--lora.targets", "[q_proj, lm_head]"], "lora.targets has ['lm_head']; choose among q_proj"),
+        (["--lora.rank", "8", "--checkpoint.export_hf", "true"], "checkpoint.export_hf writes the model without"),
     ],
 )
 def test_errors_are_one_line_naming_the_key(capsys, argv, message):

@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 
 import pytest
+import safetensors.torch
 import torch
 import yaml
 
@@ -17,7 +18,7 @@ from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import REPO, train_cli
+from tests.helpers import REPO, run_args, train_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,3 +159,22 @@ def test_tool_errors_are_one_line(tiny_data, tmp_path):
         proc = tool("import_hf.py", tmp_path / "hf", tmp_path / "imp", check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert (tmp_path / "full" / "x").read_text() == "keep me"
+
+
+def test_export_hf_at_the_end_of_a_sharded_run_equals_consolidate(tiny_data, tmp_path):
+    """checkpoint.export_hf on 2 ranks: each writes its shards, DCP consolidates them; the tensors are bit-exact
+    consolidate.py's from the last checkpoint, the config the same, and transformers loads it without a missing key."""
+    run = tmp_path / "run"
+    train_cli(run_args(tiny_data, run, 3, checkpoint={"every": 3, "export_hf": True}), nproc=2)
+    tool("consolidate.py", run, tmp_path / "consolidated", "--verify", "files")
+    exported = {}
+    for path in sorted((run / "hf").glob("*.safetensors")):
+        exported.update(safetensors.torch.load_file(path))
+    consolidated = safetensors.torch.load_file(tmp_path / "consolidated" / "model.safetensors")
+    assert sorted(exported) == sorted(consolidated)
+    assert all(torch.equal(exported[name], consolidated[name]) for name in consolidated)
+    config = json.loads((run / "hf" / "config.json").read_text())
+    assert config == json.loads((tmp_path / "consolidated" / "config.json").read_text())
+    assert not (run / "hf" / "sharded").exists() and not (run / ".hf.partial").exists()
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(run / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))

@@ -44,8 +44,8 @@ ALLOWED = {
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
     "convert": {"adapters.lora", "checkpoint", "config", "files", "hf", "model", "tokenizer"},
     "train": {
-        "adapters.lora", "checkpoint", "config", "data.loader", "data.format", "files", "hf", "loss", "metrics",
-        "model", "optim", "sinks", "distributed.parallelize", "distributed.runtime", "tokenizer",
+        "adapters.lora", "checkpoint", "config", "convert", "data.loader", "data.format", "files", "hf", "loss",
+        "metrics", "model", "optim", "sinks", "distributed.parallelize", "distributed.runtime", "tokenizer",
     },
     "launch": {"config", "train"},
     "__main__": {"train"},
