@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
             for nproc in args.nproc:
                 result = run_ours(str(recipe_path), train_path, tokenizer_path, nproc, args.steps, args.log_every,
                                   tokens_per_rank * nproc, tmp / f"{size}_{nproc}")  # fmt: skip
-                row = {"size": size, "params": n_params, "nproc": nproc,
+                row = {"size": size, "params": n_params, "regathered": regathered_in_backward(recipe.model),
+                       "nproc": nproc,
                        "step_s": tokens_per_rank * nproc / result["tokens_per_s"],
                        "tokens_per_s_per_rank": result["tokens_per_s"] / nproc, "state_gb": result["state_gb"],
                        "peak_mem_gb": result["peak_mem_gb"],

@@ -98,8 +98,11 @@ def test_bench_scaling_reports_each_size_and_world_size(tiny_data, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["size"], r["nproc"]) for r in rows] == [("32x1", 1), ("32x1", 2), ("64x2", 1), ("64x2", 2)]
     for r in rows:
-        # ZeRO-3 in fp32: two all-gathers and a reduce-scatter of 4 bytes per parameter, each sending half of it.
-        assert r["comm_gb_per_rank"] == pytest.approx(12 * r["params"] * (r["nproc"] - 1) / r["nproc"] / 1e9)
+        # ZeRO-3 in fp32: an all-gather of every parameter in forward, again in backward of every block but the last,
+        # and a reduce-scatter, 4 bytes a parameter, each sending (n - 1) / n of it.
+        gathered_and_reduced = 4 * (r["params"] + r["regathered"]) + 4 * r["params"]
+        assert r["comm_gb_per_rank"] == pytest.approx(gathered_and_reduced * (r["nproc"] - 1) / r["nproc"] / 1e9)
+        assert (r["regathered"] == 0) == (r["size"] == "32x1")  # one block: it is the last, kept gathered
         assert r["state_gb"] == pytest.approx(16 * r["params"] / r["nproc"] / 1e9, rel=1e-3)
         assert r["step_s"] > 0
     assert rows[2]["params"] > rows[0]["params"]
