@@ -491,6 +491,20 @@ def load_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -
     return state["model"]
 
 
+def iter_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The full fp32 weights of a checkpoint saved at any world size, one tensor at a time in the order of `shapes`
+    (each read from every rank's file that holds a part of it), without a process group: the memory it takes is the
+    largest tensor, not the model."""
+    path = resolve_checkpoint(path)
+    check_model_shapes(path, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
+    for name, shape in shapes.items():
+        state = {"model": {name: torch.empty(shape)}}
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": intended
+            warnings.simplefilter("ignore", UserWarning)
+            load_state(state, path, no_dist=True)
+        yield name, state["model"][name]
+
+
 def save_model_weights(
     state: dict[str, torch.Tensor], out_dir: str | os.PathLike, attachments: dict[str, bytes] | None = None
 ) -> Path:

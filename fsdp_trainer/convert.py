@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from fsdp_trainer.checkpoint import (
     RECIPE_FILE,
     checkpoint_recipe,
     checkpoint_tokenizer,
+    iter_model_weights,
     load_model_weights,
     lora_base,
     save_model_weights,
@@ -107,6 +109,41 @@ def _model_weights(ckpt: _Checkpoint, adapters_only: bool = False) -> dict[str, 
         init.init_weights(seed=ckpt.seed)
         state.update({name: t for name, t in init.state_dict().items() if name in weights})
     return merged(state, lora)
+
+
+def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[tuple[str, torch.Tensor]]]:
+    """What _model_weights gives, as (shapes, the tensors one at a time in that order): the memory it takes is one
+    tensor (and a LoRA run's adapters, which are small), not the model."""
+    cfg, lora = ckpt.model, ckpt.lora
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        if lora is not None:
+            apply_lora(model, lora)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    weights = {name: shape for name, shape in shapes.items() if not is_adapter(name)}
+    if lora is None:
+        return weights, iter_model_weights(ckpt.path, weights)
+    adapters = load_model_weights(ckpt.path, {name: shape for name, shape in shapes.items() if is_adapter(name)})
+    base = lora_base(ckpt.path)
+    if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
+        init = Transformer(cfg)
+        init.init_weights(seed=ckpt.seed)
+        frozen = ((name, init.state_dict()[name]) for name in weights)
+    else:
+        frozen = iter_model_weights(base, weights)
+    scaling = lora.alpha / lora.rank
+
+    def merged_one_by_one():
+        for name, tensor in frozen:
+            prefix = name.removesuffix(".weight")
+            if f"{prefix}.lora_A.weight" in adapters:
+                a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
+                tensor = tensor.float() + scaling * (b.float() @ a.float())
+            yield name, tensor
+
+    return weights, merged_one_by_one()
 
 
 def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
@@ -211,6 +248,17 @@ def export_hf_sharded(model: torch.nn.Module, recipe: Recipe, is_main: bool) -> 
     return out
 
 
+def _available_memory() -> float:
+    """Bytes of memory this machine can give a process now (Linux's MemAvailable; else all of it)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def consolidate(
     ckpt_dir: str,
     out_dir: str,
@@ -219,39 +267,43 @@ def consolidate(
     verify: str = "auto",
     check_logits: bool = False,
 ) -> Path:
-    """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py)."""
+    """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py). The
+    weights pass one tensor at a time (a shard's worth in memory); `verify="hf"` then loads the whole model into
+    transformers, which `auto` does only where it takes at most half the memory available."""
     read = _read_checkpoint(ckpt_dir)
     ckpt, cfg, tokenizer_path = read.path, read.model, read.tokenizer
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
-    state = _model_weights(read)
+    shapes, tensors = _weight_stream(read)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
+    model_bytes = sum(shape.numel() for shape in shapes.values()) * torch_dtype.itemsize
 
     if verify == "auto":
         try:
             import transformers  # noqa: F401
 
-            verify = "hf"
+            # transformers loads the whole model: only where it takes at most half the memory available
+            verify = "hf" if model_bytes <= _available_memory() / 2 else "files"
         except ImportError:
             verify = "files"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_safetensors(state, tmp, dtype, int(max_shard_gb * 1e9))
+        crcs = save_safetensors(shapes, tensors, tmp, dtype, int(max_shard_gb * 1e9))
         config = hf_config(cfg, dtype, tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             write_tokenizer(tokenizer, tmp)
         if (ckpt / HF_GENERATION_CONFIG).is_file():  # an imported model's sampling defaults, carried through
             shutil.copyfile(ckpt / HF_GENERATION_CONFIG, tmp / HF_GENERATION_CONFIG)
-        check_safetensors(tmp, state, torch_dtype)
+        check_safetensors(tmp, shapes, crcs)
         if verify == "hf":
             model = None
-            if check_logits:
+            if check_logits:  # our model beside transformers': both whole, by what is asked
                 model = Transformer(cfg)
-                model.load_state_dict(state, strict=not cfg.tie_embeddings)
+                model.load_state_dict(_model_weights(read), strict=not cfg.tie_embeddings)
                 model.to(torch_dtype)
             diff = check_with_transformers(tmp, model, torch_dtype)
             if diff is not None:
@@ -263,7 +315,7 @@ def consolidate(
         raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    n_params = sum(t.numel() for t in state.values())
+    n_params = sum(shape.numel() for shape in shapes.values())
     print(f"{ckpt} -> {out} ({n_params / 1e6:.1f}M parameters, {dtype}, verified: {verify})")
     return out
 

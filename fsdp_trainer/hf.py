@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -163,18 +165,21 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[
 
 
 def save_safetensors(
-    state: dict[str, torch.Tensor], out_dir: str | os.PathLike, dtype: str, max_shard_bytes: int
-) -> list[str]:
-    """Write `state` as model.safetensors, or as model-0000i-of-0000n.safetensors + index above max_shard_bytes.
-
-    Only one shard's tensors are converted to `dtype` at a time, so the memory beyond `state` is one shard.
-    """
+    shapes: dict[str, torch.Size],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    dtype: str,
+    max_shard_bytes: int,
+) -> dict[str, int]:
+    """Write the model whose tensors have `shapes` as model.safetensors, or as model-0000i-of-0000n.safetensors + index
+    above max_shard_bytes, taking `tensors` (name, values) one at a time in the order of `shapes`: only one shard's
+    tensors, in `dtype`, are held at a time. Returns each tensor's CRC-32 as written, for check_safetensors."""
     out_dir = Path(out_dir)
     torch_dtype = compute_dtype(dtype)
     shards: list[list[str]] = [[]]
     size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * torch_dtype.itemsize
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * torch_dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -183,9 +188,16 @@ def save_safetensors(
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
-    weight_map = {}
+    weight_map, crcs = {}, {}
+    tensors = iter(tensors)
     for file, names in zip(files, shards, strict=True):
-        shard = {name: state[name].to(torch_dtype).contiguous() for name in names}
+        shard = {}
+        for expected in names:
+            name, values = next(tensors)
+            if name != expected:
+                raise ValueError(f"tensors came out of order: {name} where {expected} was due")
+            shard[name] = values.to(torch_dtype).contiguous()
+            crcs[name] = zlib.crc32(shard[name].view(torch.uint8).numpy() if shard[name].numel() else b"")
         try:
             save_file(shard, str(out_dir / file), metadata={"format": "pt"})
         except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)": an OSError in Rust
@@ -196,10 +208,10 @@ def save_safetensors(
         weight_map.update(dict.fromkeys(names, file))
         del shard
     if len(files) > 1:
-        total = sum(t.numel() * torch_dtype.itemsize for t in state.values())
+        total = sum(shape.numel() * torch_dtype.itemsize for shape in shapes.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return files
+    return crcs
 
 
 def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -234,18 +246,20 @@ def read_safetensors_one_by_one(path: Path):
             yield name, torch.frombuffer(data, dtype=dtypes[info["dtype"]]).reshape(info["shape"])
 
 
-def check_safetensors(out_dir: Path, expected: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Every expected tensor is in the directory's files, with its shape and (cast) value; nothing else is."""
+def check_safetensors(out_dir: Path, shapes: dict[str, torch.Size], crcs: dict[str, int]) -> None:
+    """Every expected tensor is in the directory's files, with its shape and the bytes save_safetensors wrote (its
+    CRC-32), read back one tensor at a time; nothing else is."""
     found = set()
     for file in sorted(out_dir.glob("*.safetensors")):
         for name, tensor in read_safetensors_one_by_one(file):
-            if name not in expected:
+            if name not in shapes:
                 raise ValueError(f"{file.name} holds {name}, which the model does not have")
-            if tensor.shape != expected[name].shape or not torch.equal(tensor, expected[name].to(dtype)):
+            data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
+            if tuple(tensor.shape) != tuple(shapes[name]) or zlib.crc32(data) != crcs[name]:
                 raise ValueError(f"{name} in {file.name} differs from the checkpoint")
             found.add(name)
-    if found != set(expected):
-        raise ValueError(f"the written files lack {sorted(set(expected) - found)[:3]}")
+    if found != set(shapes):
+        raise ValueError(f"the written files lack {sorted(set(shapes) - found)[:3]}")
 
 
 def check_with_transformers(out_dir: Path, model: torch.nn.Module | None, dtype: torch.dtype) -> float | None:

@@ -6,8 +6,9 @@
 
 Writes model.safetensors (or shards + model.safetensors.index.json), config.json, tokenizer.model, tokenizer.json
 and tokenizer_config.json, loadable offline by transformers' AutoModelForCausalLM / AutoTokenizer.from_pretrained.
-Needs no process group. Memory: the fp32 model plus one shard; `--verify hf` (the default when transformers is
-installed) loads the written model once more to check it.
+Needs no process group. Memory: one shard of the output plus one tensor, not the model: the weights pass one
+tensor at a time. `--verify hf` loads the written model into transformers to check it, which takes the whole
+model; `auto` does so when transformers is installed and the model takes at most half the memory available.
 
 A LoRA run's adapters are merged into the weights they adapt (`--lora merge`, the default), or written alone as a
 PEFT adapter directory (`--lora adapter`: adapter_model.safetensors and adapter_config.json, which
