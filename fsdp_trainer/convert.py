@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
+from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged_weight
 from fsdp_trainer.checkpoint import (
     CHECKPOINTS_DIR,
     RECIPE_FILE,
@@ -82,50 +82,37 @@ def _read_checkpoint(path: str | os.PathLike) -> _Checkpoint:
     return _Checkpoint(ckpt, sections["model"], tokenizer, lora, sections["train"].seed)
 
 
-def _model_weights(ckpt: _Checkpoint, adapters_only: bool = False) -> dict[str, torch.Tensor]:
-    """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
-    model has no place for them), or with `adapters_only` the adapters alone; tied embeddings once, under
-    embed_tokens. A LoRA checkpoint holds its adapters only: the rest comes from the base it records."""
-    cfg, lora = ckpt.model, ckpt.lora
+def _export_shapes(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
+    """(the weights an HF model has, the LoRA adapters a checkpoint of a LoRA run holds) by name and shape; tied
+    embeddings once, under embed_tokens."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-        if lora is not None:
-            apply_lora(model, lora)
+        model = Transformer(ckpt.model)
+        if ckpt.lora is not None:
+            apply_lora(model, ckpt.lora)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if cfg.tie_embeddings:
+    if ckpt.model.tie_embeddings:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
     adapters = {name: shape for name, shape in shapes.items() if is_adapter(name)}
-    weights = {name: shape for name, shape in shapes.items() if name not in adapters}
-    if lora is None:
-        return load_model_weights(ckpt.path, weights)
-    state = load_model_weights(ckpt.path, adapters)
+    return {name: shape for name, shape in shapes.items() if name not in adapters}, adapters
+
+
+def _model_weights(ckpt: _Checkpoint, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
+    model has no place for them), or with `adapters_only` the adapters alone."""
     if adapters_only:
-        return state
-    base = lora_base(ckpt.path)
-    if base is not None:
-        state.update(load_model_weights(base, weights))
-    else:  # trained from the recipe's seeded init, which is the same at any world size
-        init = Transformer(cfg)
-        init.init_weights(seed=ckpt.seed)
-        state.update({name: t for name, t in init.state_dict().items() if name in weights})
-    return merged(state, lora)
+        return load_model_weights(ckpt.path, _export_shapes(ckpt)[1])
+    return dict(_weight_stream(ckpt)[1])
 
 
 def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[tuple[str, torch.Tensor]]]:
-    """What _model_weights gives, as (shapes, the tensors one at a time in that order): the memory it takes is one
-    tensor (and a LoRA run's adapters, which are small), not the model."""
+    """The weights an HF model has, as (shapes, the tensors one at a time in that order): the memory it takes is one
+    tensor (and a LoRA run's adapters, which are small), not the model. A LoRA checkpoint holds its adapters only: the
+    frozen weights come from the base it records, and each adapted one is merged as it passes."""
     cfg, lora = ckpt.model, ckpt.lora
-    with torch.device("meta"):
-        model = Transformer(cfg)
-        if lora is not None:
-            apply_lora(model, lora)
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
-    weights = {name: shape for name, shape in shapes.items() if not is_adapter(name)}
+    weights, adapter_shapes = _export_shapes(ckpt)
     if lora is None:
         return weights, iter_model_weights(ckpt.path, weights)
-    adapters = load_model_weights(ckpt.path, {name: shape for name, shape in shapes.items() if is_adapter(name)})
+    adapters = load_model_weights(ckpt.path, adapter_shapes)
     base = lora_base(ckpt.path)
     if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
         init = Transformer(cfg)
@@ -133,14 +120,13 @@ def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[t
         frozen = ((name, init.state_dict()[name]) for name in weights)
     else:
         frozen = iter_model_weights(base, weights)
-    scaling = lora.alpha / lora.rank
 
     def merged_one_by_one():
         for name, tensor in frozen:
             prefix = name.removesuffix(".weight")
             if f"{prefix}.lora_A.weight" in adapters:
                 a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
-                tensor = tensor.float() + scaling * (b.float() @ a.float())
+                tensor = merged_weight(tensor, a, b, lora)
             yield name, tensor
 
     return weights, merged_one_by_one()

@@ -80,18 +80,9 @@ def init_lora(
             fill(param, values.to(param.dtype))
 
 
-def merged(state: dict[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
-    """A full state dict of a model with adapters, as the model without: each adapted weight W + (alpha / rank) B A
-    (computed in fp32), the adapters dropped."""
-    out = {name: tensor for name, tensor in state.items() if not is_adapter(name)}
-    scaling = cfg.alpha / cfg.rank
-    for name in state:
-        if name.endswith(".lora_A.weight"):
-            prefix = name.removesuffix(".lora_A.weight")
-            a, b = state[name].float(), state[f"{prefix}.lora_B.weight"].float()
-            weight = out[f"{prefix}.weight"]
-            out[f"{prefix}.weight"] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
-    return out
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LoraConfig) -> torch.Tensor:
+    """An adapted weight with its adapter folded in, W + (alpha / rank) B A, in fp32: what the model computes with."""
+    return weight.float() + cfg.alpha / cfg.rank * (b.float() @ a.float())
 
 
 @torch.no_grad()
