@@ -253,14 +253,27 @@ def read_metadata(path: Path) -> Metadata:
     return CheckpointReader(str(path)).read_metadata()
 
 
-def load_state(state: dict[str, Any], path: Path, partial: bool = False, **kwargs: Any) -> None:
+def first_failure(error: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, cause) of a failed DCP call: DCP gathers every rank's exception into one CheckpointException, raised on
+    all ranks; anything else is this rank's own (rank None)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(error.failures.items()))
+        return rank, cause
+    return None, error
+
+
+def load_state(state: dict[str, Any], path: Path, partial: bool = False, no_dist: bool = False) -> None:
     """dcp.load of `state` from `path` through CheckpointReader and CheckpointLoadPlanner (`partial`: the entries the
-    checkpoint lacks keep their values); a refused or unreadable entry on any rank is one CheckpointError naming it."""
+    checkpoint lacks keep their values; `no_dist`: in this process alone); a refused or unreadable entry on any rank is
+    one CheckpointError naming it."""
     planner = CheckpointLoadPlanner(allow_partial_load=partial)
     try:
-        dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=planner, **kwargs)
+        with warnings.catch_warnings():
+            if no_dist:  # "torch.distributed is disabled ... assuming ... a single process": intended
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=CheckpointReader(str(path)), planner=planner, no_dist=no_dist)
     except CheckpointException as e:
-        rank, (cause, _) = next(iter(e.failures.items()))
+        rank, cause = first_failure(e)
         raise CheckpointError(f"loading {path} failed on rank {rank}: {type(cause).__name__}: {cause}") from e
 
 
@@ -376,10 +389,11 @@ def lora_base(ckpt: Path) -> Path | None:
     base = Path(record["path"])
     if not is_complete(base):
         raise CheckpointError(f"{ckpt}'s adapters apply to {base}, which is gone; put that checkpoint back")
-    if base_fingerprint(base) != record["fingerprint"]:
+    fingerprint = base_fingerprint(base)
+    if fingerprint != record["fingerprint"]:
         raise CheckpointError(
             f"{ckpt}'s adapters were trained on {base} as it was then, and its weights have changed since (fingerprint "
-            f"{base_fingerprint(base)[:12]}, recorded {record['fingerprint'][:12]}); put the original back"
+            f"{fingerprint[:12]}, recorded {record['fingerprint'][:12]}); put the original back"
         )
     return base
 
@@ -485,9 +499,7 @@ def load_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -
     path = resolve_checkpoint(path)
     check_model_shapes(path, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
     state = {"model": {name: torch.empty(shape) for name, shape in shapes.items()}}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": intended
-        warnings.simplefilter("ignore", UserWarning)
-        load_state(state, path, no_dist=True)
+    load_state(state, path, no_dist=True)
     return state["model"]
 
 
@@ -499,9 +511,7 @@ def iter_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -
     check_model_shapes(path, {name: torch.empty(shape, device="meta") for name, shape in shapes.items()})
     for name, shape in shapes.items():
         state = {"model": {name: torch.empty(shape)}}
-        with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": intended
-            warnings.simplefilter("ignore", UserWarning)
-            load_state(state, path, no_dist=True)
+        load_state(state, path, no_dist=True)
         yield name, state["model"][name]
 
 
@@ -517,7 +527,7 @@ def save_model_weights(
             dcp.save({"model": state}, storage_writer=ChecksummedWriter(path, attachments or {}), no_dist=True)
     except (OSError, CheckpointException) as e:  # a full disk: no partial step left to be taken for a checkpoint
         shutil.rmtree(path, ignore_errors=True)
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        _, cause = first_failure(e)
         if isinstance(cause, OSError):
             raise OSError(f"{write_failure(cause, path.parent)}; no partial checkpoint was left at {path}") from e
         raise
@@ -569,6 +579,7 @@ class Checkpointer:
             return None
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
         self._carry_generation_config(path)
+        started_from = None  # the weights-only checkpoint named again, when the run goes on from its own
         if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
             if not has_own:  # fresh optimizer, data stream and step; LoRA adapters as initialised, on this base
                 self._load_base(path)
@@ -578,13 +589,13 @@ class Checkpointer:
             # instead of starting over from the weights (and losing every step since).
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
             started_from, path = path, self._newest_verified()
-            if self.adapters_only and lora_base(path) != started_from.resolve():
-                raise CheckpointError(
-                    f"this run's adapters were trained on {lora_base(path)}, not on {started_from}; resume with "
-                    f"--checkpoint.resume {lora_base(path)}, or start a new run in another train.out_dir"
-                )
         if self.adapters_only:  # the frozen weights come from the base the adapters were trained on
             base = lora_base(path)
+            if started_from is not None and base != started_from.resolve():
+                raise CheckpointError(
+                    f"this run's adapters were trained on {base}, not on {started_from}; resume with "
+                    f"--checkpoint.resume {base}, or start a new run in another train.out_dir"
+                )
             if base is not None:
                 self._load_base(base)
             self.attachments[LORA_BASE_FILE] = (path / LORA_BASE_FILE).read_bytes()
@@ -723,10 +734,8 @@ class Checkpointer:
         each node's first rank says so in one line, and the run stops with CheckpointError or, under
         on_save_error=continue, trains on and saves at the next due step. A `final` save stops it either way: nothing
         would save its steps again."""
-        if isinstance(error, CheckpointException) and error.failures:
-            rank, (error, _) = next(iter(error.failures.items()))
-        else:
-            rank = dist.get_rank()
+        rank, error = first_failure(error)
+        rank = dist.get_rank() if rank is None else rank
         if isinstance(error, OSError):
             cause = f"rank {rank}: {write_failure(error, self.dir)}"
         else:
