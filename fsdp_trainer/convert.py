@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +118,8 @@ def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[t
     if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
         init = Transformer(cfg)
         init.init_weights(seed=ckpt.seed)
-        frozen = ((name, init.state_dict()[name]) for name in weights)
+        init_state = init.state_dict()
+        frozen = ((name, init_state[name]) for name in weights)
     else:
         frozen = iter_model_weights(base, weights)
 
@@ -138,32 +140,42 @@ def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
     ckpt = _read_checkpoint(ckpt_dir)
     if ckpt.lora is None:
         raise ValueError(f"{ckpt.path} was trained without LoRA (lora.rank null), so it has no adapters; drop --lora")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
+    out = _new_output_dir(out_dir)
     adapters = _model_weights(ckpt, adapters_only=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _written_whole(out) as tmp:
         save_peft_adapter(adapters, ckpt.lora, tmp, dtype)
-        _publish_dir(tmp, out)
-    except OSError as e:
-        raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"{ckpt.path} -> {out} (PEFT LoRA adapter: rank {ckpt.lora.rank}, {len(adapters)} tensors, {dtype})")
     return out
 
 
-def _publish_dir(tmp: Path, out: Path) -> None:
-    """Rename a finished temporary directory to `out`, with the user's usual permissions (mkdtemp made it private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [tmp, *tmp.iterdir()]:
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+def _new_output_dir(out_dir: str | os.PathLike) -> Path:
+    """An output directory a tool may write: absent or empty (checked before any work)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
+    return out
+
+
+@contextmanager
+def _written_whole(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` to write into, renamed to `out` (with the user's usual permissions:
+    mkdtemp made it private) once the block has finished, and removed otherwise: `out` appears only complete. A write
+    that fails (a full disk) is one line naming the file and the room left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in [tmp, *tmp.iterdir()]:
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except OSError as e:
+        raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:
@@ -258,9 +270,7 @@ def consolidate(
     transformers, which `auto` does only where it takes at most half the memory available."""
     read = _read_checkpoint(ckpt_dir)
     ckpt, cfg, tokenizer_path = read.path, read.model, read.tokenizer
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; remove it or choose another OUT_DIR")
+    out = _new_output_dir(out_dir)
     shapes, tensors = _weight_stream(read)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
@@ -274,9 +284,7 @@ def consolidate(
             verify = "hf" if model_bytes <= _available_memory() / 2 else "files"
         except ImportError:
             verify = "files"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _written_whole(out) as tmp:
         crcs = save_safetensors(shapes, tensors, tmp, dtype, int(max_shard_gb * 1e9))
         config = hf_config(cfg, dtype, tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -296,11 +304,6 @@ def consolidate(
                 print(f"max |logits(transformers) - logits(ours)| = {diff:.2e}")
                 if diff > (1e-4 if dtype == "fp32" else 5e-2):
                     raise ValueError(f"transformers' logits differ from ours by {diff:.2e}")
-        _publish_dir(tmp, out)
-    except OSError as e:  # a full disk: the temporary directory goes, and OUT_DIR never appeared
-        raise OSError(f"{write_failure(e, out.parent)}; nothing was written to {out}") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     n_params = sum(shape.numel() for shape in shapes.values())
     print(f"{ckpt} -> {out} ({n_params / 1e6:.1f}M parameters, {dtype}, verified: {verify})")
     return out

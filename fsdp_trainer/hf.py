@@ -116,7 +116,7 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
     `peft.PeftModel.from_pretrained(base_model, out_dir)` loads."""
     torch_dtype = compute_dtype(dtype)
     tensors = {PEFT_PREFIX + name: t.to(torch_dtype).contiguous() for name, t in adapters.items()}
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _save_file(tensors, out_dir / "adapter_model.safetensors")
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -135,9 +135,10 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
-def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """The fp32 tensors of a PEFT LoRA adapter directory under our names, checked against the recipe's `lora` section:
-    an adapter of another rank, scale or set of targets would train as something else than it was."""
+def check_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> Path:
+    """A PEFT LoRA adapter directory's adapter_model.safetensors, once its adapter_config.json is checked against the
+    recipe's `lora` section (reading no tensor): an adapter of another rank, scale or set of targets would train as
+    something else than it was."""
     adapter_dir = Path(adapter_dir)
     config_path, weights = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     for path in (config_path, weights):
@@ -156,12 +157,35 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[
         raise ValueError(f"{config_path} adapts {targets}, the recipe's lora.targets {sorted(lora.targets)}")
     if config.get("use_dora") or config.get("use_rslora") or config.get("bias", "none") != "none":
         raise ValueError(f"{config_path} uses DoRA, rsLoRA or trained biases, which this trainer's LoRA does not")
+    return weights
+
+
+def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The fp32 tensors of a PEFT LoRA adapter directory under our names, checked as check_peft_adapter does."""
+    weights = check_peft_adapter(adapter_dir, lora)
     tensors = {}
     for name, tensor in read_safetensors_one_by_one(weights):
         if not name.startswith(PEFT_PREFIX) or ".lora_" not in name:
             raise ValueError(f"{weights} holds {name}, not a LoRA matrix of a causal LM under PEFT's names")
         tensors[name.removeprefix(PEFT_PREFIX).replace(".default.", ".")] = tensor.float()
     return tensors
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with an I/O error raised as the OSError it is ("... I/O error: No space left on device
+    (os error 28)" comes as a SafetensorError from Rust), naming the file."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+
+
+def _tensor_crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a (contiguous) tensor's bytes."""
+    return zlib.crc32(tensor.view(torch.uint8).numpy() if tensor.numel() else b"")
 
 
 def save_safetensors(
@@ -197,14 +221,8 @@ def save_safetensors(
             if name != expected:
                 raise ValueError(f"tensors came out of order: {name} where {expected} was due")
             shard[name] = values.to(torch_dtype).contiguous()
-            crcs[name] = zlib.crc32(shard[name].view(torch.uint8).numpy() if shard[name].numel() else b"")
-        try:
-            save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)": an OSError in Rust
-            code = re.search(r"\(os error (\d+)\)", str(e))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(out_dir / file)) from e
+            crcs[name] = _tensor_crc(shard[name])
+        _save_file(shard, out_dir / file)
         weight_map.update(dict.fromkeys(names, file))
         del shard
     if len(files) > 1:
@@ -254,8 +272,7 @@ def check_safetensors(out_dir: Path, shapes: dict[str, torch.Size], crcs: dict[s
         for name, tensor in read_safetensors_one_by_one(file):
             if name not in shapes:
                 raise ValueError(f"{file.name} holds {name}, which the model does not have")
-            data = tensor.view(torch.uint8).numpy() if tensor.numel() else b""
-            if tuple(tensor.shape) != tuple(shapes[name]) or zlib.crc32(data) != crcs[name]:
+            if tuple(tensor.shape) != tuple(shapes[name]) or _tensor_crc(tensor) != crcs[name]:
                 raise ValueError(f"{name} in {file.name} differs from the checkpoint")
             found.add(name)
     if found != set(shapes):
