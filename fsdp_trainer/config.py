@@ -292,6 +292,10 @@ class LoraConfig:
         unknown = sorted(set(self.targets) - set(LORA_TARGETS))
         _require(not unknown, f"lora.targets has {unknown}; choose among {', '.join(LORA_TARGETS)}")
         _require(bool(self.targets), "lora.targets is empty; name at least one of " + ", ".join(LORA_TARGETS))
+        _require(
+            self.adapter is None or self.rank is not None,
+            f"lora.adapter={self.adapter} needs lora.rank (the adapter's r)",
+        )
 
 
 @dataclass

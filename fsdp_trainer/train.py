@@ -54,7 +54,7 @@ from fsdp_trainer.distributed.runtime import (
     sum_over_ranks,
 )
 from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
-from fsdp_trainer.hf import load_peft_adapter
+from fsdp_trainer.hf import check_peft_adapter, load_peft_adapter
 from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
@@ -360,9 +360,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     if resume not in ("auto", "none"):
         resolve_checkpoint(resume)  # a path that holds no checkpoint
     if recipe.lora.adapter is not None:
-        if recipe.lora.rank is None:
-            raise ValueError(f"lora.adapter={recipe.lora.adapter} needs lora.rank (the adapter's r)")
-        load_peft_adapter(recipe.lora.adapter, recipe.lora)  # readable, and made for this rank, scale and targets
+        check_peft_adapter(recipe.lora.adapter, recipe.lora)  # there, and made for this rank, scale and targets
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files
 

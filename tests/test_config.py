@@ -49,6 +49,7 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["--lora.rank", "0"], "lora.rank=0 must be >= 1, or null"),
         (["--lora.targets", "[q_proj, lm_head]"], "lora.targets has ['lm_head']; choose among q_proj"),
         (["--lora.rank", "8", "--checkpoint.export_hf", "true"], "checkpoint.export_hf writes the model without"),
+        (["--lora.adapter", "adapter_out"], "lora.adapter=adapter_out needs lora.rank (the adapter's r)"),
     ],
 )
 def test_errors_are_one_line_naming_the_key(capsys, argv, message):
