@@ -42,7 +42,7 @@ def optimizer_step_bytes(cfg: OptimConfig, model: nn.Module, shard_group: int) -
     three of the Gram's (CPU measurement: docs/benchmarks.md)."""
     if cfg.name != "muon":
         return 0
-    shapes = [sorted(p.shape) for name, p in model.named_parameters() if updated_by_muon(name, p)]
+    shapes = [sorted(p.shape) for name, p in model.named_parameters() if p.requires_grad and updated_by_muon(name, p)]
     matrices = sum(m * n for m, n in shapes)
     held = 12 * matrices // shard_group if shard_group > 1 else 8 * matrices
     return held + max(4 * (3 * m * n + 3 * m * m) for m, n in shapes)
