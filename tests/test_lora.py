@@ -125,24 +125,38 @@ def test_lora_two_ranks_equal_one_process_resume_and_only_adapters_change(tiny_d
     assert all(is_adapter(key) for key in saved if key.startswith("optim.state."))
 
 
-def _frozen_weights_stay_bitwise(rank, world):
+SMALL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+
+
+def _sharded_lora_model(world: int, precision: str, frozen_dtype: torch.dtype | None = None):
+    """SMALL with adapters, sharded over `world` gloo ranks and initialised as build_model does, and its optimizer."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
     with torch.device("meta"):
-        model = Transformer(cfg)
-    apply_lora(model, LORA)
-    applied = parallelize(model, ParallelConfig(mixed_precision="fp32"), mesh)
+        model = Transformer(SMALL)
+    apply_lora(model, LORA, frozen_dtype=frozen_dtype)
+    applied = parallelize(model, ParallelConfig(mixed_precision=precision), mesh)
     materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
     init_lora(model, 0, fill_local_shard, torch.device("cpu"))
+    return model, build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
+
+
+def _three_steps(model, optimizer, rank: int) -> list[float]:
+    """Three optimizer steps on random tokens (each rank its own); their losses."""
+    generator, losses = torch.Generator().manual_seed(rank), []
+    for _ in range(3):
+        tokens = torch.randint(0, SMALL.vocab_size, (2, 17), generator=generator)
+        stats = train_step(model, optimizer, [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)], 1e-2, 1.0)
+        losses.append(stats["loss"].item())
+    return losses
+
+
+def _frozen_weights_stay_bitwise(rank, world):
+    model, optimizer = _sharded_lora_model(world, "fp32")
     before = {name: p.full_tensor().clone() for name, p in model.named_parameters()}
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
     assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
         id(p) for name, p in model.named_parameters() if is_adapter(name)
     }
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=generator)
-        train_step(model, optimizer, [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)], 1e-2, 1.0)
+    _three_steps(model, optimizer, rank)
     for name, param in model.named_parameters():
         if is_adapter(name):
             assert not torch.equal(param.full_tensor(), before[name]), name
@@ -155,26 +169,13 @@ def test_only_the_adapters_change_and_only_they_have_optimizer_state():
 
 
 def _bf16_frozen_weights(rank, world):
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
     losses = {}
     for frozen_dtype in (None, torch.bfloat16):
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        apply_lora(model, LORA, frozen_dtype=frozen_dtype)
-        applied = parallelize(model, ParallelConfig(mixed_precision="bf16"), mesh)
-        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
-        init_lora(model, 0, fill_local_shard, torch.device("cpu"))
+        model, optimizer = _sharded_lora_model(world, "bf16", frozen_dtype)
         if frozen_dtype is not None:  # stored as it is gathered: half the bytes; the adapters stay fp32
             dtypes = {name: p.dtype for name, p in model.named_parameters()}
             assert all(d == (torch.float32 if is_adapter(n) else torch.bfloat16) for n, d in dtypes.items()), dtypes
-        optimizer = build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
-        generator = torch.Generator().manual_seed(rank)
-        losses[frozen_dtype] = []
-        for _ in range(3):
-            tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=generator)
-            stats = train_step(model, optimizer, [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)], 1e-2, 1.0)
-            losses[frozen_dtype].append(stats["loss"].item())
+        losses[frozen_dtype] = _three_steps(model, optimizer, rank)
     assert losses[None] == losses[torch.bfloat16]  # the same bf16 weights reach the matmuls either way: bitwise
 
 
