@@ -69,6 +69,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.adapters.lora import apply_lora, is_adapter
+from fsdp_trainer.adapters.nf4 import fill_shard, is_nf4
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import (
@@ -360,10 +361,14 @@ class ModelState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
-        return {name: t for name, t in state.items() if is_adapter(name)} if self.adapters_only else state
+        if self.adapters_only:
+            return {name: t for name, t in state.items() if is_adapter(name)}
+        # NF4 weights (QLoRA) are never saved and not loaded by DCP: Checkpointer._load_base quantizes them
+        return {name: t for name, t in state.items() if not is_nf4(t)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=not self.adapters_only))
+        strict = not self.adapters_only and not any(is_nf4(p) for p in self.model.parameters())
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=strict))
 
 
 LORA_BASE_FILE = "lora_base.json"
@@ -615,8 +620,12 @@ class Checkpointer:
         """The weights of a weights-only checkpoint into the model; a LoRA run's adapters keep their values, and its
         later checkpoints record which base they apply to."""
         model = ModelState(self.states["model"].model)  # every weight, whatever the run saves
-        check_model_shapes(path, model.state_dict(), adapters_optional=True)
+        quantized = {name: p for name, p in get_model_state_dict(model.model).items() if is_nf4(p)}
+        check_model_shapes(path, {**model.state_dict(), **quantized}, adapters_optional=True)
         load_state({"model": model}, path, partial=True)
+        # QLoRA's NF4 weights: each read whole and quantized whole on every rank, which keeps its rows (adapters/nf4.py)
+        for name, values in iter_model_weights(path, {name: p.shape for name, p in quantized.items()}):
+            fill_shard(quantized[name], values)
         if self.adapters_only:
             record = {"path": str(path.resolve()), "fingerprint": base_fingerprint(path)}
             self.attachments[LORA_BASE_FILE] = json.dumps(record).encode()

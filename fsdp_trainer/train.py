@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.adapters.lora import apply_lora, init_lora, load_adapters
+from fsdp_trainer.adapters.nf4 import check_nf4_shapes, fill_shard, quantize_frozen, require_torchao
 from fsdp_trainer.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -243,8 +244,10 @@ def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized
     lora = recipe.lora.rank is not None
     if lora:  # adapters beside the frozen weights, sharded with them
         apply_lora(model, recipe.lora, frozen_dtype=compute_dtype(recipe.parallel.mixed_precision))
+    if recipe.lora.quantize_base == "nf4":  # QLoRA: FSDP2 shards the frozen projections in their 4-bit form
+        quantize_frozen(model)
     applied = parallelize(model, recipe.parallel, env.mesh)
-    materialize(model, env.device, recipe.train.seed, applied.cpu_offload)
+    materialize(model, env.device, recipe.train.seed, applied.cpu_offload, fill=fill_shard)
     if lora:
         init_lora(model, recipe.train.seed, fill_local_shard, env.device)
     return model, applied
@@ -361,6 +364,16 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
         resolve_checkpoint(resume)  # a path that holds no checkpoint
     if recipe.lora.adapter is not None:
         check_peft_adapter(recipe.lora.adapter, recipe.lora)  # there, and made for this rank, scale and targets
+    if recipe.lora.quantize_base == "nf4":
+        require_torchao()
+        if recipe.parallel.cpu_offload:
+            raise ValueError("lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off")
+        # The launcher knows no world size yet: it checks the whole weights, each worker its shard group too
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        _, shard_ranks = SHARDING[recipe.parallel.sharding].mesh_shape(
+            world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        )
+        check_nf4_shapes(recipe.model, recipe.lora.targets, shard_ranks)
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files
 

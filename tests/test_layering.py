@@ -35,17 +35,20 @@ ALLOWED = {
         "adapters.lora", "config", "data.loader", "distributed.parallelize", "model", "optim", "train"
     },
     "distributed.plan": {
-        "adapters.lora", "config", "model", "optim", "distributed.fake", "distributed.parallelize",
+        "adapters.lora", "adapters.nf4", "config", "model", "optim", "distributed.fake", "distributed.parallelize",
         "distributed.runtime",
     },
     "adapters.lora": {"config"},
-    "checkpoint": {"adapters.lora", "config", "files", "model", "optim", "distributed.runtime", "tokenizer"},
+    "adapters.nf4": {"adapters.lora", "config", "distributed.parallelize"},
+    "checkpoint": {
+        "adapters.lora", "adapters.nf4", "config", "files", "model", "optim", "distributed.runtime", "tokenizer"
+    },
     "sinks": {"config", "files"},
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
     "convert": {"adapters.lora", "checkpoint", "config", "files", "hf", "model", "tokenizer"},
     "train": {
-        "adapters.lora", "checkpoint", "config", "convert", "data.loader", "data.format", "files", "hf", "loss",
-        "metrics", "model", "optim", "sinks", "distributed.parallelize", "distributed.runtime", "tokenizer",
+        "adapters.lora", "adapters.nf4", "checkpoint", "config", "convert", "data.loader", "data.format", "files", "hf",
+        "loss", "metrics", "model", "optim", "sinks", "distributed.parallelize", "distributed.runtime", "tokenizer",
     },
     "launch": {"config", "train"},
     "__main__": {"train"},

@@ -220,6 +220,21 @@ def test_lora_prices_frozen_weights_without_gradients_or_optimizer_state():
     assert e.accumulated_gb == pytest.approx(4 * adapters / 1e9)
 
 
+def test_qlora_prices_the_adapted_projections_in_nf4_and_fits_8b_on_one_24gb_gpu():
+    """QLoRA holds, gathers and sends the adapted projections at NF4's 0.5 + 1/64 bytes a weight; the rest of the
+    frozen model (embeddings, norms, output layer) stays in the compute dtype. The 8b recipe fits one 24 GB GPU."""
+    args = ["--recipe", str(REPO / "recipes" / "qlora_llama3_8b.yaml")]
+    qlora, lora = parse_recipe(args), parse_recipe([*args, "--lora.quantize_base", "null"])
+    cfg = qlora.model
+    q, kv = cfg.n_heads * cfg.resolved_head_dim, cfg.n_kv_heads * cfg.resolved_head_dim
+    projections = cfg.n_layers * (cfg.dim * (2 * q + 2 * kv) + 3 * cfg.dim * cfg.ffn_dim)
+    one_gpu = [estimate(r, nproc=1, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda") for r in (qlora, lora)]
+    assert one_gpu[1].state_gb - one_gpu[0].state_gb == pytest.approx((2 - (0.5 + 1 / 64)) * projections / 1e9)
+    assert one_gpu[0].total_gb < 12 and one_gpu[1].total_gb > 19  # bf16 LoRA at the edge of the card, QLoRA not
+    eight = [estimate(r, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda") for r in (qlora, lora)]
+    assert eight[0].sent_gb < eight[1].sent_gb / 2  # the gathered projections travel in 4 bits
+
+
 def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatch, tmp_path):
     from fsdp_trainer import checkpoint
 

@@ -24,6 +24,7 @@ EXPECTED_PARAMS = {
     "sft_qwen3_0.6b.yaml": 596_049_920,
     "lora_llama3_2_1b.yaml": 1_235_814_400,
     "lora_qwen3_0.6b.yaml": 596_049_920,
+    "qlora_llama3_8b.yaml": 8_030_261_248,
 }
 
 

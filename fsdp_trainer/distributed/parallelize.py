@@ -6,6 +6,7 @@ no rank ever holds the full model. SHARDING is the one table of the user's shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -113,6 +114,13 @@ def apply_fsdp(
     # gradient reduction stay fp32 whatever it is.
     mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype(mixed_precision), reduce_dtype=torch.float32)
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp_policy)
+    if mesh.size(mesh.ndim - 1) == 1 and not cpu_offload:
+        # In a shard group of one, FSDP2 "gathers" by copying each parameter, and keeps the copy of the root and of
+        # SHARD_GRAD_OP's blocks from forward to backward; a frozen weight (LoRA), already in the compute dtype, with
+        # no gradient to reduce, needs neither, so it stays outside FSDP, whole on every rank. It must for a tensor
+        # with all-gather hooks (NF4): torch 2.13's copy hands it only the first of its parts (pytorch#197999).
+        frozen = {param for param in model.parameters() if not param.requires_grad}
+        shard = partial(shard, ignored_params=frozen)
     if cpu_offload:
         # Pinned host memory lets the copies overlap compute; pinning needs an accelerator, so not on a CPU-only mesh.
         shard = partial(shard, offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda"))
@@ -171,19 +179,22 @@ def fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
         param.copy_(values)
 
 
-def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+def materialize(
+    model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False, fill: Callable | None = None
+) -> None:
     """Allocate the meta-device model's shards on `device` and initialise them: the same weights at any world size.
 
     With `cpu_offload` (what parallelize() applied), the shards are allocated in host memory, where FSDP2 requires
     them, and the buffers (the rotary tables) on the device, where the compute reads them; the values are still drawn
-    on the device, so a run with offload starts from the same weights as one without.
+    on the device, so a run with offload starts from the same weights as one without. `fill` (default
+    fill_local_shard) writes a parameter's full values into its shard.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
     if cpu_offload:
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, torch.empty_like(buffer, device=device))  # stays the same (non-)persistent buffer
-    model.init_weights(seed=seed, fill=fill_local_shard, device=device)
+    model.init_weights(seed=seed, fill=fill or fill_local_shard, device=device)
 
 
 def set_gradient_sync(model: nn.Module, plan: ShardingPlan, enabled: bool) -> None:

@@ -10,6 +10,10 @@ SHARD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf
 x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
+- LoRA (lora.rank): the frozen weights are held in the compute dtype, a bytes each, with no gradient or optimizer
+  state, and only the adapters' gradients are reduced; QLoRA (lora.quantize_base nf4) holds, gathers and sends the
+  adapted projections in NF4, 0.52 bytes a weight (4 bits and an 8-bit scale per 64), and dequantizes one projection
+  at a time to a bytes a weight for its matmul;
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
   parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
   SHARD_OP and NO_SHARD, which keep them from forward to backward;
@@ -62,7 +66,8 @@ from typing import Literal
 
 import torch
 
-from fsdp_trainer.adapters.lora import apply_lora
+from fsdp_trainer.adapters.lora import LoRALinear, apply_lora
+from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.distributed.parallelize import SHARDING
@@ -126,7 +131,7 @@ def regathered_in_backward(cfg: ModelConfig) -> int:
 def comm_bytes_per_rank(
     sharding: str,
     n_params: int,
-    compute_bytes: int,
+    compute_bytes: float,
     accum: int,
     nproc: int,
     nnodes: int,
@@ -135,7 +140,8 @@ def comm_bytes_per_rank(
 ) -> tuple[float, float]:
     """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
 
-    Within a shard group of S ranks, parameters are all-gathered in the compute dtype on every micro-step (in
+    Within a shard group of S ranks, parameters are all-gathered in the compute dtype (`compute_bytes` each; QLoRA:
+    fewer, on average) on every micro-step (in
     forward, and `regathered` of them again in backward when freed after forward: gathered_per_step) and fp32
     gradients reduce-scattered once;
     across R replicas, each rank all-reduces its fp32 gradient shard. A ring collective sends (n-1)/n of its buffer.
@@ -194,12 +200,23 @@ def estimate(
     trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
     optimizer = optimizer_state_bytes(recipe.optim, meta_model)
     optimizer_step = optimizer_step_bytes(recipe.optim, meta_model, shard_group)
+    # QLoRA: the adapted projections' frozen weights in NF4, held, gathered and sent in that form; each is
+    # dequantized to the compute dtype for its matmul, one at a time.
+    projections = [m.weight.numel() for m in meta_model.modules() if isinstance(m, LoRALinear)]
+    quantized = sum(projections) if recipe.lora.quantize_base == "nf4" else 0
+    dequantized = a * max(projections) if quantized else 0
     # Frozen weights (LoRA) are held in the compute dtype, as they are gathered: no fp32 master copy to keep.
-    held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable)
+    held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable - quantized) + NF4_BYTES * quantized
     state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
-    gathered = a * (kept_blocks * n_block + n_root)
+    quantized_block = quantized // cfg.n_layers
+    block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
+    gathered = kept_blocks * block_bytes + a * n_root + dequantized
+    if shard_group == 1 and not offload and trainable < n_params:
+        # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
+        gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
+    gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
     gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
@@ -211,7 +228,7 @@ def estimate(
     backward = tokens * full * (2 if ac != "none" else 1)
     regathered = regathered_in_backward(cfg)
     sent, internode = comm_bytes_per_rank(
-        sharding, n_params, a, data.grad_accum_steps, nproc, nnodes, regathered, trainable
+        sharding, n_params, gathered_bytes, data.grad_accum_steps, nproc, nnodes, regathered, trainable
     )
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
@@ -235,7 +252,8 @@ def estimate(
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
     """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
-    offloads = (False, True) if device == "cuda" else (False,)
+    # NF4 weights do not run offloaded yet (train.check_run refuses it)
+    offloads = (False, True) if device == "cuda" and recipe.lora.quantize_base is None else (False,)
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads

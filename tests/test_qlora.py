@@ -1,0 +1,159 @@
+"""QLoRA: the frozen projections in NF4 through torchao, sharded by FSDP2: each rank's shard is its rows of torchao's
+quantization of the whole weight, the model computes with exactly those weights, only the adapters train, and a run on
+an imported model is the same on 2 ranks as on one process, resumes bitwise and exports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_trainer.adapters.lora import LoRALinear, apply_lora, init_lora, is_adapter
+from fsdp_trainer.adapters.nf4 import check_nf4_shapes, fill_shard, is_nf4, quantize_frozen, require_torchao, to_nf4
+from fsdp_trainer.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.train import train_step
+from tests.helpers import run_args, run_distributed, train_cli, train_losses
+from tests.test_hf import tool
+
+require_torchao()  # a test dependency; imported quietly
+transformers = pytest.importorskip("transformers")
+
+# The smallest shapes whose projections split into whole NF4 scale blocks (16,384 values) over 2 ranks.
+QSMALL = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=64, max_seq_len=16)
+LORA = LoraConfig(rank=4, alpha=8.0, quantize_base="nf4")
+
+
+def _qlora_model(world: int):
+    """QSMALL as build_model makes it for a QLoRA run on `world` gloo ranks, and its optimizer."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    with torch.device("meta"):
+        model = Transformer(QSMALL)
+    apply_lora(model, LORA, frozen_dtype=torch.float32)
+    quantize_frozen(model)
+    applied = parallelize(model, ParallelConfig(mixed_precision="fp32"), mesh)
+    materialize(model, torch.device("cpu"), 0, applied.cpu_offload, fill=fill_shard)
+    init_lora(model, 0, fill_local_shard, torch.device("cpu"))
+    return model, build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
+
+
+def _nf4_parts(model) -> dict[str, list[torch.Tensor]]:
+    """Every quantized shard's stored parts (4-bit data, scales, their factors and mean), copied."""
+    parts = {}
+    for name, param in model.named_parameters():
+        if is_nf4(param):
+            local = param._local_tensor
+            parts[name] = [getattr(local, part).clone() for part in local.__tensor_flatten__()[0]]
+    return parts
+
+
+def _shards_are_torchaos_whole_weight_quantized(rank, world):
+    model, optimizer = _qlora_model(world)
+    reference = Transformer(QSMALL)
+    reference.init_weights(seed=0)  # the same seeded weights, unsharded and unquantized
+    wanted = {name: to_nf4(w.detach()).to(torch.float32) for name, w in reference.named_parameters() if w.ndim == 2}
+    block = model.model.layers["0"]
+    assert isinstance(block, FSDPModule)
+    block.unshard()  # FSDP2's all-gather of the NF4 shards, through torchao's hooks
+    quantized = 0
+    for name, module in block.named_modules():
+        if isinstance(module, LoRALinear):
+            full_name = f"model.layers.0.{name}.weight"
+            assert is_nf4(module.weight), full_name
+            # The gathered weight is torchao's quantization of the whole weight, bit for bit, at 2 ranks as at 1.
+            assert torch.equal(module.weight.to(torch.float32), wanted[full_name]), full_name
+            original = reference.get_parameter(full_name).detach()
+            error = (wanted[full_name] - original).norm() / original.norm()
+            assert 0 < error < 0.12, (full_name, error)  # 4 bits: close to the weight, not equal to it
+            quantized += 1
+    block.reshard()
+    assert quantized == 7
+
+    # The model computes with exactly those weights: logits equal a plain model holding the dequantized weights.
+    with torch.no_grad():
+        for name, values in wanted.items():
+            if any(f".{target}." in name for target in LORA.targets):
+                reference.get_parameter(name).copy_(values)
+    tokens = torch.randint(0, QSMALL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    block.reshard()  # the last block stays gathered after a forward that has no backward
+
+    # Only the adapters are optimized and change; the 4-bit parts stay bitwise.
+    before = _nf4_parts(model)
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {
+        id(p) for name, p in model.named_parameters() if is_adapter(name)
+    }
+    adapters = {name: p.full_tensor().clone() for name, p in model.named_parameters() if is_adapter(name)}
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        batch = torch.randint(0, QSMALL.vocab_size, (2, 17), generator=generator)
+        train_step(model, optimizer, [MicroBatch(batch[:, :-1], batch[:, 1:], None)], 1e-2, 1.0)
+    after = _nf4_parts(model)
+    assert before.keys() == after.keys() and len(before) == 7
+    assert all(torch.equal(a, b) for name in before for a, b in zip(before[name], after[name], strict=True))
+    assert all(not torch.equal(p.full_tensor(), adapters[n]) for n, p in model.named_parameters() if is_adapter(n))
+
+
+def test_nf4_shards_are_torchaos_quantization_of_the_whole_weight_and_only_adapters_train():
+    run_distributed(_shards_are_torchaos_whole_weight_quantized)
+
+
+def test_nf4_shapes_that_do_not_split_are_one_line_naming_the_projection():
+    check_nf4_shapes(QSMALL, list(LORA.targets), 2)
+    with pytest.raises(ValueError, match=r"k_proj \(128 x 256\) does not split .* shard group of 4 ranks"):
+        check_nf4_shapes(QSMALL, ["q_proj", "k_proj"], 4)
+    tiny = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"q_proj \(64 x 64\) is not a whole number of NF4 scale blocks"):
+        check_nf4_shapes(tiny, ["q_proj"], 1)
+    with pytest.raises(ValueError, match="lora.quantize_base=nf4 needs lora.rank: it quantizes"):
+        LoraConfig(quantize_base="nf4")
+
+
+@pytest.mark.slow
+def test_qlora_on_an_imported_model_two_ranks_equal_one_process_resume_and_export(tiny_data, tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf", max_shard_size="1MB")
+    tool("import_hf.py", tmp_path / "hf", tmp_path / "imported")
+    base = ["--recipe", str(tiny_data), "--recipe", str(tmp_path / "imported" / "model.yaml")]
+    base += ["--checkpoint.resume", str(tmp_path / "imported")]
+    constant = {"warmup_steps": 0, "min_lr": 1e-2, "lr": 1e-2}
+    every = {"every": 3, "keep_last": 0}
+
+    def args(out, steps, quantize="nf4", **sections):
+        lora = {"rank": 4, "alpha": 8.0, "quantize_base": quantize}
+        return [*base, *run_args(tiny_data, out, steps, lora=lora, optim=constant, checkpoint=every, **sections)[2:]]
+
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(args(two, 6), nproc=2)
+    train_cli(args(one, 6, data={"grad_accum_steps": 2}))
+    losses = train_losses(two)
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]  # it learns
+    torch.testing.assert_close(
+        torch.tensor([train_losses(one)[s] for s in range(1, 7)]), torch.tensor([losses[s] for s in range(1, 7)]),
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
+    # The imported weights are the base, 4-bit: step 1 is near the unquantized LoRA run's, not equal to it.
+    full = tmp_path / "full"
+    train_cli(args(full, 1, quantize=None))
+    assert train_losses(full)[1] != losses[1]
+    assert train_losses(full)[1] == pytest.approx(losses[1], rel=2e-3)
+
+    # Resume on the same world size is bitwise: the base is read and quantized again, to the same bits.
+    halfway = tmp_path / "halfway"
+    train_cli(args(halfway, 3), nproc=2)
+    proc = train_cli(args(halfway, 6), nproc=2)
+    assert "at step 3" in proc.stdout
+    assert train_losses(halfway) == losses
+
+    # Exports merge the adapters into the base's own weights, as PEFT's merge of a QLoRA adapter does.
+    tool("consolidate.py", two, tmp_path / "merged", "--verify", "files")
+    assert (tmp_path / "merged" / "config.json").is_file()
