@@ -69,7 +69,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.adapters.lora import apply_lora, is_adapter
-from fsdp_trainer.adapters.nf4 import fill_shard, is_nf4
+from fsdp_trainer.adapters.nf4 import fill_shard, is_nf4, quantized_weights
 from fsdp_trainer.config import AUTO, Recipe, load_sections, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import DistEnv, PreemptionFlag
 from fsdp_trainer.files import (
@@ -620,7 +620,7 @@ class Checkpointer:
         """The weights of a weights-only checkpoint into the model; a LoRA run's adapters keep their values, and its
         later checkpoints record which base they apply to."""
         model = ModelState(self.states["model"].model)  # every weight, whatever the run saves
-        quantized = {name: p for name, p in get_model_state_dict(model.model).items() if is_nf4(p)}
+        quantized = quantized_weights(model.model)
         check_model_shapes(path, {**model.state_dict(), **quantized}, adapters_optional=True)
         load_state({"model": model}, path, partial=True)
         # QLoRA's NF4 weights: each read whole and quantized whole on every rank, which keeps its rows (adapters/nf4.py)

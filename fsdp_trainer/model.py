@@ -240,7 +240,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         for name, param in self.named_parameters():
             # Wrappers (activation checkpointing, compile) insert `_`-prefixed path parts; drop them for the HF name.
-            name = ".".join(part for part in name.split(".") if not part.startswith("_"))
+            name = unwrapped_name(name)
             if name.endswith("norm.weight"):
                 fill(param, torch.ones(param.shape, dtype=param.dtype, device=param.device))
                 continue
@@ -257,6 +257,12 @@ class Transformer(nn.Module):
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name without the `_`-prefixed path parts that wrappers (activation checkpointing, compile)
+    insert: its HF name."""
+    return ".".join(part for part in name.split(".") if not part.startswith("_"))
 
 
 def count_params(cfg: ModelConfig, one_block: bool = False) -> int:

@@ -38,8 +38,8 @@ ALLOWED = {
         "adapters.lora", "adapters.nf4", "config", "model", "optim", "distributed.fake", "distributed.parallelize",
         "distributed.runtime",
     },
-    "adapters.lora": {"config"},
-    "adapters.nf4": {"adapters.lora", "config", "distributed.parallelize"},
+    "adapters.lora": {"config", "model"},
+    "adapters.nf4": {"adapters.lora", "config", "distributed.parallelize", "model"},
     "checkpoint": {
         "adapters.lora", "adapters.nf4", "config", "files", "model", "optim", "distributed.runtime", "tokenizer"
     },

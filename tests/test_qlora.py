@@ -4,6 +4,10 @@ an imported model is the same on 2 ranks as on one process, resumes bitwise and 
 
 from __future__ import annotations
 
+import gzip
+import json
+import shutil
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -17,11 +21,17 @@ from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, 
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
-from tests.helpers import run_args, run_distributed, train_cli, train_losses
+from tests.helpers import REPO, run_args, run_distributed, train_cli, train_losses
+from tests.test_chat import CHATML
 from tests.test_hf import tool
+from tests.test_real_models import save_hf_tokenizer
+
+RECIPES = REPO / "recipes"
+BUNDLED_CHAT = REPO / "fsdp_trainer" / "assets" / "shakespeare_chat.jsonl.gz"
 
 require_torchao()  # a test dependency; imported quietly
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 # The smallest shapes whose projections split into whole NF4 scale blocks (16,384 values) over 2 ranks.
 QSMALL = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=512, vocab_size=64, max_seq_len=16)
@@ -114,46 +124,84 @@ def test_nf4_shapes_that_do_not_split_are_one_line_naming_the_projection():
         LoraConfig(quantize_base="nf4")
 
 
+def _walkthrough_args(tmp_path, out, steps: int, quantize: str | None = "nf4", **sections) -> list[str]:
+    """The README's launch of recipes/lora_qwen3_0.6b.yaml on the imported model, sized for a CPU."""
+    sized = {
+        "data": {"train_path": tmp_path / "data" / "train.bin", "val_path": tmp_path / "data" / "val.bin",
+                 "seq_len": 64, "micro_batch_size": 2, **sections.pop("data", {})},
+        "parallel": {"mixed_precision": "fp32", "compile": False, "activation_checkpointing": "none"},
+        "lora": {"rank": 4, "alpha": 8.0, "quantize_base": quantize},
+        "optim": {"warmup_steps": 0, "lr": 1e-2, "min_lr": 1e-2},
+        "train": {"loss_chunks": 1, "log_every": 1, "eval_every": 0},
+        "checkpoint": {"every": 3, "keep_last": 0},
+    }  # fmt: skip
+    recipes = ["--recipe", str(RECIPES / "lora_qwen3_0.6b.yaml"), "--recipe", str(tmp_path / "imported" / "model.yaml")]
+    resume = ["--checkpoint.resume", str(tmp_path / "imported")]
+    return [*recipes, *resume, *run_args("", out, steps, **sized, **sections)[2:]]
+
+
 @pytest.mark.slow
-def test_qlora_on_an_imported_model_two_ranks_equal_one_process_resume_and_export(tiny_data, tmp_path):
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
+def test_qlora_walkthrough_on_conversations_two_ranks_equal_one_process_resume_and_export(tmp_path):
+    """README's commands for recipes/lora_qwen3_0.6b.yaml with lora.quantize_base nf4, on a Qwen3 saved by
+    transformers (sharded) with a ChatML tokenizer, and conversations in the bundled chat set's format."""
+    hf_in = tmp_path / "hf_in"
+    tokenizer = save_hf_tokenizer(hf_in, "qwen3", CHATML)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer) + 8, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf", max_shard_size="1MB")
-    tool("import_hf.py", tmp_path / "hf", tmp_path / "imported")
-    base = ["--recipe", str(tiny_data), "--recipe", str(tmp_path / "imported" / "model.yaml")]
-    base += ["--checkpoint.resume", str(tmp_path / "imported")]
-    constant = {"warmup_steps": 0, "min_lr": 1e-2, "lr": 1e-2}
-    every = {"every": 3, "keep_last": 0}
-
-    def args(out, steps, quantize="nf4", **sections):
-        lora = {"rank": 4, "alpha": 8.0, "quantize_base": quantize}
-        return [*base, *run_args(tiny_data, out, steps, lora=lora, optim=constant, checkpoint=every, **sections)[2:]]
+    base = transformers.Qwen3ForCausalLM(config).eval()
+    base.save_pretrained(hf_in, max_shard_size="1MB")
+    tool("import_hf.py", hf_in, tmp_path / "imported")
+    with gzip.open(BUNDLED_CHAT, "rt") as f:
+        (tmp_path / "my_chats.jsonl").write_text("".join(f.readline() for _ in range(300)))
+    data = ["--data.train_path", tmp_path / "data" / "train.bin", "--data.val_path", tmp_path / "data" / "val.bin"]
+    recipe, chats = RECIPES / "lora_qwen3_0.6b.yaml", tmp_path / "my_chats.jsonl"
+    tokenizer_path, seq_len = ["--data.tokenizer_path", tmp_path / "imported"], ["--data.seq_len", "64"]
+    tool("prepare_data.py", "--recipe", recipe, "--format", "chat", "--input", chats, *tokenizer_path, *data, *seq_len)
 
     two, one = tmp_path / "two", tmp_path / "one"
-    train_cli(args(two, 6), nproc=2)
-    train_cli(args(one, 6, data={"grad_accum_steps": 2}))
+    train_cli(_walkthrough_args(tmp_path, two, 6), nproc=2)
+    train_cli(_walkthrough_args(tmp_path, one, 6, data={"grad_accum_steps": 2}))
     losses = train_losses(two)
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]  # it learns
     torch.testing.assert_close(
         torch.tensor([train_losses(one)[s] for s in range(1, 7)]), torch.tensor([losses[s] for s in range(1, 7)]),
         rtol=1e-5, atol=0,
     )  # fmt: skip
-    # The imported weights are the base, 4-bit: step 1 is near the unquantized LoRA run's, not equal to it.
-    full = tmp_path / "full"
-    train_cli(args(full, 1, quantize=None))
-    assert train_losses(full)[1] != losses[1]
-    assert train_losses(full)[1] == pytest.approx(losses[1], rel=2e-3)
+    # The base is the imported model in torchao's NF4: step 1 equals a LoRA run on that model with its projections
+    # replaced by their dequantized NF4 values, imported the same way.
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if name.endswith(tuple(f"{target}.weight" for target in LORA.targets)):
+                param.copy_(to_nf4(param).to(torch.float32))
+    base.save_pretrained(tmp_path / "hf_nf4", max_shard_size="1MB")
+    tokenizer.save_pretrained(tmp_path / "hf_nf4")
+    tool("import_hf.py", tmp_path / "hf_nf4", tmp_path / "imported_nf4")
+    dequantized = tmp_path / "dequantized"
+    args = _walkthrough_args(tmp_path, dequantized, 1, quantize=None, data={"grad_accum_steps": 2})
+    train_cli([a.replace(str(tmp_path / "imported"), str(tmp_path / "imported_nf4")) for a in args])
+    assert train_losses(dequantized)[1] == pytest.approx(losses[1], rel=1e-6, abs=0)
 
     # Resume on the same world size is bitwise: the base is read and quantized again, to the same bits.
     halfway = tmp_path / "halfway"
-    train_cli(args(halfway, 3), nproc=2)
-    proc = train_cli(args(halfway, 6), nproc=2)
+    shutil.copytree(two, halfway)
+    shutil.rmtree(halfway / "checkpoints" / "step_00000006")
+    (halfway / "checkpoints" / "latest").write_text("step_00000003\n")
+    records = (halfway / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (halfway / "metrics.jsonl").write_text("".join(r for r in records if json.loads(r).get("step", 0) <= 3))
+    proc = train_cli(_walkthrough_args(tmp_path, halfway, 6), nproc=2)
     assert "at step 3" in proc.stdout
     assert train_losses(halfway) == losses
 
-    # Exports merge the adapters into the base's own weights, as PEFT's merge of a QLoRA adapter does.
-    tool("consolidate.py", two, tmp_path / "merged", "--verify", "files")
-    assert (tmp_path / "merged" / "config.json").is_file()
+    # Exports: a PEFT adapter directory and a merged HF model; PEFT on the original base equals the merged model.
+    tool("consolidate.py", two, tmp_path / "adapter_out", "--lora", "adapter")
+    tool("consolidate.py", two, tmp_path / "merged_out", "--lora", "merge")
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_in).eval()  # as published, not quantized
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter_out").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged_out").eval()
+    tokens = torch.randint(0, len(tokenizer), (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=tokens).logits, merged(tokens).logits, rtol=1e-5, atol=1e-5)

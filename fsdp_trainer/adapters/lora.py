@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_trainer.config import LoraConfig
+from fsdp_trainer.model import unwrapped_name
 
 
 class LoRALinear(nn.Module):
@@ -70,7 +71,7 @@ def init_lora(
     by (seed, parameter name), so the same at any world size; B zero. `fill` writes full values into a (sharded)
     parameter, as for the model's own init."""
     for name, param in model.named_parameters():
-        name = ".".join(part for part in name.split(".") if not part.startswith("_"))  # wrappers' `_` path parts
+        name = unwrapped_name(name)
         if name.endswith("lora_B.weight"):
             fill(param, torch.zeros(param.shape, dtype=param.dtype, device=device))
         elif name.endswith("lora_A.weight"):
@@ -93,7 +94,7 @@ def load_adapters(
     its (sharded) parameter. Every adapter of the model must be given, and nothing else."""
     left = dict(adapters)
     for name, param in model.named_parameters():
-        name = ".".join(part for part in name.split(".") if not part.startswith("_"))
+        name = unwrapped_name(name)
         if not is_adapter(name):
             continue
         if name not in left:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.distributed.parallelize import fill_local_shard
+from fsdp_trainer.model import unwrapped_name
 
 BLOCK = 64
 """Values per NF4 scale (torchao's and bitsandbytes' default, QLoRA's)."""
@@ -106,6 +107,12 @@ def quantize_frozen(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+
+
+def quantized_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's NF4 parameters themselves (not state-dict aliases, whose parts fill_shard could not set), by HF
+    name."""
+    return {unwrapped_name(name): param for name, param in model.named_parameters() if is_nf4(param)}
 
 
 @torch.no_grad()
