@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from runner import report_header, run_ours, synthetic_data
+from runner import job_inputs, report_header, run_ours
 
-from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
+from fsdp_trainer.config import fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.plan import estimate
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import count_params
@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        recipe_path = str(tmp / "recipe.yaml")
-        Path(recipe_path).write_text(recipe_to_yaml(recipe))
-        tokens_per_step = recipe.data.micro_batch_size * recipe.data.seq_len * recipe.data.grad_accum_steps * args.nproc
-        train_path, tokenizer_path = synthetic_data(tmp, recipe.model.vocab_size, 4 * args.steps * tokens_per_step + 1)
+        recipe_path, tokens_per_step, (train_path, tokenizer_path) = job_inputs(recipe, tmp, args.nproc, args.steps)
         for config, parts in configs:
             row = measure(recipe_path, train_path, tokenizer_path, args.nproc, args.steps, config, parts, tmp,
                           tokens_per_step)  # fmt: skip

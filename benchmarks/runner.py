@@ -53,22 +53,46 @@ def synthetic_data(tmp: Path, vocab_size: int, n_tokens: int) -> tuple[str, str]
     return str(tmp / "train.bin"), str(tokenizer)
 
 
+def job_inputs(recipe, tmp: Path, nproc: int, steps: int) -> tuple[str, int, tuple[str, str]]:
+    """What a benchmark's jobs share: the recipe written to `tmp`, the tokens of one optimizer step over `nproc`
+    ranks, and random token data for 4 x `steps` steps (with its stand-in tokenizer)."""
+    recipe_path = tmp / "recipe.yaml"
+    recipe_path.write_text(recipe_to_yaml(recipe))
+    data = recipe.data
+    tokens_per_step = data.micro_batch_size * data.seq_len * data.grad_accum_steps * nproc
+    return (
+        str(recipe_path),
+        tokens_per_step,
+        synthetic_data(tmp, recipe.model.vocab_size, 4 * steps * tokens_per_step + 1),
+    )
+
+
 def report_header(recipe, args, names: tuple[str, ...]) -> dict:
     """What a benchmark's JSON output opens with: its own arguments and the resolved recipe it ran."""
     return {"args": {name: args[name] for name in names}, "recipe": recipe_to_yaml(recipe)}
 
 
-def run(cmd: list[str]) -> None:
-    """Run a benchmark job; if it fails, exit naming it, with the end of its output."""
+def run(cmd: list[str]) -> str:
+    """Run a benchmark job and return its output; if it fails, exit naming it, with the end of its output."""
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(
             f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         )
+    return proc.stdout + proc.stderr
 
 
 def run_ours(
-    recipe_path, train_path, tokenizer_path, nproc, steps, log_every, tokens_per_step, tmp: Path, flags=()
+    recipe_path,
+    train_path,
+    tokenizer_path,
+    nproc,
+    steps,
+    log_every,
+    tokens_per_step,
+    tmp: Path,
+    flags=(),
+    keep_log: bool = False,
 ) -> dict:
     """Train under torchrun (`flags` override the recipe) for a warmup of `log_every` steps and `steps` measured
     ones, and read throughput, peak memory and the training state per rank from the run's metrics.jsonl."""
@@ -96,7 +120,7 @@ def run_ours(
         str(out),
         *flags,
     ]
-    run(torchrun_command([*TRAINER, *args], nproc))
+    log = run(torchrun_command([*TRAINER, *args], nproc))
     records = [json.loads(line) for line in open(out / METRICS_FILE)]
     lines = [r for r in records if "loss" in r and r["step"] >= log_every]  # (step 1 is always logged too)
     first, last = lines[0], lines[-1]  # logged after the warmup steps, and after the last step
@@ -115,6 +139,7 @@ def run_ours(
         "step_time_s": statistics.median(r["step_time_s"] for r in measured),
         "step_time_max_s": max(r["step_time_max_s"] for r in measured),
         **{k: state[k] for k in (*STATE_KEYS, "state_gb")},
+        **({"log": log} if keep_log else {}),  # the trainer's output (its checkpoint lines, say)
     }
 
 

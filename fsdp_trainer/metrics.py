@@ -97,8 +97,15 @@ def local_gb(tensors: Iterable[torch.Tensor | None]) -> float:
             continue
         if isinstance(t, DTensor):
             t = t.to_local()
-        total += t.numel() * t.element_size()
+        total += _stored_bytes(t)
     return total / 1e9
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor stores: for a wrapper subclass (QLoRA's NF4), those of the tensors it is made of."""
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(_stored_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
 
 
 def optimizer_state_gb(optimizer: torch.optim.Optimizer) -> float:

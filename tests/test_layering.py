@@ -34,9 +34,10 @@ ALLOWED = {
     "distributed.fake": {
         "adapters.lora", "config", "data.loader", "distributed.parallelize", "model", "optim", "train"
     },
+    "distributed.speed": {"config", "distributed.runtime", "metrics"},
     "distributed.plan": {
-        "adapters.lora", "adapters.nf4", "config", "model", "optim", "distributed.fake", "distributed.parallelize",
-        "distributed.runtime",
+        "adapters.lora", "adapters.nf4", "config", "distributed.speed", "model", "optim", "distributed.fake",
+        "distributed.parallelize", "distributed.runtime",
     },
     "adapters.lora": {"config", "model"},
     "adapters.nf4": {"adapters.lora", "config", "distributed.parallelize", "model"},

@@ -14,10 +14,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.adapters.lora import LoRALinear, apply_lora, init_lora, is_adapter
-from fsdp_trainer.adapters.nf4 import check_nf4_shapes, fill_shard, is_nf4, quantize_frozen, require_torchao, to_nf4
+from fsdp_trainer.adapters.nf4 import (
+    BLOCK,
+    VALUES_PER_SCALER_BLOCK,
+    check_nf4_shapes,
+    fill_shard,
+    is_nf4,
+    quantize_frozen,
+    require_torchao,
+    to_nf4,
+)
 from fsdp_trainer.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize
+from fsdp_trainer.metrics import local_gb
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
@@ -111,6 +121,16 @@ def _shards_are_torchaos_whole_weight_quantized(rank, world):
 
 def test_nf4_shards_are_torchaos_quantization_of_the_whole_weight_and_only_adapters_train():
     run_distributed(_shards_are_torchaos_whole_weight_quantized)
+
+
+def test_the_state_probe_counts_the_bytes_nf4_stores():
+    """metrics.jsonl's params_gb (and bench_lora's state) count a 4-bit weight's stored parts, not its logical size:
+    4 bits a value, an int8 scale per 64 values, a factor per 16,384 scales' block, the mean and the 16-entry table."""
+    weight = to_nf4(torch.randn(512, 256))
+    values = 512 * 256
+    stored = values // 2 + values // BLOCK + 4 * (values // VALUES_PER_SCALER_BLOCK) + 4 + 16 * 4
+    assert local_gb([weight]) * 1e9 == pytest.approx(stored, abs=0.5)
+    assert local_gb([torch.randn(512, 256)]) * 1e9 == 4 * values
 
 
 def test_nf4_shapes_that_do_not_split_are_one_line_naming_the_projection():

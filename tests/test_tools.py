@@ -58,6 +58,26 @@ def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_lora_measures_state_and_checkpoints_against_full_fine_tuning(tiny_data, tmp_path):
+    """Full fine-tuning holds 16 bytes x P / 2 per rank; LoRA the frozen fp32 weights and its adapters' state; QLoRA
+    the adapted projections in 4 bits; both save checkpoints of their adapters alone. An unknown kind is one line."""
+    out = tmp_path / "lora.json"
+    shapes = ["--model.dim", "256", "--model.ffn_dim", "512", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
+    command = [sys.executable, str(BENCHMARKS / "bench_lora.py"), "--recipe", str(tiny_data), "--nproc", "2",
+               "--steps", "3", "--out", str(out), *shapes, "--kinds"]  # fmt: skip
+    bad = subprocess.run([*command, "full", "dora"], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stderr == "error: --kinds: ['dora'] are not among full, lora, qlora\n"
+    proc = subprocess.run([*command, "full", "lora", "qlora"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, lora, qlora = json.loads(out.read_text())["rows"]
+    n_params = count_params(ModelConfig(**{**TINY_MODEL, "dim": 256, "ffn_dim": 512, "n_heads": 4, "n_kv_heads": 2}))
+    assert full["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
+    assert lora["state_gb"] < full["state_gb"] / 2 and qlora["params_gb"] < lora["params_gb"] / 2
+    assert qlora["grads_gb"] == lora["grads_gb"] and lora["checkpoint_gb"] < full["checkpoint_gb"] / 3
+    assert all(r["save_s"] > 0 and r["tokens_per_s"] > 0 for r in (full, lora, qlora))
+    assert "| 3 | qlora |" in proc.stdout and "vs the nearest full run" in proc.stdout
+
+
 def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
     """Per rank: FULL_SHARD (here offloaded, which on a CPU moves nothing) holds 16 bytes x P / 2 of parameters,
     gradients and AdamW state, NO_SHARD all 16 x P; a config it cannot read is one line naming it."""

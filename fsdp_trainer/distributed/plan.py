@@ -72,6 +72,7 @@ from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_
 from fsdp_trainer.distributed.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.distributed.speed import GPUS, StepTime, step_time
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 
@@ -262,31 +263,55 @@ def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]
     ]
 
 
-def recommend(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float = math.inf) -> Estimate | None:
-    """The fastest that fits: without offload if anything fits so (the host's optimizer step and the copies cost far
-    more than recomputation), then the least recomputation (AC costs compute on every step), then the fewest bytes
-    over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
-    fits = [e for e in estimates if e.fits(device_mem_gb, host_mem_gb)]
-    key = lambda e: (e.offload, AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)  # noqa: E731
-    return min(fits, key=key, default=None)
+def recommend(
+    estimates: list[Estimate],
+    device_mem_gb: float,
+    host_mem_gb: float = math.inf,
+    times: list[StepTime | None] | None = None,
+) -> Estimate | None:
+    """The fastest that fits: with predicted step `times` (one per estimate, on a named GPU), the shortest step;
+    without, and between equal ones, without offload if anything fits so (the host's optimizer step and the copies
+    cost far more than recomputation), then the least recomputation (AC costs compute on every step), then the fewest
+    bytes over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
+    times = times or [None] * len(estimates)
+    fits = [(e, t) for e, t in zip(estimates, times, strict=True) if e.fits(device_mem_gb, host_mem_gb)]
+
+    def key(row: tuple[Estimate, StepTime | None]):
+        e, t = row
+        predicted = math.inf if t is None else round(t.step_s, 3)
+        return (e.offload, predicted, AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)
+
+    return min(fits, key=key, default=(None, None))[0]
 
 
-def table(estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float) -> str:
-    """The estimates as a markdown table, a row each, with whether it fits."""
+def table(
+    estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float, times: list[StepTime | None] | None = None
+) -> str:
+    """The estimates as a markdown table, a row each, with whether it fits and, on a named GPU, its predicted step."""
+    speed = " | step s | exposed comm s | tokens/s / GPU | MFU" if times else ""
     rows = [
         "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
         "| optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
-        "| host<->device GB / step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| host<->device GB / step{speed} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 4 if times else ""),
     ]
-    for e in estimates:
+    for e, t in zip(estimates, times or [None] * len(estimates), strict=True):
         terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb,
                  e.accumulated_gb, e.optimizer_step_gb, e.runtime_gb, e.total_gb)  # fmt: skip
         fits = "yes" if e.fits(device_mem_gb, host_mem_gb) else "no"
         name = f"{e.sharding} + offload" if e.offload else e.sharding
+        predicted = ""
+        if times:
+            predicted = (
+                " - | - | - | - |"
+                if t is None
+                else (
+                    f" {t.step_s:.2f} | {t.exposed_comm_s:.2f} | {t.tokens_per_s_per_gpu:,.0f} | {100 * t.mfu:.1f}% |"
+                )
+            )
         rows.append(
             f"| {name} | {e.ac} | {' | '.join(f'{x:.2f}' for x in terms)} | {fits} | {e.sent_gb:.2f} "
-            f"({e.internode_gb:.2f}) | {e.host_gb:.2f} | {e.host_traffic_gb:.2f} |"
+            f"({e.internode_gb:.2f}) | {e.host_gb:.2f} | {e.host_traffic_gb:.2f} |{predicted}"
         )
     return "\n".join(rows)
 
@@ -322,6 +347,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", type=Literal["cuda", "cpu"] | None, help="default: cuda if a GPU is visible")
     parser.add_argument(
+        "--gpu",
+        type=Literal[tuple(GPUS)] | None,
+        help="predict each row's step time, tokens/s per GPU and MFU on this GPU (distributed/speed.py), recommend "
+        "the fastest that fits; sets --device cuda and --device_mem_gb to its memory unless given",
+    )
+    parser.add_argument(
+        "--train_tokens", type=float | None, help="with --gpu: the time and GPU-hours to train this many tokens"
+    )
+    parser.add_argument(
         "--check",
         type=bool,
         nargs="?",
@@ -336,10 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("device_mem_gb", "host_mem_gb"):
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag} must be positive, not {getattr(args, flag)}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.train_tokens is not None and (args.gpu is None or args.train_tokens <= 0):
+        fail("--train_tokens needs --gpu and a positive number of tokens")
+    device = "cuda" if args.gpu else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
-    mem = args.device_mem_gb
+    mem = args.device_mem_gb or (GPUS[args.gpu].memory_gb if args.gpu else None)
     if mem is None:
         if device == "cuda" and torch.cuda.is_available():
             mem = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -353,10 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
         f"device(s) of {mem:.1f} GB"
     )
-    print(table(estimates, mem, host_mem))
+    times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates] if args.gpu else None
+    print(table(estimates, mem, host_mem, times))
     if args.check:
         print(check_table(recipe, estimates, args.nproc, args.nnodes))
-    best = recommend(estimates, mem, host_mem)
+    best = recommend(estimates, mem, host_mem, times)
     if best is None:
         smallest = min(estimates, key=lambda e: e.total_gb)
         offload, host = (
@@ -374,6 +411,14 @@ def main(argv: list[str] | None = None) -> None:
         f"recommended: --parallel.sharding {best.sharding} --parallel.activation_checkpointing {best.ac}{offload} "
         f"({best.total_gb:.1f} of {mem:.1f} GB)"
     )
+    t = times[estimates.index(best)] if times else None
+    if t is not None:
+        gpus = args.nproc * args.nnodes
+        print(f"predicted on {gpus} x {args.gpu}: {t.step_s:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per "
+              f"GPU, MFU {100 * t.mfu:.1f}% (a model calibrated on published runs: docs/benchmarks.md)")  # fmt: skip
+        if args.train_tokens:
+            hours = args.train_tokens / (t.tokens_per_s_per_gpu * gpus) / 3600
+            print(f"{args.train_tokens:.3g} tokens: {hours:,.1f} hours, {hours * gpus:,.0f} GPU-hours")
 
 
 if __name__ == "__main__":
