@@ -42,7 +42,7 @@ import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,9 +53,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -144,8 +144,10 @@ class ChecksummedWriter(dcp.FileSystemWriter):
     Whatever fails on whichever rank, DCP raises it on every rank, `latest` included: the ranks never disagree on
     whether a step was saved."""
 
-    def __init__(self, path: str | os.PathLike, attachments: dict[str, bytes]):
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, attachments: dict[str, bytes], file_per_tensor: bool = False):
+        # DCP's writer holds every tensor of a file until the file is written: one file per tensor bounds a save
+        # that reads its tensors as it goes (save_model_weights' `read`) by the largest tensor.
+        super().__init__(path, single_file_per_rank=not file_per_tensor)
         self.fs = NamingFileSystem()
         self.attachments = attachments
 
@@ -520,16 +522,37 @@ def iter_model_weights(path: str | os.PathLike, shapes: dict[str, torch.Size]) -
         yield name, state["model"][name]
 
 
+class _ReadAsWrittenPlanner(DefaultSavePlanner):
+    """DCP's save planner for a state whose tensors are on the meta device (shape and dtype only): each is read with
+    `read(name)` when the writer comes to it and dropped once written, so a save holds one tensor at a time."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self.read = read
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        found = super().lookup_object(index)
+        if isinstance(found, torch.Tensor) and found.is_meta:
+            return self.read(index.fqn.removeprefix("model."))
+        return found
+
+
 def save_model_weights(
-    state: dict[str, torch.Tensor], out_dir: str | os.PathLike, attachments: dict[str, bytes] | None = None
+    state: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    attachments: dict[str, bytes] | None = None,
+    read: Callable[[str], torch.Tensor] | None = None,
 ) -> Path:
     """Write full weights as a weights-only checkpoint `out_dir/checkpoints/step_00000000` and publish it, so that
-    `--checkpoint.resume out_dir` starts training from them. Needs no process group."""
+    `--checkpoint.resume out_dir` starts training from them. Needs no process group. With `read`, `state` holds meta
+    tensors and each is read by name as it is written, so the memory it takes is the largest tensor, not the model."""
     path = Path(out_dir) / CHECKPOINTS_DIR / "step_00000000"
+    planner = _ReadAsWrittenPlanner(read) if read is not None else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save({"model": state}, storage_writer=ChecksummedWriter(path, attachments or {}), no_dist=True)
+            writer = ChecksummedWriter(path, attachments or {}, file_per_tensor=read is not None)
+            dcp.save({"model": state}, storage_writer=writer, planner=planner, no_dist=True)
     except (OSError, CheckpointException) as e:  # a full disk: no partial step left to be taken for a checkpoint
         shutil.rmtree(path, ignore_errors=True)
         _, cause = first_failure(e)

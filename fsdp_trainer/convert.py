@@ -40,6 +40,7 @@ from fsdp_trainer.hf import (
     check_safetensors,
     check_with_transformers,
     hf_config,
+    hf_stored_tensors,
     load_safetensors,
     model_config_from_hf,
     save_peft_adapter,
@@ -320,16 +321,18 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
         raise FileExistsError(f"{out}/{CHECKPOINTS_DIR} exists; remove it or choose another OUT_DIR")
     cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path))
     expected = _shapes(cfg)
-    state = load_safetensors(hf)
+    stored = hf_stored_tensors(hf)  # where each tensor is: checked from the headers, read only as it is written
     if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)  # some exporters write the tied copy; ours is the embedding
-        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+        stored.pop("lm_head.weight", None)  # some exporters write the tied copy; ours is the embedding
+        if "model.embed_tokens.weight" in stored:
+            stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
+    missing, unexpected = set(expected) - set(stored), set(stored) - set(expected)
     if missing or unexpected:
         raise ValueError(f"{hf}: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]} for {cfg.family}")
     for name, shape in expected.items():
-        if state[name].shape != shape:
-            raise ValueError(f"{hf}: {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(shape)}")
+        if stored[name].shape != shape:
+            raise ValueError(f"{hf}: {name} has shape {tuple(stored[name].shape)}, config.json implies {tuple(shape)}")
+    state = {name: torch.empty(shape, device="meta") for name, shape in expected.items()}  # fp32, as trained
 
     model_yaml = sections_to_yaml({"model": cfg})
     try:  # the tokenizer comes along, so that OUT_DIR serves as data.tokenizer_path
@@ -339,7 +342,8 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
     if (hf / HF_GENERATION_CONFIG).is_file():  # and the sampling defaults, back out at export
         tokenizer[HF_GENERATION_CONFIG] = (hf / HF_GENERATION_CONFIG).read_bytes()
     out.mkdir(parents=True, exist_ok=True)
-    path = save_model_weights(state, out, {RECIPE_FILE: model_yaml.encode(), **tokenizer})
+    attachments = {RECIPE_FILE: model_yaml.encode(), **tokenizer}
+    path = save_model_weights(state, out, attachments, read=lambda name: stored[name].read().float())
     for name, content in tokenizer.items():
         (out / name).write_bytes(content)
     (out / "model.yaml").write_text(model_yaml)

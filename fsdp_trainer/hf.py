@@ -12,7 +12,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterable
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -232,36 +232,71 @@ def save_safetensors(
     return crcs
 
 
-def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory (single file or index + shards) in fp32, read one tensor at a time and converted
-    as it comes, so the memory it takes is the fp32 model plus one tensor as stored."""
-    hf_dir = Path(hf_dir)
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    """The safetensors files of an HF directory: the shards its index names, or model.safetensors."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
-    return {name: tensor.float() for file in files for name, tensor in read_safetensors_one_by_one(hf_dir / file)}
+        return [hf_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    raise FileNotFoundError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def read_safetensors_one_by_one(path: Path):
-    """Yield (name, tensor) from a safetensors file, reading one tensor at a time with plain reads: memory-mapping
-    the file (safe_open) would count the whole file in the process's resident memory."""
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a safetensors file is, read from the file's header alone."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def read(self) -> torch.Tensor:
+        """The tensor as stored, read with plain reads: memory-mapping the file (safe_open) would count the whole
+        file in the process's resident memory."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = bytearray(f.read(self.nbytes))
+        return torch.frombuffer(data, dtype=self.dtype).reshape(self.shape)
+
+
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of one safetensors file, by name, from its header; ValueError for a dtype we do not read."""
     with open(path, "rb") as f:
         header_size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_size))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            if info["dtype"] not in dtypes:
-                raise ValueError(f"{path}: {name} is stored as {info['dtype']}, not one of {sorted(dtypes)}")
-            start, end = info["data_offsets"]
-            f.seek(8 + header_size + start)
-            data = bytearray(f.read(end - start))
-            yield name, torch.frombuffer(data, dtype=dtypes[info["dtype"]]).reshape(info["shape"])
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: {name} is stored as {info['dtype']}, not one of {sorted(_SAFETENSORS_DTYPES)}")
+        start, end = info["data_offsets"]
+        entries[name] = StoredTensor(
+            path, 8 + header_size + start, end - start, _SAFETENSORS_DTYPES[info["dtype"]], torch.Size(info["shape"])
+        )
+    return entries
+
+
+def hf_stored_tensors(hf_dir: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of an HF directory (single file or index + shards), by name, without reading any."""
+    return {name: entry for file in _safetensors_files(Path(hf_dir)) for name, entry in stored_tensors(file).items()}
+
+
+def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory in fp32, read one tensor at a time and converted as it comes, so the memory it
+    takes is the fp32 model plus one tensor as stored."""
+    return {name: entry.read().float() for name, entry in hf_stored_tensors(hf_dir).items()}
+
+
+def read_safetensors_one_by_one(path: Path):
+    """Yield (name, tensor) from a safetensors file, one tensor read at a time."""
+    for name, entry in stored_tensors(path).items():
+        yield name, entry.read()
 
 
 def check_safetensors(out_dir: Path, shapes: dict[str, torch.Size], crcs: dict[str, int]) -> None:
