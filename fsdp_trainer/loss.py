@@ -66,3 +66,93 @@ def share_of_global_mean(summed: torch.Tensor, global_count: torch.Tensor | floa
     gradients are then those of the global mean, whatever the split into ranks and micro-batches, and a micro-batch
     with few targets (fine-tuning: few assistant tokens) weighs as little as it holds."""
     return summed * world_size / global_count
+
+
+# --- preference tuning (DPO and its variants) -------------------------------------------------------------------------
+
+
+def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) at each position (B, T), in fp32; 0 where the target is IGNORE."""
+    logps = torch.log_softmax(F.linear(hidden, weight).float(), dim=-1)
+    trained = targets != IGNORE
+    picked = logps.gather(-1, targets.masked_fill(~trained, 0).unsqueeze(-1)).squeeze(-1)
+    return picked * trained
+
+
+@dataclass
+class SequenceLogProbs:
+    """The objective of a preference step's forward: each row's summed log-probability of its trained targets (B,),
+    a response's log-likelihood given its prompt (the prompt's targets are IGNORE), with the output layer computed in
+    `chunks` slices of the rows as NextTokenLoss does."""
+
+    targets: torch.Tensor
+    chunks: int = 1
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.chunks == 1:
+            return _token_logps(hidden, weight, self.targets).sum(-1)
+        pieces = zip(hidden.chunk(self.chunks), self.targets.chunk(self.chunks), strict=True)
+        return torch.cat([checkpoint(_token_logps, h, weight, t, use_reentrant=False).sum(-1) for h, t in pieces])
+
+    def count(self) -> torch.Tensor:
+        """The trained targets of each row (B,): a response's length in tokens."""
+        return (self.targets != IGNORE).sum(-1)
+
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "robust")
+
+
+@dataclass
+class PreferenceLoss:
+    """The loss of preference pairs from the summed log-probabilities of each response under the policy and the
+    reference model, as TRL's DPOTrainer defines them (its names for the same numbers):
+
+    - `sigmoid` (DPO, Rafailov et al. 2023): -log sigmoid(beta * d), d = (policy - reference log-ratio of the chosen
+      response) - (that of the rejected one); with label_smoothing e, conservative DPO (cDPO): -(1 - e) log
+      sigmoid(beta * d) - e log sigmoid(-beta * d), for labels flipped with probability e;
+    - `ipo` (Azar et al. 2023): (d' - 1 / (2 beta))^2, d' the difference of the log-ratios each divided by its
+      response's length in tokens, as TRL normalizes it;
+    - `robust` (rDPO, Chowdhury et al. 2024): the unbiased estimate for labels flipped with probability e,
+      (-(1 - e) log sigmoid(beta * d) + e log sigmoid(-beta * d)) / (1 - 2e).
+    """
+
+    kind: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+    def __call__(
+        self,
+        chosen: torch.Tensor,
+        rejected: torch.Tensor,
+        ref_chosen: torch.Tensor,
+        ref_rejected: torch.Tensor,
+        chosen_tokens: torch.Tensor | None = None,
+        rejected_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The loss of each pair (P,), from the summed log-probabilities of each response (P,) and, for `ipo`, the
+        responses' lengths in tokens."""
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+        if self.kind == "ipo":
+            delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+            return (delta - 1 / (2 * self.beta)) ** 2
+        logits = self.beta * (chosen_ratio - rejected_ratio)
+        agree, flipped = -F.logsigmoid(logits), -F.logsigmoid(-logits)
+        e = self.label_smoothing
+        if self.kind == "robust":
+            return ((1 - e) * agree - e * flipped) / (1 - 2 * e)
+        return (1 - e) * agree + e * flipped
+
+    def rewards(self, chosen, rejected, ref_chosen, ref_rejected) -> dict[str, torch.Tensor]:
+        """The implicit rewards beta * (policy - reference log-ratio) of each pair (P,), and what TRL logs of them:
+        rewards/chosen, rewards/rejected, rewards/accuracies (chosen above rejected), rewards/margins, logps/chosen,
+        logps/rejected, per pair, to be averaged over the pairs of a batch."""
+        chosen_reward = self.beta * (chosen - ref_chosen).detach()
+        rejected_reward = self.beta * (rejected - ref_rejected).detach()
+        return {
+            "rewards/chosen": chosen_reward,
+            "rewards/rejected": rejected_reward,
+            "rewards/accuracies": (chosen_reward > rejected_reward).float(),
+            "rewards/margins": chosen_reward - rejected_reward,
+            "logps/chosen": chosen.detach(),
+            "logps/rejected": rejected.detach(),
+        }

@@ -1,0 +1,119 @@
+"""Preference tuning's loss against TRL's DPOTrainer: the same pairs, tokenized and collated by TRL, through TRL's
+concatenated forward on transformers models and through ours (SequenceLogProbs) on the same weights: the responses'
+log-probabilities, the loss and the reward metrics agree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdp_trainer.hf import model_config_from_hf
+from fsdp_trainer.loss import IGNORE, PreferenceLoss, SequenceLogProbs
+from fsdp_trainer.model import Transformer
+from tests.test_real_models import save_hf_tokenizer
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+PAIRS = [
+    {"prompt": "ROMEO. What light", "chosen": " through yonder window breaks?", "rejected": " is that over there"},
+    {"prompt": "To be, or not", "chosen": " to be, that is the question", "rejected": " hmm"},
+    {"prompt": "Now is the winter", "chosen": " of our discontent", "rejected": " of our discontent, made glorious"},
+]
+
+
+@pytest.fixture(scope="module")
+def trl_setup(tmp_path_factory):
+    """A tokenizer, a policy and a different reference (transformers Llamas from one config), and TRL's batch."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    tokenizer = save_hf_tokenizer(tmp / "tokenizer", "llama")
+    tokenizer.pad_token = tokenizer.eos_token
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    policy = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(1)
+    reference = transformers.LlamaForCausalLM(config)
+    return tmp, tokenizer, policy, reference, model_config_from_hf(config.to_dict(), "test")
+
+
+def _trl_loss_and_metrics(trl_setup, kind: str, beta: float, label_smoothing: float):
+    tmp, tokenizer, policy, reference, _ = trl_setup
+    args = trl.DPOConfig(
+        output_dir=str(tmp / "out"), per_device_train_batch_size=len(PAIRS), beta=beta, loss_type=[kind],
+        label_smoothing=label_smoothing, report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_list(PAIRS)
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dataset,
+                             processing_class=tokenizer)  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    return batch, loss.item(), metrics
+
+
+def _our_logps(hf_model, cfg, batch):
+    """Each row's summed log-probability of its completion under our model holding `hf_model`'s weights."""
+    ours = Transformer(cfg)
+    missing, unexpected = ours.load_state_dict(hf_model.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("rope_") for name in missing)
+    tokens, completion = batch["input_ids"], batch["completion_mask"].bool()
+    targets = tokens[:, 1:].masked_fill(~completion[:, 1:], IGNORE)  # TRL pads on the right: causal, no effect
+    objective = SequenceLogProbs(targets)
+    with torch.no_grad():
+        return ours(tokens[:, :-1], loss=objective), objective.count()
+
+
+@pytest.mark.parametrize(("kind", "label_smoothing"), [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
+def test_loss_and_reward_metrics_equal_trls(trl_setup, kind, label_smoothing):
+    beta = 0.1
+    batch, trl_loss, trl_metrics = _trl_loss_and_metrics(trl_setup, kind, beta, label_smoothing)
+    _, _, policy, reference, cfg = trl_setup
+    logps, lengths = _our_logps(policy, cfg, batch)
+    ref_logps, _ = _our_logps(reference, cfg, batch)
+    chosen, rejected = logps.chunk(2)  # TRL's batch: the chosen responses, then the rejected ones
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    chosen_tokens, rejected_tokens = lengths.chunk(2)
+    loss = PreferenceLoss(kind, beta, label_smoothing)
+    ours = loss(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens).mean()
+    print(f"{kind}: ours {ours.item():.9g}, TRL {trl_loss:.9g}")  # pytest -s shows the gap
+    assert ours.item() == pytest.approx(trl_loss, rel=1e-5)
+    for name, values in loss.rewards(chosen, rejected, ref_chosen, ref_rejected).items():
+        assert values.mean().item() == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-7), name
+    assert abs(trl_metrics["rewards/margins"]) > 1e-3  # a reference unlike the policy: nothing cancels
+
+
+def test_conservative_dpo_is_the_label_smoothed_sigmoid_and_zero_smoothing_is_dpo():
+    """cDPO (TRL before 0.20 and torchtune's DPOLoss): -(1 - e) log sigmoid(beta d) - e log sigmoid(-beta d)."""
+    generator = torch.Generator().manual_seed(0)
+    chosen, rejected, ref_chosen, ref_rejected = (-50 * torch.rand(4, generator=generator) for _ in range(4))
+    d = (chosen - ref_chosen) - (rejected - ref_rejected)
+    beta, e = 0.2, 0.1
+    smoothed = PreferenceLoss("sigmoid", beta, e)(chosen, rejected, ref_chosen, ref_rejected)
+    expected = -(1 - e) * F.logsigmoid(beta * d) - e * F.logsigmoid(-beta * d)
+    torch.testing.assert_close(smoothed, expected, rtol=1e-6, atol=0)
+    plain = PreferenceLoss("sigmoid", beta)(chosen, rejected, ref_chosen, ref_rejected)
+    torch.testing.assert_close(plain, -F.logsigmoid(beta * d), rtol=1e-6, atol=0)
+    # The policy equal to its reference: every pair's loss is log 2, every reward 0.
+    same = PreferenceLoss("sigmoid", beta)(chosen, rejected, chosen, rejected)
+    assert torch.allclose(same, torch.full_like(same, math.log(2)))
+
+
+def test_sequence_log_probs_in_slices_equal_whole():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 6, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(16, 8, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 16, (4, 6), generator=generator)
+    targets[:, :2] = IGNORE  # the prompt
+    whole = SequenceLogProbs(targets)(hidden, weight)
+    sliced = SequenceLogProbs(targets, chunks=2)(hidden, weight)
+    torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+    direct = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(whole, (direct * (targets != IGNORE)).sum(-1), rtol=1e-6, atol=1e-6)
+    assert SequenceLogProbs(targets).count().tolist() == [4, 4, 4, 4]
