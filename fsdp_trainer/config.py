@@ -266,7 +266,8 @@ class OptimConfig:
         _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
 
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_PROJECTIONS, "lm_head", "embed_tokens")
 
 
 @dataclass
@@ -279,9 +280,10 @@ class LoraConfig:
     """Scale: an adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
     dropout: float = 0.0
     """Dropout on an adapter's input (PEFT's lora_dropout)."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """The linear layers of every block that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    down_proj (PEFT's target_modules)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_PROJECTIONS))
+    """The layers that get adapters (PEFT's target_modules): any of every block's q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, and lm_head (the output layer) and embed_tokens (the embedding), those two not
+    when they are tied."""
     quantize_base: Literal["nf4"] | None = None
     """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (`nf4`, through torchao:
     about 0.52 bytes a weight instead of 2 in bf16), sharded in that form and dequantized one projection at a time
@@ -411,6 +413,12 @@ class Recipe:
             not (self.checkpoint.export_hf and self.lora.rank is not None),
             "checkpoint.export_hf writes the model without adapters; with lora.rank set, export with "
             "tools/consolidate.py RUN OUT (merged) or --lora adapter (PEFT)",
+        )
+        tied = sorted({"lm_head", "embed_tokens"} & set(self.lora.targets)) if self.model.tie_embeddings else []
+        _require(
+            self.lora.rank is None or not tied,
+            f"lora.targets has {', '.join(tied)}, but model.tie_embeddings ties the output layer to the embedding: an "
+            f"adapter on one could not be merged into the weight they share; leave {' and '.join(tied)} out",
         )
         _require(
             self.data.seq_len <= self.model.max_seq_len,

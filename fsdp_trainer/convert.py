@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged_weight
+from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
 from fsdp_trainer.checkpoint import (
     CHECKPOINTS_DIR,
     RECIPE_FILE,
@@ -124,15 +124,7 @@ def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[t
     else:
         frozen = iter_model_weights(base, weights)
 
-    def merged_one_by_one():
-        for name, tensor in frozen:
-            prefix = name.removesuffix(".weight")
-            if f"{prefix}.lora_A.weight" in adapters:
-                a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
-                tensor = merged_weight(tensor, a, b, lora)
-            yield name, tensor
-
-    return weights, merged_one_by_one()
+    return weights, ((name, merged(name, tensor, adapters, lora)) for name, tensor in frozen)
 
 
 def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:

@@ -1,8 +1,9 @@
 """What training minimizes, computed from the model's final hidden states and its output layer.
 
-An objective is an object the model calls at the end of its forward, `loss(hidden, weight)`, with the final hidden
-states (B, T, dim) and the output layer's weight (vocab_size, dim). It runs inside the model's forward, so FSDP
-gathers and frees the output layer there as it does every other parameter, but it is written here: a second objective
+An objective is an object the model calls at the end of its forward, `loss(hidden, output)`, with the final hidden
+states (B, T, dim) and the output layer (a module from them to the logits: the lm_head, with its adapter under LoRA).
+It runs inside the model's forward, so FSDP gathers and frees the output layer there as it does every other
+parameter, but it is written here: a second objective
 (a preference loss, distillation) is a class in this file, not a branch in the model file. Objectives return a sum;
 train_step divides it by the number of targets of the whole global batch (share_of_global_mean), so the gradient is
 the same however the batch is split over ranks and micro-batches.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -20,14 +22,14 @@ IGNORE = -100
 """A target that is not trained on (cross_entropy's ignore_index): a prompt's tokens in fine-tuning, padding."""
 
 
-def _summed_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE, reduction="sum")
+def _summed_loss(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: int = 1
+    hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, chunks: int = 1
 ) -> torch.Tensor:
-    """Summed next-token loss of the output layer `weight` on the final hidden states, over the targets that are not
+    """Summed next-token loss of the output layer `output` on the final hidden states, over the targets that are not
     IGNORE, in fp32 whatever the compute dtype.
 
     The logits are the model's largest activation (tokens x vocab: 2.1 GB in bf16 for 8k tokens of a 128k vocabulary,
@@ -38,9 +40,9 @@ def chunked_cross_entropy(
     """
     hidden, targets = hidden.flatten(0, 1), targets.flatten()
     if chunks == 1:
-        return _summed_loss(hidden, weight, targets)
+        return _summed_loss(hidden, output, targets)
     pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
-    return sum(checkpoint(_summed_loss, h, weight, t, use_reentrant=False) for h, t in pieces)
+    return sum(checkpoint(_summed_loss, h, output, t, use_reentrant=False) for h, t in pieces)
 
 
 @dataclass
@@ -51,8 +53,8 @@ class NextTokenLoss:
     targets: torch.Tensor
     chunks: int = 1
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(hidden, weight, self.targets, self.chunks)
+    def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+        return chunked_cross_entropy(hidden, output, self.targets, self.chunks)
 
     def count(self) -> torch.Tensor:
         """How many targets the sum is over."""
@@ -71,9 +73,9 @@ def share_of_global_mean(summed: torch.Tensor, global_count: torch.Tensor | floa
 # --- preference tuning (DPO and its variants) -------------------------------------------------------------------------
 
 
-def _token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _token_logps(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor) -> torch.Tensor:
     """log p(target) at each position (B, T), in fp32; 0 where the target is IGNORE."""
-    logps = torch.log_softmax(F.linear(hidden, weight).float(), dim=-1)
+    logps = torch.log_softmax(output(hidden).float(), dim=-1)
     trained = targets != IGNORE
     picked = logps.gather(-1, targets.masked_fill(~trained, 0).unsqueeze(-1)).squeeze(-1)
     return picked * trained
@@ -88,11 +90,11 @@ class SequenceLogProbs:
     targets: torch.Tensor
     chunks: int = 1
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
         if self.chunks == 1:
-            return _token_logps(hidden, weight, self.targets).sum(-1)
+            return _token_logps(hidden, output, self.targets).sum(-1)
         pieces = zip(hidden.chunk(self.chunks), self.targets.chunk(self.chunks), strict=True)
-        return torch.cat([checkpoint(_token_logps, h, weight, t, use_reentrant=False).sum(-1) for h, t in pieces])
+        return torch.cat([checkpoint(_token_logps, h, output, t, use_reentrant=False).sum(-1) for h, t in pieces])
 
     def count(self) -> torch.Tensor:
         """The trained targets of each row (B,): a response's length in tokens."""

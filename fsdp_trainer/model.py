@@ -195,10 +195,10 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         documents: torch.Tensor | None = None,
-        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        loss: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size); or, given a `loss` (an objective of loss.py), what it computes from the final
-        hidden states (B, T, dim) and the output layer's weight, which spares the full logits when it slices them.
+        hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0 (see block_causal)."""
         T = tokens.shape[1]
@@ -213,7 +213,7 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if loss is None:
             return self.lm_head(x)  # (B, T, vocab_size)
-        return loss(x, self.lm_head.weight)
+        return loss(x, self.lm_head)
 
     @torch.no_grad()
     def init_weights(

@@ -47,7 +47,11 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["--model.rope_scaling.factor", "0.5"], "model.rope_scaling.factor=0.5 must be >= 1"),
         (["--recipe", "/no/such.yaml"], 'Parser key "recipe": File does not exist'),
         (["--lora.rank", "0"], "lora.rank=0 must be >= 1, or null"),
-        (["--lora.targets", "[q_proj, lm_head]"], "lora.targets has ['lm_head']; choose among q_proj"),
+        (["--lora.targets", "[q_proj, norm]"], "lora.targets has ['norm']; choose among q_proj"),
+        (
+            ["--lora.rank", "8", "--lora.targets", "[embed_tokens, lm_head]", "--model.tie_embeddings", "true"],
+            "lora.targets has embed_tokens, lm_head, but model.tie_embeddings ties the output layer to the embedding",
+        ),
         (["--lora.rank", "8", "--checkpoint.export_hf", "true"], "checkpoint.export_hf writes the model without"),
         (["--lora.adapter", "adapter_out"], "lora.adapter=adapter_out needs lora.rank (the adapter's r)"),
     ],

@@ -108,12 +108,12 @@ def test_conservative_dpo_is_the_label_smoothed_sigmoid_and_zero_smoothing_is_dp
 def test_sequence_log_probs_in_slices_equal_whole():
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 6, 8, generator=generator, requires_grad=True)
-    weight = torch.randn(16, 8, generator=generator, requires_grad=True)
+    output = torch.nn.Linear(8, 16, bias=False)
     targets = torch.randint(0, 16, (4, 6), generator=generator)
     targets[:, :2] = IGNORE  # the prompt
-    whole = SequenceLogProbs(targets)(hidden, weight)
-    sliced = SequenceLogProbs(targets, chunks=2)(hidden, weight)
+    whole = SequenceLogProbs(targets)(hidden, output)
+    sliced = SequenceLogProbs(targets, chunks=2)(hidden, output)
     torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
-    direct = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    direct = torch.log_softmax(hidden @ output.weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(whole, (direct * (targets != IGNORE)).sum(-1), rtol=1e-6, atol=1e-6)
     assert SequenceLogProbs(targets).count().tolist() == [4, 4, 4, 4]

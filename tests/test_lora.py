@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_trainer.adapters.lora import apply_lora, init_lora, is_adapter
 from fsdp_trainer.checkpoint import load_model_weights, read_metadata
-from fsdp_trainer.config import LORA_TARGETS, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.config import LORA_PROJECTIONS, LORA_TARGETS, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize
 from fsdp_trainer.hf import model_config_from_hf
@@ -38,18 +38,32 @@ def _hf_model(seed: int = 0):
     return transformers.LlamaForCausalLM(config).eval(), model_config_from_hf(config.to_dict(), "test")
 
 
-def test_adapters_give_peft_logits_and_gradients():
+def _peft_name(name: str) -> str:
+    """Our adapter's name in a PeftModel: `.default` for the adapter's name, before `.weight` of a linear layer's
+    factors, after an embedding's (ParameterDict entries)."""
+    if ".lora_embedding_" in name:
+        return "base_model.model." + name + ".default"
+    return "base_model.model." + name.replace(".weight", ".default.weight")
+
+
+@pytest.mark.parametrize("targets", [LORA_PROJECTIONS, LORA_TARGETS], ids=["blocks", "and_lm_head_embed_tokens"])
+def test_adapters_give_peft_logits_and_gradients(targets):
     hf, cfg = _hf_model()
     ours = Transformer(cfg)
     missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
     assert not unexpected and all(name.startswith("rope_") for name in missing)
-    apply_lora(ours, LORA)
+    lora = LoraConfig(rank=LORA.rank, alpha=LORA.alpha, targets=list(targets))
+    apply_lora(ours, lora)
+    names = dict(ours.named_parameters())
+    assert (
+        ("lm_head.lora_A.weight" in names) == ("model.embed_tokens.lora_embedding_A" in names) == ("lm_head" in targets)
+    )
     init_lora(ours, seed=0, fill=lambda param, values: param.copy_(values), device=torch.device("cpu"))
     assert {n for n, p in ours.named_parameters() if p.requires_grad} == {
         n for n, _ in ours.named_parameters() if is_adapter(n)
     }
     reference = peft.get_peft_model(
-        hf, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
+        hf, peft.LoraConfig(r=LORA.rank, lora_alpha=LORA.alpha, lora_dropout=0.0, target_modules=list(targets))
     )
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -65,8 +79,8 @@ def test_adapters_give_peft_logits_and_gradients():
     with torch.no_grad():
         for name, param in ours.named_parameters():
             if is_adapter(name):
-                peft_name = "base_model.model." + name.replace(".weight", ".default.weight")
-                if ".lora_B." in name:
+                peft_name = _peft_name(name)
+                if ".lora_B." in name or ".lora_embedding_A" in name:  # the factor that starts at zero
                     theirs[peft_name].copy_(torch.randn(param.shape, generator=generator) * 0.1)
                 param.copy_(theirs[peft_name])
     targets = torch.randint(0, cfg.vocab_size, tokens.shape, generator=generator)
@@ -78,8 +92,7 @@ def test_adapters_give_peft_logits_and_gradients():
     F.cross_entropy(reference_logits.flatten(0, 1), targets.flatten()).backward()
     for name, param in ours.named_parameters():
         if is_adapter(name):
-            expected = theirs["base_model.model." + name.replace(".weight", ".default.weight")].grad
-            torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(param.grad, theirs[_peft_name(name)].grad, rtol=1e-5, atol=1e-7)
         else:
             assert param.grad is None  # frozen
 
@@ -88,9 +101,10 @@ def _values(losses: dict[int, float]) -> torch.Tensor:
     return torch.tensor([losses[step] for step in sorted(losses)])
 
 
-def _lora_args(tiny_data, out, steps, **overrides):
+def _lora_args(tiny_data, out, steps, lora_extra=None, **overrides):
     constant = {"warmup_steps": 0, "min_lr": 1e-2, "lr": 1e-2}
-    return run_args(tiny_data, out, steps, lora={"rank": 4, "alpha": 8.0}, optim=constant, **overrides)
+    lora = {"rank": 4, "alpha": 8.0, **(lora_extra or {})}
+    return run_args(tiny_data, out, steps, lora=lora, optim=constant, **overrides)
 
 
 @pytest.mark.slow
@@ -193,7 +207,9 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     model_yaml = tmp_path / "imported" / "model.yaml"
     run = tmp_path / "run"
     args = ["--recipe", str(tiny_data), "--recipe", str(model_yaml), "--checkpoint.resume", str(tmp_path / "imported")]
-    overrides = _lora_args(tiny_data, run, 4, checkpoint={"every": 4}, data={"seq_len": 16})[2:]
+    # Every projection and the output layer (untied here), through training, both exports and a PEFT start.
+    all_targets = {"targets": "[" + ", ".join(LORA_TARGETS) + "]"}
+    overrides = _lora_args(tiny_data, run, 4, checkpoint={"every": 4}, data={"seq_len": 16}, lora_extra=all_targets)[2:]
     train_cli([*args, *overrides])
     base_run = tmp_path / "base"
     base_args = [a if a != str(run) else str(base_run) for a in overrides]
@@ -205,7 +221,7 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     # Ours: the imported weights and the run's adapters (all its checkpoint holds of the model).
     ours = Transformer(cfg)
-    apply_lora(ours, LoraConfig(rank=4, alpha=8.0))
+    apply_lora(ours, LoraConfig(rank=4, alpha=8.0, targets=list(LORA_TARGETS)))
     shapes = {name: t.shape for name, t in ours.state_dict().items() if is_adapter(name)}
     adapters = load_model_weights(run / "checkpoints" / "step_00000004", shapes)
     missing, unexpected = ours.load_state_dict({**hf.state_dict(), **adapters}, strict=False)

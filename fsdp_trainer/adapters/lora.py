@@ -1,8 +1,8 @@
 """Low-rank adapters (LoRA, Hu et al. 2021), applied to a built model from outside, as PEFT applies them.
 
-apply_lora() swaps each target nn.Linear of every block for a LoRALinear that keeps the frozen weight under its name
-(`model.layers.0.self_attn.q_proj.weight`, so a base checkpoint loads and an HF export reads as before) and adds
-PEFT's `lora_A` (rank x in) and `lora_B` (out x rank):
+apply_lora() swaps each target nn.Linear of every block (and the output layer, if targeted) for a LoRALinear that
+keeps the frozen weight under its name (`model.layers.0.self_attn.q_proj.weight`, so a base checkpoint loads and an HF
+export reads as before) and adds PEFT's `lora_A` (rank x in) and `lora_B` (out x rank):
 
     y = x W^T + (alpha / rank) * B A dropout(x)
 
@@ -42,6 +42,25 @@ class LoRALinear(nn.Module):
         return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
+class LoRAEmbedding(nn.Module):
+    """A frozen embedding plus a trainable low-rank update, as PEFT's: `lora_embedding_A` (rank x vocab) looked up
+    like an embedding, then `lora_embedding_B` (dim x rank): W[ids] + (alpha / rank) A^T[ids] B^T. PEFT starts A at
+    zero and B normal, the other way round from a linear layer's, and applies no dropout here."""
+
+    def __init__(self, base: nn.Embedding, rank: int, alpha: float):
+        super().__init__()
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        device = base.weight.device
+        self.lora_embedding_A = nn.Parameter(torch.empty(rank, base.num_embeddings, device=device))
+        self.lora_embedding_B = nn.Parameter(torch.empty(base.embedding_dim, rank, device=device))
+        self.scaling = alpha / rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        update = F.embedding(ids, self.lora_embedding_A.T) @ self.lora_embedding_B.T
+        return F.embedding(ids, self.weight) + update * self.scaling
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
     """Freeze every parameter of `model`, held in `frozen_dtype` from now on (the compute dtype: with no fp32 master
     copy, a frozen weight is stored as FSDP would all-gather it anyway, so the forward is unchanged and its memory
@@ -56,11 +75,18 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
                 parent_name, _, child = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
                 setattr(parent, child, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
+    outside = {"lm_head", "embed_tokens"} & set(cfg.targets)
+    if outside and model.lm_head.weight is model.model.embed_tokens.weight:  # the recipe refuses it (config.Recipe)
+        raise ValueError(f"{sorted(outside)[0]} is tied: an adapter on it could not be merged into the shared weight")
+    if "lm_head" in cfg.targets:  # the objectives call the output layer, adapter and all (loss.py)
+        model.lm_head = LoRALinear(model.lm_head, cfg.rank, cfg.alpha, cfg.dropout)
+    if "embed_tokens" in cfg.targets:
+        model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, cfg.rank, cfg.alpha)
 
 
 def is_adapter(name: str) -> bool:
     """Whether a parameter (by its name) belongs to an adapter, not to the model it adapts."""
-    return ".lora_A." in name or ".lora_B." in name
+    return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
 
 
 @torch.no_grad()
@@ -68,22 +94,34 @@ def init_lora(
     model: nn.Module, seed: int, fill: Callable[[torch.Tensor, torch.Tensor], None], device: torch.device
 ) -> None:
     """A as PEFT's (kaiming_uniform_ with a=sqrt(5), i.e. uniform within 1/sqrt(in_features)) from a generator seeded
-    by (seed, parameter name), so the same at any world size; B zero. `fill` writes full values into a (sharded)
-    parameter, as for the model's own init."""
+    by (seed, parameter name), so the same at any world size; B zero; for an embedding, A zero and B standard
+    normal. `fill` writes full values into a (sharded) parameter, as for the model's own init."""
     for name, param in model.named_parameters():
         name = unwrapped_name(name)
-        if name.endswith("lora_B.weight"):
+        if name.endswith(("lora_B.weight", "lora_embedding_A")):
             fill(param, torch.zeros(param.shape, dtype=param.dtype, device=device))
-        elif name.endswith("lora_A.weight"):
+        elif name.endswith(("lora_A.weight", "lora_embedding_B")):
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            bound = 1 / math.sqrt(param.shape[1])
-            values = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
+            values = torch.empty(param.shape, dtype=torch.float32, device=device)
+            if name.endswith("lora_A.weight"):
+                bound = 1 / math.sqrt(param.shape[1])
+                values.uniform_(-bound, bound, generator=gen)
+            else:  # an embedding's B: PEFT's normal_(B)
+                values.normal_(generator=gen)
             fill(param, values.to(param.dtype))
 
 
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LoraConfig) -> torch.Tensor:
-    """An adapted weight with its adapter folded in, W + (alpha / rank) B A, in fp32: what the model computes with."""
-    return weight.float() + cfg.alpha / cfg.rank * (b.float() @ a.float())
+def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], cfg: LoraConfig) -> torch.Tensor:
+    """The weight `name` with its adapter among `adapters` (if it has one) folded in, in fp32: what the model computes
+    with. A linear layer's is W + (alpha / rank) B A, an embedding's W + (alpha / rank) (B A)^T."""
+    prefix = name.removesuffix(".weight")
+    if f"{prefix}.lora_A.weight" in adapters:
+        a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
+        return weight.float() + cfg.alpha / cfg.rank * (b.float() @ a.float())
+    if f"{prefix}.lora_embedding_A" in adapters:
+        a, b = adapters[f"{prefix}.lora_embedding_A"], adapters[f"{prefix}.lora_embedding_B"]
+        return weight.float() + cfg.alpha / cfg.rank * (b.float() @ a.float()).T
+    return weight
 
 
 @torch.no_grad()

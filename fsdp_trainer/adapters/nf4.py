@@ -79,8 +79,9 @@ def quantized_targets(model_cfg: ModelConfig, targets: list[str]) -> dict[str, t
         "gate_proj": (model_cfg.ffn_dim, dim),
         "up_proj": (model_cfg.ffn_dim, dim),
         "down_proj": (dim, model_cfg.ffn_dim),
+        "lm_head": (model_cfg.vocab_size, dim),
     }
-    return {name: shapes[name] for name in targets}
+    return {name: shapes[name] for name in targets if name in shapes}  # an embedding stays in the compute dtype
 
 
 def check_nf4_shapes(model_cfg: ModelConfig, targets: list[str], shard_ranks: int) -> None:

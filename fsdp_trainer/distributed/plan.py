@@ -211,9 +211,12 @@ def estimate(
     state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
-    quantized_block = quantized // cfg.n_layers
+    # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
+    quantized_root = cfg.vocab_size * cfg.dim if quantized and "lm_head" in recipe.lora.targets else 0
+    quantized_block = (quantized - quantized_root) // cfg.n_layers
     block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
-    gathered = kept_blocks * block_bytes + a * n_root + dequantized
+    root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
+    gathered = kept_blocks * block_bytes + root_bytes + dequantized
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
         gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
