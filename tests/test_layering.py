@@ -36,7 +36,7 @@ ALLOWED = {
     },
     "distributed.speed": {"config", "distributed.runtime", "metrics"},
     "distributed.plan": {
-        "adapters.lora", "adapters.nf4", "config", "distributed.speed", "model", "optim", "distributed.fake",
+        "adapters.lora", "adapters.nf4", "config", "distributed.speed", "metrics", "model", "optim", "distributed.fake",
         "distributed.parallelize", "distributed.runtime",
     },
     "adapters.lora": {"config", "model"},

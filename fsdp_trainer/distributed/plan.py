@@ -73,6 +73,7 @@ from fsdp_trainer.distributed.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.distributed.speed import GPUS, StepTime, step_time
+from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 
@@ -392,7 +393,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
         f"device(s) of {mem:.1f} GB"
     )
-    times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates] if args.gpu else None
+    times = None
+    if args.gpu:
+        spec = GPUS[args.gpu]
+        fp8 = f" ({spec.fp8_flops / 1e12:,.0f} fp8)" if spec.fp8_flops else ""
+        print(f"{args.gpu}: {PEAK_FLOPS[args.gpu]['bf16'] / 1e12:,.0f} TFLOP/s dense bf16{fp8}, HBM "
+              f"{spec.hbm_gb_s / 1e3:.2f} TB/s, NVLink {spec.nvlink_gb_s} GB/s and network {spec.network_gb_s} GB/s "
+              "per GPU and direction (datasheets)")  # fmt: skip
+        times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates]
     print(table(estimates, mem, host_mem, times))
     if args.check:
         print(check_table(recipe, estimates, args.nproc, args.nnodes))
