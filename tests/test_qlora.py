@@ -4,6 +4,7 @@ an imported model is the same on 2 ranks as on one process, resumes bitwise and 
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import shutil
@@ -137,6 +138,10 @@ def test_nf4_shapes_that_do_not_split_are_one_line_naming_the_projection():
     check_nf4_shapes(QSMALL, list(LORA.targets), 2)
     with pytest.raises(ValueError, match=r"k_proj \(128 x 256\) does not split .* shard group of 4 ranks"):
         check_nf4_shapes(QSMALL, ["q_proj", "k_proj"], 4)
+    # Qwen3's explicit head_dim sets the projections' shapes, not dim / n_heads (which would make q_proj 256 x 256).
+    qwen3 = dataclasses.replace(QSMALL, family="qwen3", head_dim=32)
+    with pytest.raises(ValueError, match=r"q_proj \(128 x 256\) does not split .* shard group of 4 ranks"):
+        check_nf4_shapes(qwen3, ["q_proj"], 4)
     tiny = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=16)
     with pytest.raises(ValueError, match=r"q_proj \(64 x 64\) is not a whole number of NF4 scale blocks"):
         check_nf4_shapes(tiny, ["q_proj"], 1)

@@ -6,7 +6,8 @@ NF4 quantizes blocks of 64 values to 4-bit indices into a normal-quantile table 
 scales again (double quantization) in blocks of 256 around their mean over the whole tensor: about 0.52 bytes a
 value instead of 2 in bf16. Because that mean is a whole-tensor quantity, a weight is always quantized whole and then
 split into this rank's rows (as FSDP2 would split it), never shard by shard: every rank gets the same scales, and the
-gathered weight is the same at any world size. Embeddings, norms and the output layer stay in the compute dtype.
+gathered weight is the same at any world size. Embeddings, norms and the output layer (unless lora.targets adapts
+it) stay in the compute dtype.
 
 torchao is an optional dependency (`pip install fsdp-trainer[qlora]`); nothing here imports it until NF4 is used.
 """
@@ -70,7 +71,7 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 def quantized_targets(model_cfg: ModelConfig, targets: list[str]) -> dict[str, tuple[int, int]]:
     """The shape (out, in) of each kind of projection that `targets` quantizes."""
-    dim, head_dim = model_cfg.dim, model_cfg.dim // model_cfg.n_heads
+    dim, head_dim = model_cfg.dim, model_cfg.resolved_head_dim  # Qwen3's is its own, not dim / n_heads
     shapes = {
         "q_proj": (model_cfg.n_heads * head_dim, dim),
         "k_proj": (model_cfg.n_kv_heads * head_dim, dim),
