@@ -414,6 +414,10 @@ class Recipe:
             "checkpoint.export_hf writes the model without adapters; with lora.rank set, export with "
             "tools/consolidate.py RUN OUT (merged) or --lora adapter (PEFT)",
         )
+        _require(
+            self.lora.quantize_base is None or not self.parallel.cpu_offload,
+            "lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off",
+        )
         tied = sorted({"lm_head", "embed_tokens"} & set(self.lora.targets)) if self.model.tie_embeddings else []
         _require(
             self.lora.rank is None or not tied,

@@ -122,6 +122,12 @@ class PreferenceLoss:
     beta: float = 0.1
     label_smoothing: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.kind not in PREFERENCE_LOSSES:
+            raise ValueError(f"preference loss {self.kind!r}: choose among {', '.join(PREFERENCE_LOSSES)}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+
     def __call__(
         self,
         chosen: torch.Tensor,

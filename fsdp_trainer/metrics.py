@@ -53,7 +53,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.dim * cfg.ffn_dim
     matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """flops_per_token's attention scores and their use (QK^T and AV, forward and backward): no weights involved."""
+    return 12.0 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
 
 
 # Dense peak FLOP/s per device and compute dtype, from the vendors' datasheets (no sparsity): the tensor cores' for

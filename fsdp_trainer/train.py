@@ -366,14 +366,12 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
         check_peft_adapter(recipe.lora.adapter, recipe.lora)  # there, and made for this rank, scale and targets
     if recipe.lora.quantize_base == "nf4":
         require_torchao()
-        if recipe.parallel.cpu_offload:
-            raise ValueError("lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off")
         # The launcher knows no world size yet: it checks the whole weights, each worker its shard group too
         world = int(os.environ.get("WORLD_SIZE", 1))
         _, shard_ranks = SHARDING[recipe.parallel.sharding].mesh_shape(
             world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
         )
-        check_nf4_shapes(recipe.model, recipe.lora.targets, shard_ranks)
+        check_nf4_shapes(recipe.model, recipe.lora, shard_ranks)
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files
 

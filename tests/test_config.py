@@ -53,6 +53,10 @@ def test_resolved_yaml_round_trips(tmp_path):
             "lora.targets has embed_tokens, lm_head, but model.tie_embeddings ties the output layer to the embedding",
         ),
         (["--lora.rank", "8", "--checkpoint.export_hf", "true"], "checkpoint.export_hf writes the model without"),
+        (
+            ["--lora.rank", "8", "--lora.quantize_base", "nf4", "--parallel.cpu_offload", "true"],
+            "lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off",
+        ),
         (["--lora.adapter", "adapter_out"], "lora.adapter=adapter_out needs lora.rank (the adapter's r)"),
     ],
 )

@@ -105,6 +105,13 @@ def test_conservative_dpo_is_the_label_smoothed_sigmoid_and_zero_smoothing_is_dp
     assert torch.allclose(same, torch.full_like(same, math.log(2)))
 
 
+def test_an_unknown_loss_or_smoothing_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="preference loss 'hinge': choose among sigmoid, ipo, robust"):
+        PreferenceLoss("hinge")
+    with pytest.raises(ValueError, match=r"label_smoothing=0.5 must be in \[0, 0.5\)"):
+        PreferenceLoss("robust", label_smoothing=0.5)
+
+
 def test_sequence_log_probs_in_slices_equal_whole():
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 6, 8, generator=generator, requires_grad=True)

@@ -213,7 +213,9 @@ def estimate(
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
-    quantized_root = cfg.vocab_size * cfg.dim if quantized and "lm_head" in recipe.lora.targets else 0
+    quantized_root = (
+        meta_model.lm_head.weight.numel() if quantized and isinstance(meta_model.lm_head, LoRALinear) else 0
+    )
     quantized_block = (quantized - quantized_root) // cfg.n_layers
     block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
     root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
@@ -257,7 +259,7 @@ def estimate(
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
     """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
-    # NF4 weights do not run offloaded yet (train.check_run refuses it)
+    # NF4 weights do not run offloaded yet (config.Recipe refuses it)
     offloads = (False, True) if device == "cuda" and recipe.lora.quantize_base is None else (False,)
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)

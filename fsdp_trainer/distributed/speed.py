@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.distributed.runtime import precision_on
-from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
+from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
     model_flops = flops_per_token(cfg, data.seq_len)
     compute_flops = model_flops
     if recipe.lora.rank is not None:  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
-        attention = 12.0 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * data.seq_len
+        attention = attention_flops_per_token(cfg, data.seq_len)
         compute_flops = attention + (model_flops - attention) * 4 / 6
     if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls
         compute_flops *= 4 / 3
