@@ -183,10 +183,11 @@ def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_p
         *map(str, flags),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Past the first task (about 7 training shards), so both writers have complete shards: a writer takes a task's
-    # documents whole, and the restart goes on from the writer that is behind. Waited for however long a loaded
-    # machine takes to get there (no deadline: a clock would decide the verdict).
-    while not (tmp_path / "cut" / "train" / "shard_00010.bin.meta.json").exists() and proc.poll() is None:
+    # Until both writers have complete shards past the one spoiled below: the restart goes on from the writer that is
+    # behind, and the validation writer gets a task's documents only after the training writer has written its 11
+    # shards of them. Waited for however long a loaded machine takes (no deadline: a clock would decide the verdict).
+    done = [tmp_path / "cut" / split / "shard_00004.bin.meta.json" for split in ("train", "val")]
+    while not all(p.exists() for p in done) and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
