@@ -388,21 +388,42 @@ def base_fingerprint(path: Path) -> str:
 def lora_base(ckpt: Path) -> Path | None:
     """The base model a LoRA checkpoint's adapters apply to (None: the recipe's seeded init), checked against the
     fingerprint recorded when the run started; CheckpointError naming both if it is gone or changed."""
-    if not (ckpt / LORA_BASE_FILE).is_file():
-        raise CheckpointError(f"{ckpt} has no {LORA_BASE_FILE}: it is not a LoRA checkpoint of this trainer")
-    record = json.loads((ckpt / LORA_BASE_FILE).read_text())
+    return _recorded_start(ckpt, LORA_BASE_FILE, "adapters apply to", "it is not a LoRA checkpoint of this trainer")
+
+
+REFERENCE_FILE = "reference.json"
+"""In a full fine-tuning preference run's step directory: the weights its frozen reference model holds, the model the
+run started from, recorded as LORA_BASE_FILE records a base."""
+
+
+def preference_reference(ckpt: Path) -> Path | None:
+    """The checkpoint a preference run's reference was loaded from (None: the recipe's seeded init), checked as
+    lora_base checks a base."""
+    return _recorded_start(ckpt, REFERENCE_FILE, "reference model is", "it is not a preference run's checkpoint")
+
+
+def _recorded_start(ckpt: Path, record_file: str, what: str, foreign: str) -> Path | None:
+    if not (ckpt / record_file).is_file():
+        raise CheckpointError(f"{ckpt} has no {record_file}: {foreign}")
+    record = json.loads((ckpt / record_file).read_text())
     if record["path"] is None:
         return None
     base = Path(record["path"])
     if not is_complete(base):
-        raise CheckpointError(f"{ckpt}'s adapters apply to {base}, which is gone; put that checkpoint back")
+        raise CheckpointError(f"{ckpt}'s {what} {base}, which is gone; put that checkpoint back")
     fingerprint = base_fingerprint(base)
     if fingerprint != record["fingerprint"]:
         raise CheckpointError(
-            f"{ckpt}'s adapters were trained on {base} as it was then, and its weights have changed since (fingerprint "
+            f"{ckpt}'s {what} {base} as it was when the run started, and its weights have changed since (fingerprint "
             f"{fingerprint[:12]}, recorded {record['fingerprint'][:12]}); put the original back"
         )
     return base
+
+
+def _start_record(path: Path | None) -> bytes:
+    return json.dumps({"path": None, "fingerprint": None} if path is None else {
+        "path": str(path.resolve()), "fingerprint": base_fingerprint(path)
+    }).encode()  # fmt: skip
 
 
 class OptimState(Stateful):
@@ -571,8 +592,10 @@ class Checkpointer:
     without blocking at each later step, and waited for by the next save and by close()).
     """
 
-    def __init__(self, recipe: Recipe, env: DistEnv, states: dict[str, Stateful]):
+    def __init__(self, recipe: Recipe, env: DistEnv, states: dict[str, Stateful], reference: nn.Module | None = None):
         self.cfg = recipe.checkpoint
+        self.preference = recipe.preference.loss is not None
+        self.reference = reference  # a full fine-tuning preference run's frozen reference model
         self.dir = Path(recipe.train.out_dir) / CHECKPOINTS_DIR
         self.states = states
         self.is_main = env.is_main
@@ -584,7 +607,9 @@ class Checkpointer:
         }
         self.adapters_only = getattr(states.get("model"), "adapters_only", False)
         if self.adapters_only:  # until load() says otherwise: the adapters apply to the recipe's seeded init
-            self.attachments[LORA_BASE_FILE] = json.dumps({"path": None, "fingerprint": None}).encode()
+            self.attachments[LORA_BASE_FILE] = _start_record(None)
+        if reference is not None:  # likewise the reference holds the seeded init until load() loads other weights
+            self.attachments[REFERENCE_FILE] = _start_record(None)
         self.last_saved: int | None = None
         self.resumed_from: Path | None = None  # the step directory load() resumed from; its attachments are read back
         self.preempted = False
@@ -608,9 +633,11 @@ class Checkpointer:
         path = self._newest_verified() if resume == "auto" else self._verified(resolve_checkpoint(resume))
         self._carry_generation_config(path)
         started_from = None  # the weights-only checkpoint named again, when the run goes on from its own
-        if saved_entries(path) == {"model"}:  # weights only (an imported model): where this run starts
+        if saved_entries(path) == {"model"} or self._starts_preference(path):  # where this run starts: weights only
             if not has_own:  # fresh optimizer, data stream and step; LoRA adapters as initialised, on this base
                 self._load_base(path)
+                if self.reference is not None:
+                    self._load_reference(path)
                 logger.info(f"loaded weights from {path}; starting at step 0")
                 return None
             # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
@@ -627,6 +654,11 @@ class Checkpointer:
             if base is not None:
                 self._load_base(base)
             self.attachments[LORA_BASE_FILE] = (path / LORA_BASE_FILE).read_bytes()
+        if self.reference is not None:  # the reference holds the weights the run started from, not its latest
+            reference = preference_reference(path)
+            if reference is not None:
+                self._load_reference(reference)
+            self.attachments[REFERENCE_FILE] = (path / REFERENCE_FILE).read_bytes()
         check_model_shapes(path, self.states["model"].state_dict())
         self._check_precision(path)
         saved = saved_entries(path)
@@ -650,8 +682,24 @@ class Checkpointer:
         for name, values in iter_model_weights(path, {name: p.shape for name, p in quantized.items()}):
             fill_shard(quantized[name], values)
         if self.adapters_only:
-            record = {"path": str(path.resolve()), "fingerprint": base_fingerprint(path)}
-            self.attachments[LORA_BASE_FILE] = json.dumps(record).encode()
+            self.attachments[LORA_BASE_FILE] = _start_record(path)
+
+    def _starts_preference(self, path: Path) -> bool:
+        """A preference run named a checkpoint of another kind of run (an SFT run, a pretraining run): it starts from
+        that checkpoint's weights, with its own optimizer, data and step."""
+        if not self.preference:
+            return False
+        try:
+            return load_sections(checkpoint_recipe(path))["preference"].loss is None
+        except (FileNotFoundError, ValueError, KeyError):
+            return True  # no recipe, or one from before preference tuning existed: not a preference run's
+
+    def _load_reference(self, path: Path) -> None:
+        """The weights of a checkpoint into the frozen reference model, recorded for the run's checkpoints."""
+        reference = ModelState(self.reference)
+        check_model_shapes(path, reference.state_dict(), adapters_optional=True)
+        load_state({"model": reference}, path, partial=True)
+        self.attachments[REFERENCE_FILE] = _start_record(path)
 
     def _carry_generation_config(self, path: Path) -> None:
         """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it,

@@ -310,6 +310,35 @@ class LoraConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """Preference tuning (DPO and its variants) on pairs of answers, prepared with prepare_data.py --format preference:
+    the model learns to rank each pair's chosen answer above its rejected one, measured against a reference model,
+    the model the run starts from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy
+    of it in the compute dtype, with no gradients and no optimizer state)."""
+
+    loss: Literal["sigmoid", "ipo", "robust"] | None = None
+    """null: not a preference run. sigmoid: DPO (Rafailov et al. 2023), with label_smoothing conservative DPO; ipo: IPO
+    (Azar et al. 2023), log-ratios averaged over each answer's tokens; robust: rDPO (Chowdhury et al. 2024), for
+    labels flipped with probability label_smoothing. TRL's DPOTrainer's losses of the same names."""
+    beta: float = 0.1
+    """How far from the reference the policy may move: the implicit reward is beta x (policy - reference
+    log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin)."""
+    label_smoothing: float = 0.0
+    """sigmoid and robust: the probability that a pair's labels are flipped, in [0, 0.5)."""
+
+    def __post_init__(self) -> None:
+        _require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
+        _require(
+            0.0 <= self.label_smoothing < 0.5,
+            f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)",
+        )
+        _require(
+            self.label_smoothing == 0 or self.loss != "ipo",
+            "preference.label_smoothing applies to the sigmoid and robust losses, not ipo; set it to 0",
+        )
+
+
+@dataclass
 class TrainConfig:
     """Length of the run, logging and evaluation."""
 
@@ -404,6 +433,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)

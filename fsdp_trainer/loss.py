@@ -83,22 +83,39 @@ def _token_logps(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor)
 
 @dataclass
 class SequenceLogProbs:
-    """The objective of a preference step's forward: each row's summed log-probability of its trained targets (B,),
-    a response's log-likelihood given its prompt (the prompt's targets are IGNORE), with the output layer computed in
-    `chunks` slices of the rows as NextTokenLoss does."""
+    """The objective of a preference step's forward: each response's summed log-probability of its trained targets,
+    its log-likelihood given its prompt (the prompt's targets are IGNORE), with the output layer computed in `chunks`
+    slices of the rows as NextTokenLoss does.
+
+    Without `sequences`, a response per row (B,). With them (packed windows, several responses to a row), the number
+    of the response each target belongs to (B, T), -1 where there is none, and their count `n_sequences`: the sums
+    come out per response (n_sequences,), in that order."""
 
     targets: torch.Tensor
+    sequences: torch.Tensor | None = None
+    n_sequences: int = 0
     chunks: int = 1
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
         if self.chunks == 1:
-            return _token_logps(hidden, output, self.targets).sum(-1)
-        pieces = zip(hidden.chunk(self.chunks), self.targets.chunk(self.chunks), strict=True)
-        return torch.cat([checkpoint(_token_logps, h, output, t, use_reentrant=False).sum(-1) for h, t in pieces])
+            logps = _token_logps(hidden, output, self.targets)
+        else:
+            pieces = zip(hidden.chunk(self.chunks), self.targets.chunk(self.chunks), strict=True)
+            logps = torch.cat([checkpoint(_token_logps, h, output, t, use_reentrant=False) for h, t in pieces])
+        return self._per_sequence(logps)
+
+    def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
+        if self.sequences is None:
+            return values.sum(-1)
+        # One slot past the last response collects the positions of none (whose values are 0), so no mask is indexed
+        # by: the shapes are known on the host, nothing waits for the device.
+        slots = torch.where(self.sequences >= 0, self.sequences, self.n_sequences).flatten()
+        summed = torch.zeros(self.n_sequences + 1, dtype=values.dtype, device=values.device)
+        return summed.index_add(0, slots, values.flatten())[: self.n_sequences]
 
     def count(self) -> torch.Tensor:
-        """The trained targets of each row (B,): a response's length in tokens."""
-        return (self.targets != IGNORE).sum(-1)
+        """The trained targets of each response: its length in tokens."""
+        return self._per_sequence((self.targets != IGNORE).long())
 
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "robust")

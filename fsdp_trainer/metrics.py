@@ -293,6 +293,9 @@ class Metrics:
             **(loss_scaling or {}),  # fp16: loss_scale and overflow_steps
             # Packed fine-tuning data: the tokens of this step's global batch the loss is over (the assistant's).
             **({"supervised_tokens": int(stats["supervised_tokens"].item())} if "supervised_tokens" in stats else {}),
+            # Preference pairs: how many the global batch held, and TRL's reward metrics (rewards/..., logps/...).
+            **({"pairs": int(stats["pairs"].item())} if "pairs" in stats else {}),
+            **{name: value.item() for name, value in stats.items() if "/" in name},
             "elapsed_s": now - self.start,
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
             "cpu_s": time.process_time() - self.cpu_start,
@@ -303,9 +306,12 @@ class Metrics:
         self._write(record)
         return record
 
-    def log_eval(self, step: int, val_loss: torch.Tensor) -> None:
-        """One record of an evaluation; its time counts toward no step's."""
-        self._write({"step": step, "val_loss": val_loss.item(), "elapsed_s": self.clock() - self.start})
+    def log_eval(self, step: int, results: dict[str, torch.Tensor]) -> None:
+        """One record of an evaluation (`loss`, and a preference run's reward metrics), each as `val_` + its name; its
+        time counts toward no step's."""
+        values = torch.stack(list(results.values())).tolist()  # one host sync
+        record = {f"val_{name}": value for name, value in zip(results, values, strict=True)}
+        self._write({"step": step, **record, "elapsed_s": self.clock() - self.start})
         self.restart_clock(step)
 
     def attachments(self) -> dict[str, bytes]:

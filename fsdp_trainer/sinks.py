@@ -87,10 +87,16 @@ TENSORBOARD_TAGS = {
 }
 
 
+def _tag(key: str) -> str:
+    """train/KEY; a preference run's evaluated metrics (val_rewards/chosen) as eval/rewards/chosen, the names TRL's
+    trainer logs them under."""
+    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") and "/" in key else f"train/{key}"
+
+
 def scalars(record: dict) -> dict[str, float]:
     """A record's finite numbers under their TensorBoard / W&B names, the mixture's per-source counts included."""
     out = {
-        TENSORBOARD_TAGS.get(key, f"train/{key}"): value
+        TENSORBOARD_TAGS.get(key, _tag(key)): value
         for key, value in record.items()
         if key not in ("step", "elapsed_s", "cpu_s") and isinstance(value, (int, float)) and math.isfinite(value)
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fsdp_trainer.preference import PreferenceStep, Reference
 from fsdp_trainer.sinks import require_wandb
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
@@ -75,6 +77,7 @@ def train_step(
     loss_chunks: int = 1,
     scaler: torch.amp.GradScaler | None = None,
     plan: ShardingPlan = SHARDING["FULL_SHARD"],
+    step_losses: Callable | None = None,
 ) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns global loss, grad norm and the non-finite flag as
     device tensors (no host sync).
@@ -89,6 +92,9 @@ def train_step(
     device: the fused AdamW kernel skips its update where `found_inf` is set (the mechanism torch.amp.GradScaler
     uses). Both numbers are global, so every rank takes the same decision.
 
+    `step_losses` computes the micro-batches' losses and runs their backward: next-token cross-entropy
+    (NextTokenStep) unless a preference run passes its preference.PreferenceStep.
+
     With an enabled `scaler` (fp16), the loss is scaled before backward and the gradients unscaled before clipping,
     so grad_norm and the clip are in real units. Scaled gradients that overflow are routine: the step is skipped the
     same way, counted as `overflow`, and the scaler backs off; only a non-finite loss counts as `nonfinite`.
@@ -96,30 +102,17 @@ def train_step(
     fp16 = scaler is not None and scaler.is_enabled()
     optimizer.zero_grad(set_to_none=True)
     set_lr(optimizer, lr)
-    world = dist.get_world_size()
-    device = micro_batches[0].inputs.device
-    packed = micro_batches[0].documents is not None
-    # The global number of targets: a device tensor, or for plain windows a Python number (a tensor made from it
-    # would be a host-to-device copy every step).
-    objectives = [NextTokenLoss(batch.targets, loss_chunks) for batch in micro_batches]
-    if packed:
-        targets = sum_over_ranks(sum(objective.count() for objective in objectives).float())
-    else:
-        targets = float(sum(batch.targets.numel() for batch in micro_batches) * world)
-    loss_sum = torch.zeros((), device=device)
-    for i, (batch, objective) in enumerate(zip(micro_batches, objectives, strict=True)):
-        # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
-        set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-        loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
-        share = share_of_global_mean(loss, targets, world)
+
+    def backward(share: torch.Tensor) -> None:
         (scaler.scale(share) if fp16 else share).backward()
-        loss_sum += loss.detach()
+
+    losses = step_losses if step_losses is not None else NextTokenStep(loss_chunks)
+    # The global loss, from one scalar all-reduce queued on the device (no host sync): every rank has it, for the
+    # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
+    loss, extra = losses(model, micro_batches, plan, backward, dist.get_world_size())
     if fp16:
         scaler.unscale_(optimizer)  # checks for inf/NaN on the device, agreed over ranks for DTensor gradients
     grad_norm = clip_grad_norm_(model, grad_clip)
-    # One scalar all-reduce a step (queued on the device, no host sync) gives every rank the global loss, for the
-    # non-finite check and for logging; a NaN loss does not always make the gradients NaN.
-    loss = sum_over_ranks(loss_sum) / targets
     # Under parallel.cpu_offload the gradients, so their norm and the optimizer step, are on the host, and the loss's
     # flag joins them there: a wait for the device that the host's optimizer step implies anyway.
     bad_loss, bad_grads = (~torch.isfinite(loss)).to(grad_norm.device), ~torch.isfinite(grad_norm)  # both global
@@ -130,10 +123,45 @@ def train_step(
         nonfinite, overflow = bad_loss, bad_grads & ~bad_loss
     else:
         nonfinite, overflow = bad_loss | bad_grads, torch.zeros_like(bad_loss)
-    stats = {"loss": loss, "grad_norm": grad_norm, "nonfinite": nonfinite.to(device), "overflow": overflow.to(device)}
-    if packed:
-        stats["supervised_tokens"] = targets
-    return stats
+    flags = {"nonfinite": nonfinite.to(loss.device), "overflow": overflow.to(loss.device)}
+    return {"loss": loss, "grad_norm": grad_norm, **flags, **extra}
+
+
+class NextTokenStep:
+    """The losses of one optimizer step's micro-batches for train_step: next-token cross-entropy, averaged over the
+    targets of the global batch."""
+
+    def __init__(self, chunks: int = 1):
+        self.chunks = chunks
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        micro_batches: list[MicroBatch],
+        plan: ShardingPlan,
+        backward: Callable[[torch.Tensor], None],
+        world: int,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the global batch's mean loss, and for packed data its supervised tokens), after backward of every
+        micro-batch."""
+        device = micro_batches[0].inputs.device
+        packed = micro_batches[0].documents is not None
+        # The global number of targets: a device tensor, or for plain windows a Python number (a tensor made from it
+        # would be a host-to-device copy every step).
+        objectives = [NextTokenLoss(batch.targets, self.chunks) for batch in micro_batches]
+        if packed:
+            targets = sum_over_ranks(sum(objective.count() for objective in objectives).float())
+        else:
+            targets = float(sum(batch.targets.numel() for batch in micro_batches) * world)
+        loss_sum = torch.zeros((), device=device)
+        for i, (batch, objective) in enumerate(zip(micro_batches, objectives, strict=True)):
+            # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
+            set_gradient_sync(model, plan, i == len(micro_batches) - 1)
+            loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
+            backward(share_of_global_mean(loss, targets, world))
+            loss_sum += loss.detach()
+        loss = sum_over_ranks(loss_sum) / targets
+        return loss, {"supervised_tokens": targets} if packed else {}
 
 
 class NonFiniteError(RuntimeError):
@@ -212,13 +240,17 @@ class TrainState(Stateful):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: DistEnv) -> torch.Tensor:
+def evaluate(
+    model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: DistEnv, preference: PreferenceStep | None = None
+) -> dict[str, torch.Tensor]:
     """Loss over the targets of the first train.eval_steps global micro-batches of the validation file (the same every
-    time); fine-tuning data: over the supervised tokens."""
+    time); fine-tuning data: over the supervised tokens; preference pairs: their loss and reward metrics."""
     data = recipe.data
     loader = TokenLoader(
         val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
     )
+    if preference is not None:
+        return preference.evaluate(model, [loader.next_batch()[0] for _ in range(recipe.train.eval_steps)])
     summed = torch.zeros(2, device=env.device)  # the loss summed over targets, and their number
     for _ in range(recipe.train.eval_steps):
         (batch,) = loader.next_batch()
@@ -229,7 +261,7 @@ def evaluate(model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: Dist
         if isinstance(module, FSDPModule):
             module.reshard()
     total, targets = sum_over_ranks(summed)  # one all-reduce
-    return total / targets
+    return {"loss": total / targets}
 
 
 # --- construction: each piece a function that another entry point (an evaluation, a preference run) reuses ---------
@@ -253,6 +285,23 @@ def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized
     return model, applied
 
 
+def build_reference(recipe: Recipe, env: DistEnv, policy: Transformer) -> Reference:
+    """A preference run's reference model: with LoRA the policy itself, its adapters switched off; otherwise a frozen
+    copy of the model, built and sharded as the policy is, held in the compute dtype (what FSDP gathers anyway, so
+    its forward is the policy's at step 0, bitwise), no gradients, no optimizer state; the checkpointer loads the
+    weights the run started from into it."""
+    if recipe.lora.rank is not None:
+        return Reference(policy)
+    with torch.device("meta"):
+        frozen = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
+    frozen.requires_grad_(False)
+    for param in frozen.parameters():  # the parameters only: buffers (RoPE's tables) stay as the policy's
+        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
+    parallelize(frozen, recipe.parallel, env.mesh)
+    materialize(frozen, env.device, recipe.train.seed, recipe.parallel.cpu_offload)
+    return Reference(policy, frozen)
+
+
 def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> TokenLoader:
     """This rank's share of every global batch of `tokens`, in the order the seed fixes."""
     data = recipe.data
@@ -268,10 +317,13 @@ def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> Toke
     )
 
 
-def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful]) -> Checkpointer:
-    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH); a fresh
-    LoRA run with lora.adapter starts its adapters from that PEFT adapter."""
-    ckpt = Checkpointer(recipe, env, states)
+def build_checkpointer(
+    recipe: Recipe, env: DistEnv, states: dict[str, Stateful], reference: torch.nn.Module | None = None
+) -> Checkpointer:
+    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH), and of a
+    preference run's frozen `reference`, loaded with the weights the run started from; a fresh LoRA run with
+    lora.adapter starts its adapters from that PEFT adapter."""
+    ckpt = Checkpointer(recipe, env, states, reference)
     if ckpt.load() is None and recipe.lora.adapter is not None:  # a fresh start from an existing PEFT adapter
         load_adapters(states["model"].model, load_peft_adapter(recipe.lora.adapter, recipe.lora), fill_local_shard)
         if env.is_main:
@@ -307,7 +359,11 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     state = TrainState(cfg.on_nonfinite, env.device, scaler)
     model_state = ModelState(model, adapters_only=recipe.lora.rank is not None)  # LoRA: its checkpoints, adapters only
     states = {"model": model_state, "optim": OptimState(model, optimizer), "data": loader, "train": state}
-    ckpt = build_checkpointer(recipe, env, states)
+    preference = None
+    if recipe.preference.loss is not None:  # the policy's rewards are measured against the model it starts as
+        reference = build_reference(recipe, env, model)
+        preference = PreferenceStep(recipe.preference, reference, cfg.loss_chunks)
+    ckpt = build_checkpointer(recipe, env, states, preference and preference.reference.frozen)
     if env.is_main:
         write_config(recipe)
     metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from)
@@ -321,7 +377,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             lr = lr_at(state.step, recipe.optim, cfg.steps)
             batches = loader.next_batch()
             stats = train_step(
-                model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan
+                model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan, preference
             )
             state.finish_step(stats)
             metrics.step_done(state.step)
@@ -329,7 +385,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             if state.step % cfg.log_every == 0 or last or state.step == first_step:  # host syncs: log steps only
                 metrics.log(state.step, stats, lr, state.settle(), state.loss_scaling())
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
-                metrics.log_eval(state.step, evaluate(model, val_file, recipe, env))
+                metrics.log_eval(state.step, evaluate(model, val_file, recipe, env, preference))
             ckpt.save_if_due(state.step)
             if ckpt.preempted:
                 break
@@ -346,6 +402,21 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     logger.info(f"done: run written to {cfg.out_dir}")
 
 
+def check_preference_data(recipe: Recipe, train_file: Tokens | Mixture) -> None:
+    """A preference run trains on preference pairs, and preference pairs train only a preference run."""
+    pairs = train_file.sources[0].preference if isinstance(train_file, Mixture) else train_file.preference
+    if recipe.preference.loss is not None and not pairs:
+        raise ValueError(
+            f"preference.loss={recipe.preference.loss} trains on preference pairs, and {train_file.path} holds none: "
+            "prepare the data with tools/prepare_data.py --format preference"
+        )
+    if recipe.preference.loss is None and pairs:
+        raise ValueError(
+            f"{train_file.path} holds preference pairs: set preference.loss (sigmoid for DPO, ipo or robust) to train "
+            "on them"
+        )
+
+
 def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Everything about a run that can be wrong before any process group exists: the token files against the
     tokenizer and the model, the W&B package, the output directory (its room, and no live run holding it), the
@@ -355,6 +426,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     data, resume = recipe.data, recipe.checkpoint.resume
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
     files = open_data(recipe)
+    check_preference_data(recipe, files[0])
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     check_run_dir_free(recipe.train.out_dir)

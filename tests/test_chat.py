@@ -364,7 +364,7 @@ def test_a_mixture_of_packed_files_reads_whole_windows_with_their_targets(tmp_pa
     loader = TokenLoader(Mixture(files, [0.5, 0.5], ["a", "b"], seed=0), seq_len=64, micro_batch_size=8)
     (batch,) = loader.next_batch()
     sources = set()
-    for inputs, targets, documents in zip(*batch, strict=True):
+    for inputs, targets, documents in zip(batch.inputs, batch.targets, batch.documents, strict=True):
         source, flags = windows[tuple(inputs.tolist())]  # a whole window of one of the files
         sources.add(source)
         expected = np.where(flags & TARGET, np.roll(inputs.numpy(), -1), IGNORE)

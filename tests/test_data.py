@@ -48,7 +48,7 @@ def global_batch(token_file, world_size, micro, accum, steps, seed=0):
     for _ in range(steps):
         rows = []
         for loader in loaders:
-            for inputs, targets, _ in loader.next_batch():
+            for inputs, targets, *_ in loader.next_batch():
                 assert inputs.shape == targets.shape == (micro, 10) and inputs.dtype == torch.int64
                 assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are inputs shifted by one
                 rows += [tuple(r) for r in inputs.tolist()]

@@ -46,10 +46,12 @@ ALLOWED = {
     },
     "sinks": {"config", "files"},
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
+    "preference": {"adapters.lora", "config", "data.loader", "distributed.parallelize", "distributed.runtime", "loss"},
     "convert": {"adapters.lora", "checkpoint", "config", "files", "hf", "model", "tokenizer"},
     "train": {
         "adapters.lora", "adapters.nf4", "checkpoint", "config", "convert", "data.loader", "data.format", "files", "hf",
-        "loss", "metrics", "model", "optim", "sinks", "distributed.parallelize", "distributed.runtime", "tokenizer",
+        "loss", "metrics", "model", "optim", "preference", "sinks", "distributed.parallelize", "distributed.runtime",
+        "tokenizer",
     },
     "launch": {"config", "train"},
     "__main__": {"train"},

@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
-from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, PrepareOptions, prepare
+from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, PrepareOptions, prepare
+
+BUNDLED = {"text": BUNDLED_CORPUS, "chat": BUNDLED_CHAT, "preference": BUNDLED_PREFERENCES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,14 +23,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--input",
         nargs="+",
-        help="files or globs: .txt, .jsonl, .json, .parquet, gzipped or not (a document, or with --format chat a "
-        "conversation, per record); default: the bundled Shakespeare corpus (--format chat: its conversations)",
+        help="files or globs: .txt, .jsonl, .json, .parquet, gzipped or not (a document per record; with --format chat "
+        "a conversation, with --format preference a prompt / chosen / rejected pair); default: the bundled Shakespeare "
+        "corpus (--format chat: its conversations; --format preference: pairs made from them)",
     )
     parser.add_class_arguments(PrepareOptions, nested_key=None, skip={"inputs"})  # its docstrings are --help
     recipe, args = parse_args(parser, argv)
     with one_line_errors():
         options = PrepareOptions(
-            inputs=args.input or [str(BUNDLED_CHAT if args.format == "chat" else BUNDLED_CORPUS)],
+            inputs=args.input or [str(BUNDLED.get(args.format, BUNDLED_CORPUS))],
             **{field.name: args[field.name] for field in fields(PrepareOptions) if field.name != "inputs"},
         )
         prepare(recipe, options)

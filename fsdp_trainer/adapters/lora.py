@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -37,8 +38,11 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.scaling = alpha / rank
+        self.enabled = True  # off: the base layer alone (adapters_disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight)
         return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
@@ -55,8 +59,11 @@ class LoRAEmbedding(nn.Module):
         self.lora_embedding_A = nn.Parameter(torch.empty(rank, base.num_embeddings, device=device))
         self.lora_embedding_B = nn.Parameter(torch.empty(base.embedding_dim, rank, device=device))
         self.scaling = alpha / rank
+        self.enabled = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.embedding(ids, self.weight)
         update = F.embedding(ids, self.lora_embedding_A.T) @ self.lora_embedding_B.T
         return F.embedding(ids, self.weight) + update * self.scaling
 
@@ -82,6 +89,20 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
         model.lm_head = LoRALinear(model.lm_head, cfg.rank, cfg.alpha, cfg.dropout)
     if "embed_tokens" in cfg.targets:
         model.model.embed_tokens = LoRAEmbedding(model.model.embed_tokens, cfg.rank, cfg.alpha)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within it the model computes as its base, every adapter off: a LoRA preference run's reference model, with no
+    second copy of the weights."""
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]
+    for module in adapted:
+        module.enabled = False
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.enabled = True
 
 
 def is_adapter(name: str) -> bool:

@@ -75,14 +75,44 @@ def conversation_of(record: object) -> list[dict]:
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     else:
         raise BadConversation("no 'messages' list and no 'prompt' / 'response' text pair")
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise BadConversation(f"message {k} has no text 'content'")
-        if message.get("role") not in ROLES:
-            raise BadConversation(f"message {k} has role {message.get('role')!r}, not one of {', '.join(ROLES)}")
+    _check_messages(messages)
     if not any(message["role"] == "assistant" for message in messages):
         raise BadConversation("no assistant turn: nothing to train on")
     return messages
+
+
+def _check_messages(messages: list, where: str = "") -> None:
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise BadConversation(f"{where}message {k} has no text 'content'")
+        if message.get("role") not in ROLES:
+            raise BadConversation(f"{where}message {k} has role {message.get('role')!r}, not one of {', '.join(ROLES)}")
+
+
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def preference_of(record: object) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt, chosen, rejected) messages of a preference record, checked: TRL's layouts, either three texts (a user
+    turn and two assistant answers to it) or three message lists (the conversation so far, and the two answers as
+    assistant turns)."""
+    if not isinstance(record, dict):
+        raise BadConversation("not a JSON object")
+    missing = [key for key in PREFERENCE_KEYS if key not in record]
+    if missing:
+        raise BadConversation(f"no {' / '.join(map(repr, missing))}: a preference record has prompt, chosen, rejected")
+    prompt, chosen, rejected = (record[key] for key in PREFERENCE_KEYS)
+    if all(isinstance(x, str) for x in (prompt, chosen, rejected)):
+        answers = [[{"role": "assistant", "content": answer}] for answer in (chosen, rejected)]
+        return [{"role": "user", "content": prompt}], *answers
+    if not all(isinstance(x, list) for x in (prompt, chosen, rejected)):
+        raise BadConversation("'prompt', 'chosen' and 'rejected' must be three texts or three message lists")
+    for key, messages in zip(PREFERENCE_KEYS, (prompt, chosen, rejected), strict=True):
+        _check_messages(messages, f"'{key}' ")
+    for key, answer in (("chosen", chosen), ("rejected", rejected)):
+        if not answer or any(message["role"] != "assistant" for message in answer):
+            raise BadConversation(f"'{key}' must hold the assistant's answer: one or more assistant messages")
+    return prompt, chosen, rejected
 
 
 class ChatEncoder:
@@ -109,13 +139,13 @@ class ChatEncoder:
         except Exception as e:  # a template is code: any error it raises is this record's
             raise BadConversation(f"the chat template failed: {type(e).__name__}: {e}") from e
 
-    def answer_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
-        """Where in the rendered conversation `text` each assistant turn lies, as character spans: from the end of
-        the conversation before it with the generation prompt, to the end of the conversation through it, less the
-        whitespace after its end-of-turn token."""
+    def answer_spans(self, text: str, messages: list[dict], trained_from: int = 0) -> list[tuple[int, int]]:
+        """Where in the rendered conversation `text` each assistant turn (from message `trained_from` on) lies, as
+        character spans: from the end of the conversation before it with the generation prompt, to the end of the
+        conversation through it, less the whitespace after its end-of-turn token."""
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < trained_from:
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[: i + 1])
@@ -145,13 +175,17 @@ class ChatEncoder:
 
     def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
         """(ids, trained) of one record: the rendered conversation's token ids and, for each, whether it is a target
-        of the loss. Each span is tokenized on its own (a template's turns meet at special tokens, so the ids are
-        those of the whole text)."""
-        messages = conversation_of(record)
+        of the loss."""
+        return self.encode_messages(conversation_of(record))
+
+    def encode_messages(self, messages: list[dict], trained_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, trained) of a conversation whose assistant turns from message `trained_from` on are trained. Each
+        span is tokenized on its own (a template's turns meet at special tokens, so the ids are those of the whole
+        text)."""
         text = self.render(messages)
         ids, trained = list(self.start), [False] * len(self.start)
         position = 0
-        for start, end in self.answer_spans(text, messages):
+        for start, end in self.answer_spans(text, messages, trained_from):
             prompt = self.tokenizer.encode(text[position:start])
             answer = self.tokenizer.encode(text[start:end]) + self.end_of_answer
             ids += prompt + answer
@@ -161,6 +195,31 @@ class ChatEncoder:
         ids += rest
         trained += [self.train_on == "all"] * len(rest)
         return np.array(ids, dtype=np.int64), np.array(trained, dtype=bool)
+
+
+class PreferenceEncoder(ChatEncoder):
+    """Preference records -> pairs: the chosen conversation then the rejected one, each rendered whole with the chat
+    template and trained on its answer alone (its content and end-of-turn token, as in SFT), as one unit the packer
+    keeps in one window. The second conversation's first token is marked SEQUENCE: it starts a sequence of its own."""
+
+    def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, marks) of one pair: the chosen and the rejected conversations' ids end to end, and each token's
+        TRAINED and SEQUENCE bits."""
+        prompt, chosen, rejected = preference_of(record)
+        ids, marks = [], []
+        for answer in (chosen, rejected):
+            answer_ids, trained = self.encode_messages(prompt + answer, trained_from=len(prompt))
+            mark = trained.astype(np.uint8) * TRAINED
+            mark[0] |= SEQUENCE
+            ids.append(answer_ids)
+            marks.append(mark)
+        return np.concatenate(ids), np.concatenate(marks)
+
+
+TRAINED, SEQUENCE = 1, 2
+"""The bits an encoder's marks may carry for each token (a bool `trained` array is TRAINED alone): the loss trains on
+it, and it starts a sequence of its own (the rejected conversation of a preference pair), which the packer flags
+START so that attention does not cross into it."""
 
 
 class Packer:
@@ -177,23 +236,37 @@ class Packer:
         self.open: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]] = []  # (ids, flags, [free]) per window
         self.examples = self.truncated = self.dropped = self.untrained = self.targets = self.windows = self.placed = 0
 
-    def add(self, ids: np.ndarray, trained: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Place one example; returns the windows (tokens, flags) this closed."""
-        if len(ids) > self.seq_len:
+    def add(self, ids: np.ndarray, marks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Place one example (or a preference pair: its sequences, marked SEQUENCE, stay together); returns the
+        windows (tokens, flags) this closed. `marks`: a bool per token (trained), or TRAINED / SEQUENCE bits."""
+        marks = marks.astype(np.uint8)
+        starts = np.flatnonzero(marks & SEQUENCE)
+        starts = np.union1d([0], starts)
+        # Each sequence gets an equal share of the window (a pair: TRL's max_length = seq_len / 2), its start kept
+        # (TRL's keep_start: the prompt first, the answer's end cut).
+        limit = self.seq_len // len(starts)
+        sequences = np.split(np.arange(len(ids)), starts[1:])
+        if any(len(sequence) > limit for sequence in sequences):
             if self.long_examples == "drop":
                 self.dropped += 1
                 return []
-            ids, trained = ids[: self.seq_len], trained[: self.seq_len]
+            kept = np.concatenate([sequence[:limit] for sequence in sequences])
+            ids, marks = ids[kept], marks[kept]
+            sequences = np.split(np.arange(len(ids)), np.cumsum([min(len(q), limit) for q in sequences])[:-1])
             self.truncated += 1
-        if not trained[1:].any():  # truncation cut every answer: nothing to learn, and a batch of such would be 0/0
+        trained = (marks & TRAINED) > 0
+        # A sequence whose answer truncation cut away: nothing to learn (and a batch of such would be 0/0); a pair
+        # without one of its answers cannot be compared.
+        if not all(trained[sequence[1:]].any() for sequence in sequences):
             self.untrained += 1
             return []
         flags = np.zeros(len(ids), dtype=np.uint8)
-        flags[0] = START
+        flags[[sequence[0] for sequence in sequences]] = START
         flags[:-1] |= np.where(trained[1:], TARGET, 0).astype(np.uint8)  # position j predicts token j + 1
+        flags[[sequence[-1] for sequence in sequences]] &= ~np.uint8(TARGET)  # never the next sequence's first token
         self.examples += 1
         self.placed += len(ids)
-        self.targets += int(trained[1:].sum())
+        self.targets += int(((flags & TARGET) > 0).sum())
         fits = [(free[0], k) for k, (_, _, free) in enumerate(self.open) if free[0] >= len(ids)]
         closed = []
         if fits:

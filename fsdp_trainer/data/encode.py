@@ -15,7 +15,7 @@ from itertools import chain, islice
 
 import numpy as np
 
-from fsdp_trainer.data.chat import ChatEncoder
+from fsdp_trainer.data.chat import ChatEncoder, PreferenceEncoder
 from fsdp_trainer.data.format import (
     disk_dtype,
 )
@@ -26,7 +26,12 @@ _worker: dict = {}
 
 
 def _start_worker(
-    tokenizer_path: str, text_key: str | None, val_fraction: float, train_on: str | None, one_thread: bool = True
+    tokenizer_path: str,
+    text_key: str | None,
+    val_fraction: float,
+    train_on: str | None,
+    preference: bool = False,
+    one_thread: bool = True,
 ) -> None:
     if one_thread:  # in a pool the processes are the parallelism; alone, the HF tokenizer may use every core
         os.environ["RAYON_NUM_THREADS"] = "1"
@@ -34,7 +39,8 @@ def _start_worker(
     if one_thread:
         tokenizer.threads = 1
     dtype = disk_dtype(tokenizer.vocab_size)
-    chat = ChatEncoder(tokenizer, train_on) if train_on is not None else None
+    encoder = PreferenceEncoder if preference else ChatEncoder
+    chat = encoder(tokenizer, train_on) if train_on is not None else None
     _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype, chat=chat)
 
 
@@ -46,7 +52,8 @@ class Part:
     lengths: np.ndarray
     ids: np.ndarray
     trained: np.ndarray | None = None
-    """Conversations: whether each token is a target of the loss (chat.ChatEncoder)."""
+    """Conversations: whether each token is a target of the loss (chat.ChatEncoder); preference pairs: its TRAINED and
+    SEQUENCE bits (chat.PreferenceEncoder)."""
 
 
 @dataclass
@@ -83,7 +90,7 @@ def _process(task: Task) -> Result:
         encoded, trained, indices, bad = _encode_conversations(task)
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         ids = np.concatenate(encoded or [np.zeros(0, np.int64)]).astype(w["dtype"])
-        trained = np.concatenate(trained or [np.zeros(0, bool)])
+        trained = np.concatenate(trained or [np.zeros(0, np.uint8)])
         train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained)
         return Result(train, val, bad, len(indices), sum(len(r) for r in task.records if isinstance(r, bytes)))
     texts, indices, bad = [], [], []
@@ -131,20 +138,21 @@ def process(
     val_fraction: float,
     workers: int,
     train_on: str | None = None,
+    preference: bool = False,
 ) -> Iterator[Result]:
     """_process of every task, in input order. With several workers at most 2 tasks per worker are in flight, so
     the text read ahead and the ids waiting to be written stay bounded."""
     pending_tasks = tasks(files, text_key, start)
     first = list(islice(pending_tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start
-        _start_worker(tokenizer_path, text_key, val_fraction, train_on, one_thread=False)
+        _start_worker(tokenizer_path, text_key, val_fraction, train_on, preference, one_thread=False)
         yield from map(_process, chain(first, pending_tasks))
         return
     # fork: workers start at once with the modules this process has imported (spawn would import torch again in
     # each). Safe here because this process has not batch-encoded yet, so no tokenizer thread pool exists to be
     # broken by the fork.
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction, train_on)) as pool:
+    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction, train_on, preference)) as pool:
         pending: deque = deque()
         for task in chain(first, pending_tasks):
             pending.append(pool.apply_async(_process, (task,)))

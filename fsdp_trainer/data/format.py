@@ -8,7 +8,9 @@ them in order; it reads as their concatenation.
 
 Fine-tuning data is packed: the file is windows of exactly `packed_seq_len` tokens (its meta says how many), each
 holding whole examples and padding, with `<file>.flags` beside it: a byte per token, TARGET where the next token is
-trained on (the assistant's, same example) and START where an example (or the padding) begins.
+trained on (the assistant's, same example) and START where an example (or the padding) begins. Preference data
+(meta `preference: true`) is packed the same way, a pair's two conversations side by side in one window, the chosen
+one first, each with its START: so the responses that have targets alternate chosen, rejected in every window.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class TokenFile:
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")
         self.packed_seq_len: int | None = self.meta.get("packed_seq_len")
+        self.preference = bool(self.meta.get("preference"))  # packed preference pairs (chat.PreferenceEncoder)
         self.flags = None
         if self.packed_seq_len is not None:
             flags_path = f"{self.path}{FLAGS_SUFFIX}"
@@ -156,6 +159,7 @@ class TokenShards:
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
         self.packed_seq_len = None  # fine-tuning data is one packed file
+        self.preference = False
         self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
 
     def __len__(self) -> int:

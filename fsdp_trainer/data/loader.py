@@ -35,6 +35,11 @@ class MicroBatch(NamedTuple):
     """(B, T) the next token of each, or IGNORE where it is not trained on."""
     documents: torch.Tensor | None = None
     """(B, T) packed data only: the example each token belongs to (block-causal attention; see model.block_causal)."""
+    sequences: torch.Tensor | None = None
+    """(B, T) preference pairs only: the response each target belongs to, numbered through the micro-batch in the
+    order chosen, rejected of each pair (-1 where there is no target)."""
+    pairs: int = 0
+    """Preference pairs only: how many the micro-batch holds."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -63,6 +68,13 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
             )
     if len({f.packed_seq_len is None for f in sources}) > 1:
         raise ValueError("data.mixture mixes packed fine-tuning data with plain token files; use one kind")
+    kinds = {f.path: f.preference for f in filter(None, (*sources, val_file))}
+    if len(set(kinds.values())) > 1:
+        pairs, others = ([path for path, kind in kinds.items() if kind is wanted] for wanted in (True, False))
+        raise ValueError(
+            f"{pairs[0]} holds preference pairs and {others[0]} does not: a run trains on one kind (prepare both with "
+            "the same --format)"
+        )
     return train_file, val_file
 
 
@@ -148,6 +160,17 @@ class _Epochs:
         return self.tokens.windows(positions * self.seq_len, self.window)
 
 
+def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, int]:
+    """(the number of the response each target belongs to, -1 elsewhere; the pairs) of packed preference windows:
+    the documents that have targets, numbered in row-major order, which alternates chosen, rejected (format.py)."""
+    rows, length = documents.shape
+    keys = np.where(trained, np.arange(rows)[:, None] * (length + 1) + documents, -1)
+    responses = np.unique(keys[trained])
+    if len(responses) % 2:
+        raise ValueError("a window of preference data holds an odd number of responses: prepare the data again")
+    return np.where(trained, np.searchsorted(responses, keys), -1), len(responses) // 2
+
+
 class TokenLoader:
     """Batches of (inputs, targets) for one rank, in an order fixed by the seed; checkpointable by state_dict()."""
 
@@ -174,6 +197,7 @@ class TokenLoader:
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
+        self.preference = self.sources[0].tokens.preference  # ... and of preference pairs with other data
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 
@@ -187,14 +211,21 @@ class TokenLoader:
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
+        pairs = 0
         if self.packed:  # (B, 2, T): tokens, flags
             tokens, flags = rows[:, 0], rows[:, 1]
             targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
             documents = np.cumsum((flags & START) > 0, axis=1)
-            rows = np.stack([tokens, targets, documents], 1)
+            rows = [tokens, targets, documents]
+            if self.preference:
+                sequences, pairs = _responses(documents, targets != IGNORE)
+                rows.append(sequences)
+            rows = np.stack(rows, 1)
         rows = torch.from_numpy(rows)
         if self.device.type == "cuda":
             rows = rows.pin_memory().to(self.device, non_blocking=True)
+        if self.preference:
+            return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs)
         if self.packed:
             return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
         return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens

@@ -43,6 +43,8 @@ BUNDLED_CORPUS = Path(__file__).parents[1] / "assets" / "shakespeare.txt.gz"
 """The default corpus: 42 plays of Shakespeare (public domain; CC-BY 2.5 Open Knowledge Foundation, see assets/)."""
 BUNDLED_CHAT = Path(__file__).parents[1] / "assets" / "shakespeare_chat.jsonl.gz"
 """The default conversations: 2,000 "continue this passage" exchanges cut from the corpus (see assets/)."""
+BUNDLED_PREFERENCES = Path(__file__).parents[1] / "assets" / "shakespeare_preferences.jsonl.gz"
+"""The default preference pairs: those conversations' last answers (chosen) against their words shuffled (rejected)."""
 
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
 
@@ -68,22 +70,25 @@ class PrepareOptions:
     so both outputs complete shards at the same pace through the input and a restart redoes at most about one."""
     skip_bad_records: bool = False
     """Skip (and count) bad records instead of stopping at the first."""
-    format: Literal["text", "chat"] = "text"
+    format: Literal["text", "chat", "preference"] = "text"
     """text: documents; chat: conversations, rendered with the tokenizer's chat template and packed into
-    data.seq_len windows."""
+    data.seq_len windows; preference: pairs of answers (prompt / chosen / rejected), each pair's two conversations
+    packed together, each up to data.seq_len / 2 tokens."""
     train_on: str = "assistant"
     """chat: the tokens trained on, assistant (its turns) or all."""
     long_examples: str = "truncate"
-    """chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted."""
+    """chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted.
+    preference: the same for a pair with a conversation longer than data.seq_len / 2 (truncation keeps its start, as
+    TRL's keep_start does)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"--val_fraction={self.val_fraction} must lie in [0, 1)")
         if self.shard_tokens < 1:
             raise ValueError(f"--shard_tokens={self.shard_tokens} must be positive")
-        if self.format not in ("text", "chat"):
-            raise ValueError(f"--format={self.format!r} must be text or chat")
-        if self.format == "chat":
+        if self.format not in ("text", "chat", "preference"):
+            raise ValueError(f"--format={self.format!r} must be text, chat or preference")
+        if self.format != "text":
             check_options(self.train_on, self.long_examples)
 
 
@@ -94,7 +99,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     o = options
     data = recipe.data
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, recipe.checkpoint.resume, recipe.train.out_dir)
-    chat = o.format == "chat"
+    chat, preference = o.format != "text", o.format == "preference"
     files = expand_inputs(o.inputs)
     start_time = time.perf_counter()
     if chat:
@@ -124,7 +129,8 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     def writer(path: str, tokens_per_shard: int):
         if chat:
             pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0  # never attended to across, never a target
-            return PackedWriter(path, tokenizer.vocab_size, fingerprint, Packer(data.seq_len, pad_id, o.long_examples))
+            packer = Packer(data.seq_len, pad_id, o.long_examples)
+            return PackedWriter(path, tokenizer.vocab_size, fingerprint, packer, preference)
         if writer_kind(path) is FileWriter:
             return FileWriter(path, tokenizer.vocab_size, fingerprint)
         return ShardWriter(path, tokens_per_shard, tokenizer.vocab_size, fingerprint, stamp)
@@ -140,7 +146,8 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     bad = BadRecords(skip=o.skip_bad_records)
     # Conversations are whole records (no text field) with a training mask; no validation output: every token trains.
     key, mask = (None, o.train_on) if chat else (o.text_key, None)
-    results = process(files, key, start, data.tokenizer_path, o.val_fraction if val is not None else 0.0, workers, mask)
+    val_fraction = o.val_fraction if val is not None else 0.0
+    results = process(files, key, start, data.tokenizer_path, val_fraction, workers, mask, preference)
     writers = [w for w in (train, val) if w is not None]
     try:
         n_docs = _write(results, train, val, bad, total_bytes)
@@ -158,9 +165,10 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
     resumed = f" (resumed at document {start:,})" if start else ""
+    what = "preference pairs" if preference else "conversations" if chat else "documents"
     written = sum(w.n_tokens for w in writers) * disk_dtype(tokenizer.vocab_size).itemsize / 1e6
     print(
-        f"prepared {n_docs:,} {'conversations' if chat else 'documents'}{resumed}{skipped}: {counts} tokens, "
+        f"prepared {n_docs:,} {what}{resumed}{skipped}: {counts} tokens, "
         f"{sum(w.files for w in writers)} file(s), {written:,.1f} MB written; {total_bytes / 1e6:,.1f} MB of input in "
         f"{elapsed:.1f} s ({total_bytes / 1e6 / max(elapsed, 1e-9):.1f} MB/s, {workers} worker(s))"
     )

@@ -92,9 +92,9 @@ class PackedWriter(FileWriter):
     """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
     (format.py), both streamed to temporary files and renamed when complete."""
 
-    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer):
+    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer, preference: bool = False):
         super().__init__(path, vocab_size, tokenizer_sha256)
-        self.packer = packer
+        self.packer, self.preference = packer, preference
         self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
 
     def add(self, part: Part) -> None:
@@ -133,13 +133,15 @@ class PackedWriter(FileWriter):
             "truncated": p.truncated,
             "dropped": p.dropped,
             "untrained": p.untrained,
+            **({"preference": True} if self.preference else {}),
         }
 
     def summary(self) -> str:
         p = self.packer
         fill = p.placed / max(p.windows * p.seq_len, 1)
+        what = "preference pairs" if self.preference else "examples"
         return (
-            f"{p.examples:,} examples in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
+            f"{p.examples:,} {what} in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
             f"supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than data.seq_len, "
             f"{p.untrained:,} dropped with no answer left within it)"
         )

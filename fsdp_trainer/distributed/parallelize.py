@@ -190,6 +190,10 @@ def materialize(
     fill_local_shard) writes a parameter's full values into its shard.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
+    embedding = model.model.embed_tokens.weight
+    if model.cfg.tie_embeddings and model.lm_head.weight is not embedding:
+        # Frozen weights left outside FSDP (a shard group of one) come out of to_empty as two tensors: tie them again.
+        model.lm_head.weight = embedding
     if cpu_offload:
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
