@@ -116,16 +116,20 @@ class PreferenceStep:
         return totals[0], {"pairs": pairs, **dict(zip(METRICS, totals[1:], strict=True))}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
-        """The mean loss and metrics over the pairs of these micro-batches (every rank's), no gradient."""
+    def sums(self, model: nn.Module, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """This rank's sums over its pairs of the loss and of METRICS, and last its number of pairs; no gradient."""
         device = micro_batches[0].inputs.device
-        totals = torch.zeros(1 + len(METRICS), device=device)
+        totals = torch.zeros(2 + len(METRICS), device=device)
         for batch in micro_batches:
             reference = self.reference.logps(batch, self.chunks)
             objective = _objective(batch, self.chunks)
-            losses, metrics = _pair_losses(self.loss, model(batch.inputs, batch.documents, loss=objective), reference,
-                                           objective.count())  # fmt: skip
-            totals += torch.cat([losses.sum()[None], metrics])
+            logps = model(batch.inputs, batch.documents, loss=objective)
+            losses, metrics = _pair_losses(self.loss, logps, reference, objective.count())
+            totals += torch.cat([losses.sum()[None], metrics, torch.tensor([batch.pairs], device=device)])
+        return totals
+
+    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
+        """The mean loss and METRICS over the pairs of every rank's micro-batches (one all-reduce)."""
+        totals = sum_over_ranks(self.sums(model, micro_batches))
         reshard(model)
-        totals = sum_over_ranks(totals) / global_pairs(micro_batches, device)
-        return {"loss": totals[0], **dict(zip(METRICS, totals[1:], strict=True))}
+        return dict(zip(("loss", *METRICS), totals[:-1] / totals[-1], strict=True))

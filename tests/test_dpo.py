@@ -124,3 +124,86 @@ def test_sequence_log_probs_in_slices_equal_whole():
     direct = torch.log_softmax(hidden @ output.weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(whole, (direct * (targets != IGNORE)).sum(-1), rtol=1e-6, atol=1e-6)
     assert SequenceLogProbs(targets).count().tolist() == [4, 4, 4, 4]
+
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+"""Llama 3's layout: nothing follows an answer's end-of-turn token, so TRL's completion (all the conversation renders
+after the prompt) is exactly what we train: the answer's content and its <|eot_id|>."""
+
+
+def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_path, trl_setup):
+    """Conversational pairs (TRL's message lists) through prepare_data.py --format preference, our loader and our
+    objective, against TRL's DPOTrainer on the same records: the same token ids and completion tokens per
+    conversation, and the same loss and reward metrics from a policy and a reference built from one config."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict, replace
+
+    from fsdp_trainer.config import PreferenceConfig
+    from fsdp_trainer.data.format import TokenFile
+    from fsdp_trainer.data.loader import TokenLoader
+    from fsdp_trainer.preference import METRICS, PreferenceStep, Reference
+    from tests.helpers import REPO
+
+    _, _, policy, reference, cfg = trl_setup
+    tokenizer = save_hf_tokenizer(tmp_path / "tokenizer", "llama", LLAMA3_TEMPLATE)
+    tokenizer.pad_token = tokenizer.eos_token
+    records = [
+        {k: [{"role": "user" if k == "prompt" else "assistant", "content": pair[k]}] for k in pair} for pair in PAIRS
+    ]
+    records[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    seq_len = 512  # room for a pair whole: this tokenizer spells Llama 3's header tokens in several pieces
+    recipe = {"model": {**asdict(cfg), "max_seq_len": seq_len}, "parallel": {"mixed_precision": "fp32"}}
+    recipe["data"] = {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
+                      "seq_len": seq_len}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
+    subprocess.run([*tool, "--format", "preference", "--input", str(tmp_path / "pairs.jsonl"), "--val_fraction", "0"],
+                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
+    data = TokenFile(tmp_path / "train.bin")
+    (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
+
+    args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(PAIRS), beta=0.1,
+                         report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=tokenizer,
+                             train_dataset=datasets.Dataset.from_list(records))  # fmt: skip
+    trl_batch = next(iter(trainer.get_train_dataloader()))
+    trl_loss = trainer._compute_loss(trainer.model, trl_batch, return_outputs=False).item()
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    # The same conversations, token for token, and the same tokens trained on (as (ids, completion) per sequence).
+    def ours():
+        for row in range(batch.inputs.shape[0]):
+            for document in batch.documents[row].unique().tolist():
+                inside = batch.documents[row] == document
+                if (batch.sequences[row][inside] >= 0).any():
+                    ids = batch.inputs[row][inside]
+                    trained = torch.cat([torch.zeros(1, dtype=torch.bool), batch.sequences[row][inside][:-1] >= 0])
+                    yield ids.tolist(), trained.tolist()
+
+    def theirs():
+        for ids, mask, completion in zip(trl_batch["input_ids"], trl_batch["attention_mask"],
+                                         trl_batch["completion_mask"], strict=True):  # fmt: skip
+            yield ids[mask.bool()].tolist(), completion[mask.bool()].bool().tolist()
+
+    assert sorted(ours()) == sorted(theirs())
+
+    def weights_of(hf_model):
+        model = Transformer(replace(cfg, max_seq_len=seq_len))
+        model.load_state_dict(hf_model.state_dict(), strict=False)
+        return model
+
+    step = PreferenceStep(PreferenceConfig(loss="sigmoid", beta=0.1), Reference(None, weights_of(reference)))
+    sums = step.sums(weights_of(policy), [batch])  # one rank's sums, and its pairs last
+    results = dict(zip(("loss", *METRICS), (sums[:-1] / sums[-1]).tolist(), strict=True))
+    print(f"ours {results['loss']:.9g}, TRL {trl_loss:.9g}")
+    assert sums[-1] == len(PAIRS) and results["loss"] == pytest.approx(trl_loss, rel=1e-5)
+    for name in METRICS:  # rewards: beta x a difference of log-probabilities a few hundred large, so absolute
+        print(f"{name}: ours {results[name]:.9g}, TRL {trl_metrics[name]:.9g}")
+        assert results[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-5 if "rewards/" in name else 0), name

@@ -25,6 +25,8 @@ EXPECTED_PARAMS = {
     "lora_llama3_2_1b.yaml": 1_235_814_400,
     "lora_qwen3_0.6b.yaml": 596_049_920,
     "qlora_llama3_8b.yaml": 8_030_261_248,
+    "dpo_qwen3_0.6b.yaml": 596_049_920,
+    "dpo_lora_llama3_2_1b.yaml": 1_235_814_400,
 }
 
 
