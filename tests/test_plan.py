@@ -10,9 +10,11 @@ from collections import namedtuple
 import pytest
 import torch
 
+from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
 from fsdp_trainer.distributed.plan import activation_bytes_per_token, estimate, plan, recommend
-from fsdp_trainer.distributed.speed import step_time
+from fsdp_trainer.distributed.speed import ACHIEVED, COMPILED, step_time
+from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
 from tests.helpers import REPO
 
@@ -219,6 +221,41 @@ def test_lora_prices_frozen_weights_without_gradients_or_optimizer_state():
                                  "--data.grad_accum_steps", "2"])  # fmt: skip
     e = estimate(accumulating, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
     assert e.accumulated_gb == pytest.approx(4 * adapters / 1e9)
+
+
+@pytest.mark.parametrize("lora", [None, 16])
+def test_a_preference_run_prices_its_reference_model(lora):
+    """Full fine-tuning holds a frozen copy in bf16, sharded (2P/S bytes); with LoRA the reference is the policy with
+    its adapters off (nothing held). Either way its forward gathers the model again each micro-step, 2P(S-1)/S bytes
+    sent, and adds a third of a step's FLOPs (a forward, no backward) to the predicted step."""
+    args = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--lora.rank", str(lora or "null")]
+    args += ["--data.grad_accum_steps", "2"]
+    plain, preference = parse_recipe(args), parse_recipe([*args, "--preference.loss", "sigmoid"])
+    n = count_params(plain.model)
+    with torch.device("meta"):  # what the reference's forward gathers: the adapters too (switched off, not dropped)
+        gathered = Transformer(plain.model)
+        if lora:
+            apply_lora(gathered, plain.lora)
+    gathered = sum(p.numel() for p in gathered.parameters())
+    for sharding, group in (("FULL_SHARD", 8), ("NO_SHARD", 1)):
+        a, b = (
+            estimate(r, nproc=8, nnodes=1, sharding=sharding, ac="full", device="cuda") for r in (plain, preference)
+        )
+        assert b.state_gb == a.state_gb and a.reference_gb == 0
+        assert b.reference_gb == pytest.approx(0 if lora else 2 * n / group / 1e9)
+        assert b.total_gb == pytest.approx(a.total_gb + b.reference_gb)
+        assert b.sent_gb == pytest.approx(a.sent_gb + 2 * 2 * gathered * (group - 1) / group / 1e9)
+        slower, faster = (step_time(r, e, "H100", 8, 1) for r, e in ((preference, b), (plain, a)))
+        data = plain.data
+        forward = (
+            data.micro_batch_size
+            * data.seq_len
+            * data.grad_accum_steps
+            * flops_per_token(plain.model, data.seq_len)
+            / 3
+        )
+        efficiency = PEAK_FLOPS["H100"]["bf16"] * ACHIEVED * (COMPILED if plain.parallel.compile else 1)
+        assert slower.compute_s - faster.compute_s == pytest.approx(forward / efficiency)
 
 
 def test_qlora_prices_the_adapted_projections_in_nf4_and_fits_8b_on_one_24gb_gpu():

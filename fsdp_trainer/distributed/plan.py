@@ -99,6 +99,7 @@ class Estimate:
     offload: bool = False  # parallel.cpu_offload: the training state in host memory
     host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
     host_traffic_gb: float = 0.0  # host<->device copies per optimizer step (offload on a GPU)
+    reference_gb: float = 0.0  # a full fine-tuning preference run's frozen reference model, sharded
 
     @property
     def total_gb(self) -> float:
@@ -109,7 +110,8 @@ class Estimate:
         transient = max(
             self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb, self.optimizer_step_gb
         )
-        return self.state_gb + self.gathered_gb + self.accumulated_gb + transient + self.runtime_gb
+        held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb
+        return held + transient + self.runtime_gb
 
     def fits(self, device_mem_gb: float, host_mem_gb: float = math.inf) -> bool:
         return self.total_gb <= device_mem_gb and self.host_gb <= host_mem_gb
@@ -240,11 +242,22 @@ def estimate(
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
     accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
+    # Preference runs: the reference's forward before the policy's, every micro-step, gathers the model again (with
+    # LoRA the policy's own weights, adapters off); full fine-tuning also holds the reference, a frozen copy in the
+    # compute dtype, sharded. Its gathered blocks are freed before the policy's forward, so they add to no peak.
+    reference = 0.0
+    if recipe.preference.loss is not None:
+        if shard_group > 1:
+            again = gathered_bytes * n_params * data.grad_accum_steps * (shard_group - 1) / shard_group
+            sent += again
+            internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
+        if recipe.lora.rank is None:
+            reference = a * n_params / shard_group
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
         # The optimizer steps on the host too, with what it allocates.
-        host, state, optimizer_step = state + optimizer_step, 0, 0
+        host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
         copied = gathered_per_step(sharding, data.grad_accum_steps, n_params, regathered) * held / n_params
         traffic = (copied + GRADIENT_BYTES * trainable) / shard_group
@@ -252,7 +265,7 @@ def estimate(
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
-        traffic / gb,
+        traffic / gb, reference / gb,
     )  # fmt: skip
 
 
@@ -296,14 +309,14 @@ def table(
     """The estimates as a markdown table, a row each, with whether it fits and, on a named GPU, its predicted step."""
     speed = " | step s | exposed comm s | tokens/s / GPU | MFU" if times else ""
     rows = [
-        "| sharding | AC | state | gathered | activations | logits | block backward | grad buffers | accumulated grads "
-        "| optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) | host GB / rank "
-        f"| host<->device GB / step{speed} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 4 if times else ""),
+        "| sharding | AC | state | reference | gathered | activations | logits | block backward | grad buffers "
+        "| accumulated grads | optimizer step | runtime | total GB / rank | fits | sent GB / step (between nodes) "
+        f"| host GB / rank | host<->device GB / step{speed} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 4 if times else ""),
     ]
     for e, t in zip(estimates, times or [None] * len(estimates), strict=True):
-        terms = (e.state_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb, e.grad_buffers_gb,
-                 e.accumulated_gb, e.optimizer_step_gb, e.runtime_gb, e.total_gb)  # fmt: skip
+        terms = (e.state_gb, e.reference_gb, e.gathered_gb, e.activations_gb, e.logits_gb, e.backward_gb,
+                 e.grad_buffers_gb, e.accumulated_gb, e.optimizer_step_gb, e.runtime_gb, e.total_gb)  # fmt: skip
         fits = "yes" if e.fits(device_mem_gb, host_mem_gb) else "no"
         name = f"{e.sharding} + offload" if e.offload else e.sharding
         predicted = ""
@@ -320,6 +333,21 @@ def table(
             f"({e.internode_gb:.2f}) | {e.host_gb:.2f} | {e.host_traffic_gb:.2f} |{predicted}"
         )
     return "\n".join(rows)
+
+
+def preference_note(recipe: Recipe, estimates: list[Estimate]) -> str:
+    """What a preference run's reference model costs in the rows above, and what the other way of having it would."""
+    sharded = min((e for e in estimates if not e.offload), key=lambda e: e.reference_gb)
+    if recipe.lora.rank is not None:
+        held = "the policy with its adapters off: no memory of its own"
+    else:
+        held = f"a frozen copy in the compute dtype, {sharded.reference_gb:.2f} GB per rank sharded (`reference`)"
+    return (
+        f"preference.loss {recipe.preference.loss}: the reference model is {held}; its forward each micro-step "
+        "gathers the weights again (in `sent`) and adds a third of a step's compute (in the predicted step time). "
+        "Log-probabilities computed once before training and stored beside the data (8 bytes a pair) would cost "
+        "neither during training, but one forward pass over every pair first; this trainer does not offer it yet."
+    )
 
 
 def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: int) -> str:
@@ -404,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
               "per GPU and direction (datasheets)")  # fmt: skip
         times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates]
     print(table(estimates, mem, host_mem, times))
+    if recipe.preference.loss is not None:
+        print(preference_note(recipe, estimates))
     if args.check:
         print(check_table(recipe, estimates, args.nproc, args.nnodes))
     best = recommend(estimates, mem, host_mem, times)

@@ -84,6 +84,8 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
         compute_flops = attention + (model_flops - attention) * 4 / 6
     if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls
         compute_flops *= 4 / 3
+    if recipe.preference.loss is not None:  # the reference's forward (no backward): 2 of the 6 FLOPs a weight
+        compute_flops += model_flops / 3
     efficiency = ACHIEVED * (COMPILED if recipe.parallel.compile else 1.0)
     compute_s = tokens * compute_flops / (peak * efficiency)
     intra_gb = estimate.sent_gb - estimate.internode_gb
