@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 	$(PY) tools/generate.py $(OUT) --prompt "ROMEO." --max_new_tokens 80
 
 test: $(VENV)/.installed-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 lint: $(VENV)/.installed
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -74,18 +74,16 @@ def share_of_global_mean(summed: torch.Tensor, global_count: torch.Tensor | floa
 
 
 def _token_logps(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) at each position (B, T), in fp32; 0 where the target is IGNORE."""
-    logps = torch.log_softmax(output(hidden).float(), dim=-1)
-    trained = targets != IGNORE
-    picked = logps.gather(-1, targets.masked_fill(~trained, 0).unsqueeze(-1)).squeeze(-1)
-    return picked * trained
+    """log p(target) of each token (N, from hidden states N x dim), in fp32; 0 where the target is IGNORE: minus the
+    cross-entropy of each, so it keeps what _summed_loss keeps for backward, no more."""
+    return -F.cross_entropy(output(hidden).float(), targets, ignore_index=IGNORE, reduction="none")
 
 
 @dataclass
 class SequenceLogProbs:
     """The objective of a preference step's forward: each response's summed log-probability of its trained targets,
     its log-likelihood given its prompt (the prompt's targets are IGNORE), with the output layer computed in `chunks`
-    slices of the rows as NextTokenLoss does.
+    slices of the tokens as NextTokenLoss does.
 
     Without `sequences`, a response per row (B,). With them (packed windows, several responses to a row), the number
     of the response each target belongs to (B, T), -1 where there is none, and their count `n_sequences`: the sums
@@ -97,12 +95,14 @@ class SequenceLogProbs:
     chunks: int = 1
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+        # Slices of the tokens, as chunked_cross_entropy cuts them, not of the rows: a micro-batch has few rows.
+        hidden, targets = hidden.flatten(0, 1), self.targets.flatten()
         if self.chunks == 1:
-            logps = _token_logps(hidden, output, self.targets)
+            logps = _token_logps(hidden, output, targets)
         else:
-            pieces = zip(hidden.chunk(self.chunks), self.targets.chunk(self.chunks), strict=True)
+            pieces = zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True)
             logps = torch.cat([checkpoint(_token_logps, h, output, t, use_reentrant=False) for h, t in pieces])
-        return self._per_sequence(logps)
+        return self._per_sequence(logps.view(self.targets.shape))
 
     def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         if self.sequences is None:

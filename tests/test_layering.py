@@ -32,7 +32,8 @@ ALLOWED = {
     "distributed.parallelize": {"config", "model"},
     "distributed.runtime": {"config", "distributed.parallelize"},
     "distributed.fake": {
-        "adapters.lora", "config", "data.loader", "distributed.parallelize", "model", "optim", "train"
+        "adapters.lora", "config", "data.loader", "distributed.parallelize", "loss", "model", "optim", "preference",
+        "train",
     },
     "distributed.speed": {"config", "distributed.runtime", "metrics"},
     "distributed.plan": {

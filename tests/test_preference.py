@@ -25,6 +25,7 @@ from fsdp_trainer.data.prepare import BUNDLED_PREFERENCES
 from fsdp_trainer.loss import SequenceLogProbs
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.preference import METRICS
+from fsdp_trainer.sinks import scalars
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
@@ -204,6 +205,31 @@ def test_dpo_with_lora_starts_at_the_reference_and_saves_adapters_only(tiny_data
     assert "reference.json" not in {p.name for p in saved}  # the reference is the base, recorded as lora_base.json
 
 
+def test_pairs_read_alike_from_jsonl_and_parquet_as_texts_or_messages(tiny_data, tmp_path):
+    """TRL's two layouts (three texts, three message lists) give the same tokens; parquet rows read as JSON lines."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [{"prompt": "Who is there?", "chosen": "Nay, answer me.", "rejected": "me answer Nay."}] * 3
+    messages = [
+        {key: [{"role": "user" if key == "prompt" else "assistant", "content": value}] for key, value in r.items()}
+        for r in texts
+    ]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in texts))
+    pq.write_table(pa.Table.from_pylist(messages), tmp_path / "messages.parquet")
+    for name in ("texts.jsonl", "messages.parquet"):
+        _prepare(tiny_data, tmp_path / f"{name}.out", [tmp_path / name], "--val_fraction", "0")
+    a, b = (TokenFile(tmp_path / f"{name}.out" / "train.bin") for name in ("texts.jsonl", "messages.parquet"))
+    assert a.meta["examples"] == 3 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.flags, b.flags)
+
+
+def test_reward_metrics_go_to_tensorboard_and_wandb_under_trls_names():
+    record = {"step": 3, "loss": 0.5, "rewards/accuracies": 0.75, "val_rewards/margins": 1.5, "val_loss": 0.6}
+    assert scalars(record) == {
+        "loss/train": 0.5, "train/rewards/accuracies": 0.75, "eval/rewards/margins": 1.5, "loss/val": 0.6
+    }  # fmt: skip
+
+
 def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
     good = {"prompt": "Who is there?", "chosen": "Nay, answer me.", "rejected": "me answer Nay."}
     cases = [
@@ -221,3 +247,54 @@ def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
     proc = train_cli(run_args(tiny_data, tmp_path / "b", 1, preference={"loss": "sigmoid"}), check=False)
     assert proc.returncode == 1 and "trains on preference pairs, and" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_readme_walkthrough_sft_then_dpo_on_an_imported_qwen3_and_export(tmp_path):
+    """README's commands: a Qwen3 saved by transformers (sharded, ChatML tokenizer) imported, instruction-tuned
+    (sft_qwen3_0.6b.yaml), then DPO from that SFT run (dpo_qwen3_0.6b.yaml) on 2 ranks, and consolidated into a
+    directory transformers loads, holding the tuned policy, not its reference."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_chat import CHATML
+    from tests.test_hf import tool
+    from tests.test_real_models import save_hf_tokenizer
+
+    hf_in = tmp_path / "hf_in"
+    tokenizer = save_hf_tokenizer(hf_in, "qwen3", CHATML)
+    config = transformers.Qwen3Config(
+        vocab_size=len(tokenizer) + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(hf_in, max_shard_size="100KB")
+    tool("import_hf.py", hf_in, tmp_path / "imported")
+    with gzip.open(REPO / "fsdp_trainer" / "assets" / "shakespeare_chat.jsonl.gz", "rt") as f:
+        (tmp_path / "chats.jsonl").write_text("".join(f.readline() for _ in range(200)))
+    with gzip.open(BUNDLED_PREFERENCES, "rt") as f:
+        (tmp_path / "prefs.jsonl").write_text("".join(f.readline() for _ in range(200)))
+    small = ["--data.seq_len", SEQ, "--data.micro_batch_size", 2, "--data.grad_accum_steps", 1]
+    for kind, fmt, records in (("sft", "chat", "chats"), ("dpo", "preference", "prefs")):
+        paths = ["--data.train_path", tmp_path / kind / "train.bin", "--data.val_path", tmp_path / kind / "val.bin"]
+        tool("prepare_data.py", "--recipe", REPO / "recipes" / f"{kind}_qwen3_0.6b.yaml", "--format", fmt,
+             "--input", tmp_path / f"{records}.jsonl", "--data.tokenizer_path", tmp_path / "imported", *paths,
+             *small)  # fmt: skip
+        start = tmp_path / "imported" if kind == "sft" else tmp_path / "sft_run"
+        args = [
+            "--recipe", REPO / "recipes" / f"{kind}_qwen3_0.6b.yaml", "--recipe", tmp_path / "imported" / "model.yaml",
+            "--checkpoint.resume", start, "--train.out_dir", tmp_path / f"{kind}_run", *paths, *small,
+            "--train.steps", 3, "--train.eval_every", 3, "--train.eval_steps", 1, "--train.loss_chunks", 1,
+            "--parallel.compile", "false", "--parallel.mixed_precision", "fp32", "--optim.lr", 1e-3,
+            "--optim.min_lr", 1e-4, "--optim.warmup_steps", 1, "--checkpoint.every", 3,
+        ]  # fmt: skip
+        proc = train_cli(list(map(str, args)), nproc=2)
+        assert f"loaded weights from {start}" in proc.stdout + proc.stderr
+    records = [r for r in read_metrics(tmp_path / "dpo_run") if "loss" in r]
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-7) and records[-1]["loss"] != records[0]["loss"]
+    assert any("val_rewards/accuracies" in r for r in read_metrics(tmp_path / "dpo_run"))
+
+    for kind in ("sft", "dpo"):
+        tool("consolidate.py", tmp_path / f"{kind}_run", tmp_path / f"{kind}_hf")
+    sft, dpo = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{k}_hf") for k in ("sft", "dpo"))
+    sft_weights = sft.state_dict()
+    changed = [name for name, value in dpo.state_dict().items() if not torch.equal(value, sft_weights[name])]
+    assert len(changed) == len(sft_weights)  # every weight moved away from the reference (the SFT model)

@@ -20,8 +20,10 @@ from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
+from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.preference import PreferenceStep, Reference
 from fsdp_trainer.train import train_step
 
 
@@ -30,6 +32,32 @@ def init_fake_world(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _pairs(batch: MicroBatch) -> MicroBatch:
+    """A micro-batch of windows each holding one preference pair: two sequences of half the window, each a prompt
+    (its first half, untrained) and an answer."""
+    rows, length = batch.inputs.shape
+    half = length // 2
+    position = torch.arange(length)
+    documents = (1 + (position >= half)).expand(rows, length)
+    answer = (position % half) >= half // 2
+    sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + documents - 1, -1)
+    return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), documents, sequences, rows)
+
+
+def _frozen_copy(recipe: Recipe, mesh) -> Transformer | None:
+    """A full fine-tuning preference run's reference as train.build_reference makes it (LoRA: None, the policy)."""
+    if recipe.lora.rank is not None:
+        return None
+    with torch.device("meta"):
+        frozen = Transformer(recipe.model)
+    frozen.requires_grad_(False)
+    for param in frozen.parameters():
+        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
+    parallelize(frozen, recipe.parallel, mesh)
+    frozen.to_empty(device="cpu")
+    return frozen
 
 
 def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
@@ -52,7 +80,11 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         optimizer = build_optimizer(model, recipe.optim)
         shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
         batches = [MicroBatch(t[:, :-1], t[:, 1:], None) for t in torch.randint(0, recipe.model.vocab_size, shape)]
-        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan)
+        preference = None
+        if recipe.preference.loss is not None:  # a pair per window, and the reference the run would have
+            batches = [_pairs(batch) for batch in batches]
+            preference = PreferenceStep(recipe.preference, Reference(model, _frozen_copy(recipe, mesh)))
+        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, preference)
         train_step(*args)
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batches[0].inputs,))
