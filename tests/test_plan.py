@@ -283,15 +283,17 @@ def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatc
     checkpoint.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
-def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes():
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo"])
+def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
     bytes an element, a whole block's backward, gradient buffers in two dtypes), so it may exceed the measured peak,
     by 22% at most at 8B on 64 ranks (docs/benchmarks.md); it must not fall more than 5% below it, or a plan it
-    calls a fit would not fit."""
+    calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's."""
+    preference = ["--preference.loss", "sigmoid"] if kind == "dpo" else []
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_trainer.distributed.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
-         "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--check"],
+         "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--check", *preference],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

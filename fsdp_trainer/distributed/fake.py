@@ -36,14 +36,16 @@ def init_fake_world(world_size: int) -> None:
 
 def _pairs(batch: MicroBatch) -> MicroBatch:
     """A micro-batch of windows each holding one preference pair: two sequences of half the window, each a prompt
-    (its first half, untrained) and an answer."""
+    (its first half, untrained) and an answer. Attention is left causal over the window: on a GPU the block-causal
+    mask goes through flex_attention's kernel, which, like the causal one, makes no scores matrix, while the boolean
+    mask a CPU uses would make one per layer (B x heads x T x T), a memory no GPU run has."""
     rows, length = batch.inputs.shape
     half = length // 2
     position = torch.arange(length)
-    documents = (1 + (position >= half)).expand(rows, length)
+    second = (position >= half).long()
     answer = (position % half) >= half // 2
-    sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + documents - 1, -1)
-    return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), documents, sequences, rows)
+    sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + second, -1)
+    return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
 
 
 def _frozen_copy(recipe: Recipe, mesh) -> Transformer | None:
@@ -83,7 +85,8 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         preference = None
         if recipe.preference.loss is not None:  # a pair per window, and the reference the run would have
             batches = [_pairs(batch) for batch in batches]
-            preference = PreferenceStep(recipe.preference, Reference(model, _frozen_copy(recipe, mesh)))
+            reference = Reference(model, _frozen_copy(recipe, mesh))
+            preference = PreferenceStep(recipe.preference, reference, recipe.train.loss_chunks)
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, preference)
         train_step(*args)
         tracker = FSDPMemTracker(model, optimizer)
