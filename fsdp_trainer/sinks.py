@@ -25,6 +25,16 @@ STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")
 """The training state each rank holds, logged once, with their sum as `state_gb`."""
 
 
+def _rewards(record: dict, prefix: str = "") -> str:
+    """A preference run's reward accuracy and margin, for the log line ("" for other runs)."""
+    if f"{prefix}rewards/accuracies" not in record:
+        return ""
+    return (
+        f" | {prefix}reward accuracy {record[f'{prefix}rewards/accuracies']:.3f} | {prefix}margin "
+        f"{record[f'{prefix}rewards/margins']:.3f}"
+    )
+
+
 class LogLine:
     """A line on stdout per record, through the `fsdp_trainer` logger."""
 
@@ -36,9 +46,10 @@ class LogLine:
                 f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
                 f"mem {record['peak_mem_gb']:.2f} GB"
                 + (f" | scale {record['loss_scale']:g}" if "loss_scale" in record else "")
+                + _rewards(record)
             )
         elif "val_loss" in record:
-            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}")
+            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}" + _rewards(record, "val_"))
         elif "state_gb" in record:
             parts = ", ".join(f"{k.removesuffix('_gb')} {record[k]:.3f}" for k in STATE_KEYS)
             logger.info(f"training state per rank: {record['state_gb']:.3f} GB ({parts})")

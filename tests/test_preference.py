@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ from fsdp_trainer.data.prepare import BUNDLED_PREFERENCES
 from fsdp_trainer.loss import SequenceLogProbs
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.preference import METRICS
-from fsdp_trainer.sinks import scalars
+from fsdp_trainer.sinks import LogLine, scalars
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
@@ -223,11 +224,14 @@ def test_pairs_read_alike_from_jsonl_and_parquet_as_texts_or_messages(tiny_data,
     assert a.meta["examples"] == 3 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.flags, b.flags)
 
 
-def test_reward_metrics_go_to_tensorboard_and_wandb_under_trls_names():
+def test_reward_metrics_go_to_tensorboard_and_wandb_under_trls_names_and_to_the_log_line(caplog):
     record = {"step": 3, "loss": 0.5, "rewards/accuracies": 0.75, "val_rewards/margins": 1.5, "val_loss": 0.6}
     assert scalars(record) == {
         "loss/train": 0.5, "train/rewards/accuracies": 0.75, "eval/rewards/margins": 1.5, "loss/val": 0.6
     }  # fmt: skip
+    caplog.set_level(logging.INFO, logger="fsdp_trainer")
+    LogLine().write({"step": 5, "val_loss": 0.6, "val_rewards/accuracies": 0.875, "val_rewards/margins": 1.25})
+    assert "step      5 | val_loss 0.6000 | val_reward accuracy 0.875 | val_margin 1.250" in caplog.text
 
 
 def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
