@@ -18,14 +18,15 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_trainer.adapters.lora import adapters_disabled
-from fsdp_trainer.config import PreferenceConfig
+from fsdp_trainer.config import PreferenceConfig, Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import ShardingPlan, set_gradient_sync
+from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, reshard, set_gradient_sync
 from fsdp_trainer.distributed.runtime import sum_over_ranks
 from fsdp_trainer.loss import PreferenceLoss, SequenceLogProbs, share_of_global_mean
+from fsdp_trainer.model import Transformer
 
 METRICS = (
     "rewards/chosen",
@@ -38,12 +39,17 @@ METRICS = (
 """What a preference step reports beside its loss, under TRL's names (means over the global batch's pairs)."""
 
 
-def reshard(model: nn.Module) -> None:
-    """Free the gathered parameters a forward without backward leaves behind (SHARD_GRAD_OP keeps them after
-    forward, for a backward that does not come)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+def frozen_copy(recipe: Recipe, mesh: DeviceMesh, flex_attention: bool = False) -> Transformer:
+    """A full fine-tuning run's reference on the meta device, parallelized as the policy is, to be materialized: every
+    parameter frozen and held in the compute dtype (what FSDP gathers anyway, so its forward is the policy's at step 0,
+    bitwise); the buffers (RoPE's tables) stay as the policy's."""
+    with torch.device("meta"):
+        frozen = Transformer(recipe.model, flex_attention=flex_attention)
+    frozen.requires_grad_(False)
+    for param in frozen.parameters():
+        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
+    parallelize(frozen, recipe.parallel, mesh)
+    return frozen
 
 
 class Reference:
@@ -68,16 +74,6 @@ def _objective(batch: MicroBatch, chunks: int) -> SequenceLogProbs:
     return SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks)
 
 
-def _pair_losses(
-    loss: PreferenceLoss, policy: torch.Tensor, reference: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each pair's loss, the sums over the pairs of METRICS) from answers' log-probabilities in pair order."""
-    chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
-    losses = loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
-    rewards = loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
-    return losses, torch.stack([rewards[name].sum() for name in METRICS])
-
-
 def global_pairs(micro_batches: list[MicroBatch], device: torch.device) -> torch.Tensor:
     """The pairs of the global batch, on the device (one all-reduce)."""
     return sum_over_ranks(torch.tensor(float(sum(batch.pairs for batch in micro_batches)), device=device))
@@ -90,6 +86,18 @@ class PreferenceStep:
     def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
         self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
         self.reference, self.chunks = reference, chunks
+
+    def _pair_losses(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each pair's loss, the sums over the pairs of METRICS) of a micro-batch: the reference's log-probabilities
+        of its answers (no gradient), then the policy's (with gradient, where enabled)."""
+        reference = self.reference.logps(batch, self.chunks)
+        objective = _objective(batch, self.chunks)
+        policy = model(batch.inputs, batch.documents, loss=objective)
+        lengths = objective.count()
+        chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
+        losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
+        rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
+        return losses, torch.stack([rewards[name].sum() for name in METRICS])
 
     def __call__(
         self,
@@ -104,11 +112,8 @@ class PreferenceStep:
         pairs = global_pairs(micro_batches, device)
         totals = torch.zeros(1 + len(METRICS), device=device)  # the loss and the metrics, summed over pairs
         for i, batch in enumerate(micro_batches):
-            reference = self.reference.logps(batch, self.chunks)
             set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            objective = _objective(batch, self.chunks)
-            losses, metrics = _pair_losses(self.loss, model(batch.inputs, batch.documents, loss=objective), reference,
-                                           objective.count())  # fmt: skip
+            losses, metrics = self._pair_losses(model, batch)
             summed = losses.sum()
             backward(share_of_global_mean(summed, pairs, world))
             totals += torch.cat([summed.detach()[None], metrics])
@@ -121,10 +126,7 @@ class PreferenceStep:
         device = micro_batches[0].inputs.device
         totals = torch.zeros(2 + len(METRICS), device=device)
         for batch in micro_batches:
-            reference = self.reference.logps(batch, self.chunks)
-            objective = _objective(batch, self.chunks)
-            logps = model(batch.inputs, batch.documents, loss=objective)
-            losses, metrics = _pair_losses(self.loss, logps, reference, objective.count())
+            losses, metrics = self._pair_losses(model, batch)
             totals += torch.cat([losses.sum()[None], metrics, torch.tensor([batch.pairs], device=device)])
         return totals
 

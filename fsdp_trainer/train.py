@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.adapters.lora import apply_lora, init_lora, load_adapters
 from fsdp_trainer.adapters.nf4 import check_nf4_shapes, fill_shard, quantize_frozen, require_torchao
@@ -42,6 +41,7 @@ from fsdp_trainer.distributed.parallelize import (
     fill_local_shard,
     materialize,
     parallelize,
+    reshard,
     set_gradient_sync,
     uses_flex_attention,
 )
@@ -61,7 +61,7 @@ from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
-from fsdp_trainer.preference import PreferenceStep, Reference
+from fsdp_trainer.preference import PreferenceStep, Reference, frozen_copy
 from fsdp_trainer.sinks import require_wandb
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
@@ -257,9 +257,7 @@ def evaluate(
         objective = NextTokenLoss(batch.targets, recipe.train.loss_chunks)
         summed[0] += model(batch.inputs, batch.documents, loss=objective)
         summed[1] += objective.count()
-    for module in model.modules():  # SHARD_GRAD_OP keeps params gathered after a forward that has no backward
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(model)
     total, targets = sum_over_ranks(summed)  # one all-reduce
     return {"loss": total / targets}
 
@@ -292,12 +290,7 @@ def build_reference(recipe: Recipe, env: DistEnv, policy: Transformer) -> Refere
     weights the run started from into it."""
     if recipe.lora.rank is not None:
         return Reference(policy)
-    with torch.device("meta"):
-        frozen = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
-    frozen.requires_grad_(False)
-    for param in frozen.parameters():  # the parameters only: buffers (RoPE's tables) stay as the policy's
-        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
-    parallelize(frozen, recipe.parallel, env.mesh)
+    frozen = frozen_copy(recipe, env.mesh, uses_flex_attention(recipe.parallel, env.device))
     materialize(frozen, env.device, recipe.train.seed, recipe.parallel.cpu_offload)
     return Reference(policy, frozen)
 
@@ -404,7 +397,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
 
 def check_preference_data(recipe: Recipe, train_file: Tokens | Mixture) -> None:
     """A preference run trains on preference pairs, and preference pairs train only a preference run."""
-    pairs = train_file.sources[0].preference if isinstance(train_file, Mixture) else train_file.preference
+    pairs = train_file.preference
     if recipe.preference.loss is not None and not pairs:
         raise ValueError(
             f"preference.loss={recipe.preference.loss} trains on preference pairs, and {train_file.path} holds none: "

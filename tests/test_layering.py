@@ -47,7 +47,9 @@ ALLOWED = {
     },
     "sinks": {"config", "files"},
     "metrics": {"config", "data.loader", "files", "model", "distributed.runtime", "sinks"},
-    "preference": {"adapters.lora", "config", "data.loader", "distributed.parallelize", "distributed.runtime", "loss"},
+    "preference": {
+        "adapters.lora", "config", "data.loader", "distributed.parallelize", "distributed.runtime", "loss", "model"
+    },
     "convert": {"adapters.lora", "checkpoint", "config", "files", "hf", "model", "tokenizer"},
     "train": {
         "adapters.lora", "adapters.nf4", "checkpoint", "config", "convert", "data.loader", "data.format", "files", "hf",

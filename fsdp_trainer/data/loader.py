@@ -96,6 +96,7 @@ class Mixture:
                 raise ValueError(f"data.mixture: {name}'s weight is too small to draw one sample in {self.BLOCK}")
         self.path = "mixture of " + ", ".join(str(source.path) for source in sources)
         self.vocab_size = max(source.vocab_size for source in sources)
+        self.preference = sources[0].preference  # open_data refuses a mixture of preference pairs and other data
         self.fingerprint = "mixture:" + "|".join(
             f"{w}:{src.fingerprint}" for w, src in zip(weights, sources, strict=True)
         )
@@ -197,7 +198,7 @@ class TokenLoader:
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
-        self.preference = self.sources[0].tokens.preference  # ... and of preference pairs with other data
+        self.preference = token_file.preference
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 

@@ -23,7 +23,7 @@ from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.preference import PreferenceStep, Reference
+from fsdp_trainer.preference import PreferenceStep, Reference, frozen_copy
 from fsdp_trainer.train import train_step
 
 
@@ -46,20 +46,6 @@ def _pairs(batch: MicroBatch) -> MicroBatch:
     answer = (position % half) >= half // 2
     sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + second, -1)
     return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
-
-
-def _frozen_copy(recipe: Recipe, mesh) -> Transformer | None:
-    """A full fine-tuning preference run's reference as train.build_reference makes it (LoRA: None, the policy)."""
-    if recipe.lora.rank is not None:
-        return None
-    with torch.device("meta"):
-        frozen = Transformer(recipe.model)
-    frozen.requires_grad_(False)
-    for param in frozen.parameters():
-        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
-    parallelize(frozen, recipe.parallel, mesh)
-    frozen.to_empty(device="cpu")
-    return frozen
 
 
 def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
@@ -85,7 +71,11 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         preference = None
         if recipe.preference.loss is not None:  # a pair per window, and the reference the run would have
             batches = [_pairs(batch) for batch in batches]
-            reference = Reference(model, _frozen_copy(recipe, mesh))
+            frozen = None
+            if recipe.lora.rank is None:  # LoRA's reference is the policy, its adapters off
+                frozen = frozen_copy(recipe, mesh)
+                frozen.to_empty(device="cpu")
+            reference = Reference(model, frozen)
             preference = PreferenceStep(recipe.preference, reference, recipe.train.loss_chunks)
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, preference)
         train_step(*args)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -199,6 +199,14 @@ def materialize(
             for name, buffer in module.named_buffers(recurse=False):
                 setattr(module, name, torch.empty_like(buffer, device=device))  # stays the same (non-)persistent buffer
     model.init_weights(seed=seed, fill=fill or fill_local_shard, device=device)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the gathered parameters a forward without backward leaves behind (SHARD_GRAD_OP keeps them after
+    forward, for a backward that does not come)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def set_gradient_sync(model: nn.Module, plan: ShardingPlan, enabled: bool) -> None:
