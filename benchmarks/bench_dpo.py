@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from runner import report_header, run_ours
+from runner import nearest_run, parse_kinds_args, report_header, run_ours
 
-from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
+from fsdp_trainer.config import recipe_to_yaml
 from fsdp_trainer.data.format import META_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,18 +53,9 @@ def prepare(recipe_path: str, tmp: Path) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = recipe_parser("benchmarks/bench_dpo.py", __doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--kinds", nargs="+", default=["sft", "dpo", "lora_sft", "lora_dpo", "lora_dpo", "lora_sft",
-                                                       "dpo", "sft"])  # fmt: skip
-    parser.add_argument("--out", default="bench_out/dpo.json")
-    recipe, args = parse_args(parser, argv)
-    if args.steps < 3:
-        fail("--steps must be >= 3 (the first step is the warmup)")
-    unknown = sorted(set(args.kinds) - set(KINDS))
-    if unknown:
-        fail(f"--kinds: unknown {unknown}; choose among {', '.join(KINDS)}")
+    default = ["sft", "dpo", "lora_sft", "lora_dpo", "lora_dpo", "lora_sft", "dpo", "sft"]
+    recipe, args = parse_kinds_args("benchmarks/bench_dpo.py", __doc__.split("\n\n")[0], KINDS, default,
+                                    "bench_out/dpo.json", argv)  # fmt: skip
     rank = recipe.lora.rank or 16
     recipe.lora.rank, recipe.preference.loss = None, None
     data = recipe.data
@@ -87,11 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = ["| kind | state GB / rank | peak GB / rank | tokens/s | peak vs baseline | tokens/s vs baseline |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(results):
-        base = KINDS[r["kind"]][1]
-        near = [b for b in results if b["kind"] == base]
-        ratios = " - | - |"
-        if near:  # the baseline run nearest in the order
-            b = min(near, key=lambda b: abs(results.index(b) - i))
+        b, ratios = nearest_run(results, i, KINDS[r["kind"]][1]), " - | - |"
+        if b is not None:
             ratios = f" {r['peak_mem_gb'] / b['peak_mem_gb']:.3f} | {r['tokens_per_s'] / b['tokens_per_s']:.3f} |"
         rows.append(
             f"| {r['kind']} | {r['state_gb']:.3f} | {r['peak_mem_gb']:.3f} | {r['tokens_per_s']:,.0f} |{ratios}"

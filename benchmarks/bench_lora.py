@@ -20,9 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from runner import job_inputs, report_header, run_ours
+from runner import job_inputs, nearest_run, parse_kinds_args, report_header, run_ours
 
-from fsdp_trainer.config import fail, parse_args, recipe_parser
 from fsdp_trainer.model import count_params
 
 KINDS = {
@@ -49,17 +48,9 @@ def measure(kind: str, rank: int, recipe_path: str, data: tuple[str, str], args,
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = recipe_parser("benchmarks/bench_lora.py", __doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--kinds", nargs="+", default=["full", "lora", "qlora", "qlora", "lora", "full"])
-    parser.add_argument("--out", default="bench_out/lora.json")
-    recipe, args = parse_args(parser, argv)
-    if args.steps < 3:
-        fail("--steps must be >= 3 (the first step is the warmup)")
-    unknown = sorted(set(args.kinds) - set(KINDS))
-    if unknown:
-        fail(f"--kinds: {unknown} are not among {', '.join(KINDS)}")
+    default = ["full", "lora", "qlora", "qlora", "lora", "full"]
+    recipe, args = parse_kinds_args("benchmarks/bench_lora.py", __doc__.split("\n\n")[0], KINDS, default,
+                                    "bench_out/lora.json", argv)  # fmt: skip
     rank = recipe.lora.rank or 16
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,7 +60,6 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(measure(kind, rank, recipe_path, data, args, tokens_per_step, tmp / f"{i}"))
             print(json.dumps(rows[-1]), flush=True)
 
-    fulls = [i for i, r in enumerate(rows) if r["kind"] == "full"]
     m, d = recipe.model, recipe.data
     print(f"\n{count_params(m) / 1e6:.1f}M params (dim {m.dim} x {m.n_layers} layers, vocab {m.vocab_size}), "
           f"micro-batch {d.micro_batch_size} x seq {d.seq_len}, {args.nproc} ranks, LoRA rank {rank}, "
@@ -78,9 +68,8 @@ def main(argv: list[str] | None = None) -> None:
           "| vs the nearest full run: state, peak, checkpoint, save, tokens/s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        ratios = "-"
-        if fulls and r["kind"] != "full":
-            f = rows[min(fulls, key=lambda j: abs(j - i))]
+        ratios, f = "-", nearest_run(rows, i, "full")
+        if f is not None and r["kind"] != "full":
             keys = ("state_gb", "peak_mem_gb", "checkpoint_gb", "save_s", "tokens_per_s")
             ratios = ", ".join(f"{r[k] / f[k]:.3f}" for k in keys)
         print(f"| {i + 1} | {r['kind']} | {r['state_gb']:.3f} | {r['peak_mem_gb']:.2f} | {r['checkpoint_gb']:.3f} | "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.config import recipe_to_yaml
+from fsdp_trainer.config import fail, parse_args, recipe_parser, recipe_to_yaml
 from fsdp_trainer.data.format import write_token_file
 from fsdp_trainer.files import METRICS_FILE, file_sha256
 from fsdp_trainer.sinks import STATE_KEYS
@@ -160,3 +160,26 @@ def run_baseline(recipe_path, train_path, nproc, steps, warmup, tmp: Path) -> di
     ]
     run(torchrun_command([*BASELINE, *args], nproc))
     return json.loads(out.read_text())
+
+
+def parse_kinds_args(name: str, doc: str, kinds, default: list[str], out: str, argv: list[str] | None = None):
+    """(recipe, args) of a benchmark that runs one training job per --kinds entry, in that order (bench_lora,
+    bench_dpo): --nproc, --steps (>= 3: the first is a warmup), --kinds among `kinds`, --out; a bad one is one line."""
+    parser = recipe_parser(name, doc)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--kinds", nargs="+", default=default)
+    parser.add_argument("--out", default=out)
+    recipe, args = parse_args(parser, argv)
+    if args.steps < 3:
+        fail("--steps must be >= 3 (the first step is the warmup)")
+    unknown = sorted(set(args.kinds) - set(kinds))
+    if unknown:
+        fail(f"--kinds: {unknown} are not among {', '.join(kinds)}")
+    return recipe, args
+
+
+def nearest_run(rows: list[dict], i: int, kind: str) -> dict | None:
+    """The row of `kind` that ran nearest to row i (a ratio's baseline, alternating orders), None if none ran."""
+    runs = [j for j, row in enumerate(rows) if row["kind"] == kind]
+    return rows[min(runs, key=lambda j: abs(j - i))] if runs else None
