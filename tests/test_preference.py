@@ -245,6 +245,9 @@ def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
         (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
         proc = _prepare(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    proc = _prepare(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], "--train_on", "all", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--train_on=all applies to --format chat: a preference pair is measured on its answers" in proc.stderr
     # Pairs without a preference loss, and a preference loss on plain token files: refused before any process starts.
     proc = train_cli(_args(tiny_data, pairs, tmp_path / "a", 1, preference={"loss": None}), check=False)
     assert proc.returncode == 1 and "holds preference pairs: set preference.loss" in proc.stderr, proc.stderr

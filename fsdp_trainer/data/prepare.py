@@ -75,7 +75,7 @@ class PrepareOptions:
     data.seq_len windows; preference: pairs of answers (prompt / chosen / rejected), each pair's two conversations
     packed together, each up to data.seq_len / 2 tokens."""
     train_on: str = "assistant"
-    """chat: the tokens trained on, assistant (its turns) or all."""
+    """chat: the tokens trained on, assistant (its turns) or all; preference: assistant (the answers) only."""
     long_examples: str = "truncate"
     """chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted.
     preference: the same for a pair with a conversation longer than data.seq_len / 2 (truncation keeps its start, as
@@ -90,6 +90,11 @@ class PrepareOptions:
             raise ValueError(f"--format={self.format!r} must be text, chat or preference")
         if self.format != "text":
             check_options(self.train_on, self.long_examples)
+        if self.format == "preference" and self.train_on != "assistant":
+            raise ValueError(
+                f"--train_on={self.train_on} applies to --format chat: a preference pair is measured on its answers "
+                "alone (their log-probabilities given the prompt)"
+            )
 
 
 def prepare(recipe: Recipe, options: PrepareOptions) -> None:
