@@ -30,11 +30,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from runner import report_header, torchrun_command
 
-from fsdp_trainer.checkpoint import ChecksummedWriter, ModelState, OptimState, verify_checkpoint
+from fsdp_trainer.build import build_model
+from fsdp_trainer.checkpoint.checkpointer import ModelState, OptimState
+from fsdp_trainer.checkpoint.storage import ChecksummedWriter
+from fsdp_trainer.checkpoint.verify import verify_checkpoint
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.train import build_model
 
 
 def training_state(recipe, env) -> dict:

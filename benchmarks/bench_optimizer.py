@@ -16,10 +16,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from fsdp_trainer.build import build_model
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.train import build_model
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,19 +23,12 @@ from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
-from fsdp_trainer.checkpoint import (
-    CHECKPOINTS_DIR,
-    RECIPE_FILE,
-    checkpoint_recipe,
-    checkpoint_tokenizer,
-    iter_model_weights,
-    load_model_weights,
-    lora_base,
-    save_model_weights,
-    verified_checkpoint,
-)
+from fsdp_trainer.checkpoint.starts import lora_base
+from fsdp_trainer.checkpoint.storage import RECIPE_FILE, checkpoint_recipe, checkpoint_tokenizer
+from fsdp_trainer.checkpoint.verify import verified_checkpoint
+from fsdp_trainer.checkpoint.weights import iter_model_weights, load_model_weights, save_model_weights
 from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype, load_sections, sections_to_yaml
-from fsdp_trainer.files import write_failure
+from fsdp_trainer.files import CHECKPOINTS_DIR, write_failure
 from fsdp_trainer.hf import (
     check_safetensors,
     check_with_transformers,

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if {"-h", "--help"} & set(trainer_args):
         print("fsdp-train [torchrun's options: --nproc_per_node N --nnodes M ...] --recipe R [--section.key value]\n")
     recipe = parse_recipe(trainer_args)  # bad recipe: one line, exit 1; --help prints and exits 0
-    from fsdp_trainer.train import check_run  # torch is imported only once the recipe reads
+    from fsdp_trainer.build import check_run  # torch is imported only once the recipe reads
 
     with one_line_errors():  # missing or mismatched data, an unwritable out_dir: one line, nothing spawned
         check_run(recipe)

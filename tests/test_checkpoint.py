@@ -16,17 +16,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_trainer.checkpoint import (
-    CHECKSUMS_FILE,
-    RECIPE_FILE,
-    CheckpointError,
-    checkpoint_status,
-    file_checksum,
-    load_state,
-    save_model_weights,
-    verified_checkpoint,
-    verify_checkpoint,
-)
+from fsdp_trainer.checkpoint.storage import CHECKSUMS_FILE, RECIPE_FILE, CheckpointError, file_checksum, load_state
+from fsdp_trainer.checkpoint.verify import checkpoint_status, verified_checkpoint, verify_checkpoint
+from fsdp_trainer.checkpoint.weights import save_model_weights
 from fsdp_trainer.config import OptimConfig
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 

@@ -147,7 +147,7 @@ def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_
     from fsdp_trainer.config import PreferenceConfig
     from fsdp_trainer.data.format import TokenFile
     from fsdp_trainer.data.loader import TokenLoader
-    from fsdp_trainer.preference import METRICS, PreferenceStep, Reference
+    from fsdp_trainer.steps.preference import METRICS, PreferenceStep, Reference
     from tests.helpers import REPO
 
     _, _, policy, reference, cfg = trl_setup

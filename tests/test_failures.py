@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_trainer.checkpoint import checkpoint_status
+from fsdp_trainer.checkpoint.verify import checkpoint_status
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import materialize, parallelize

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 import yaml
 
-from fsdp_trainer.checkpoint import load_model_weights, save_model_weights
+from fsdp_trainer.checkpoint.weights import load_model_weights, save_model_weights
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.checkpoint import verify_checkpoint
+from fsdp_trainer.checkpoint.verify import verify_checkpoint
 from fsdp_trainer.launch import child_pids, split_argv
 from tests.helpers import REPO, run_args, train_cli, train_popen, wait_for_step, worker_pids
 

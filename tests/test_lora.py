@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_trainer.adapters.lora import apply_lora, init_lora, is_adapter
-from fsdp_trainer.checkpoint import load_model_weights, read_metadata
+from fsdp_trainer.checkpoint.storage import read_metadata
+from fsdp_trainer.checkpoint.weights import load_model_weights
 from fsdp_trainer.config import LORA_PROJECTIONS, LORA_TARGETS, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_trainer.checkpoint import CHECKSUMS_FILE
+from fsdp_trainer.checkpoint.storage import CHECKSUMS_FILE
 from fsdp_trainer.config import DataConfig, ModelConfig, ParallelConfig, Recipe, TrainConfig
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 from fsdp_trainer.files import METRICS_FILE

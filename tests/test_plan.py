@@ -12,10 +12,10 @@ import torch
 
 from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
-from fsdp_trainer.distributed.plan import activation_bytes_per_token, estimate, plan, recommend
-from fsdp_trainer.distributed.speed import ACHIEVED, COMPILED, step_time
 from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.planner.plan import activation_bytes_per_token, estimate, plan, recommend
+from fsdp_trainer.planner.speed import ACHIEVED, COMPILED, step_time
 from tests.helpers import REPO
 
 shutil_usage = namedtuple("usage", "total used free")
@@ -162,7 +162,7 @@ def test_offload_is_recommended_only_when_nothing_else_fits():
 
 
 def test_plan_cli_recommends_or_says_what_to_change():
-    cmd = [sys.executable, "-m", "fsdp_trainer.distributed.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"),
+    cmd = [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"),
            "--nproc", "8", "--device", "cuda", "--host_mem_gb", "8"]  # fmt: skip
     fits = subprocess.run([*cmd, "--device_mem_gb", "80"], capture_output=True, text=True, cwd=REPO)
     assert fits.returncode == 0, fits.stderr
@@ -274,13 +274,13 @@ def test_qlora_prices_the_adapted_projections_in_nf4_and_fits_8b_on_one_24gb_gpu
 
 
 def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatch, tmp_path):
-    from fsdp_trainer import checkpoint
+    from fsdp_trainer.checkpoint import checkpointer
 
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil_usage(total=1e12, used=0, free=10e9))
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda path: shutil_usage(total=1e12, used=0, free=10e9))
     args = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--train.out_dir", str(tmp_path)]
     with pytest.raises(ValueError, match="has 10.0 GB free, and one checkpoint of this model takes 96.4 GB"):
-        checkpoint.check_disk_room(parse_recipe(args))
-    checkpoint.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
+        checkpointer.check_disk_room(parse_recipe(args))
+    checkpointer.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
 @pytest.mark.parametrize("kind", ["fine-tuning", "dpo"])
@@ -292,7 +292,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's."""
     preference = ["--preference.loss", "sigmoid"] if kind == "dpo" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_trainer.distributed.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
+        [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
          "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--check", *preference],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
@@ -305,7 +305,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
 
 
 # Published runs on H100s: (recipe overrides, AC, tokens/s per GPU, how far the model may be from it). torchtitan's
-# Llama 3.1 8B on 8 GPUs is what distributed/speed.py is calibrated on; OLMo-core's README figures check it (their
+# Llama 3.1 8B on 8 GPUs is what planner/speed.py is calibrated on; OLMo-core's README figures check it (their
 # micro-batch is not published: 16K tokens a GPU assumed; the prediction barely depends on it).
 _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "null"]
 _OLMO = ["--model.n_heads", "16", "--model.n_kv_heads", "16", "--model.vocab_size", "100352", "--data.seq_len", "4096"]
@@ -350,7 +350,7 @@ def test_the_plan_recommends_the_fastest_row_that_fits_not_the_least_recomputati
 
 
 def test_plan_cli_predicts_speed_and_the_hours_to_train_on_a_named_gpu():
-    cmd = [sys.executable, "-m", "fsdp_trainer.distributed.plan", *_8B, "--nproc", "8", "--gpu", "H100"]
+    cmd = [sys.executable, "-m", "fsdp_trainer.planner.plan", *_8B, "--nproc", "8", "--gpu", "H100"]
     proc = subprocess.run([*cmd, "--train_tokens", "1e12"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "| step s | exposed comm s | tokens/s / GPU | MFU |" in proc.stdout and "of 80.0 GB)" in proc.stdout

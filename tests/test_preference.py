@@ -25,8 +25,8 @@ from fsdp_trainer.data.loader import TokenLoader
 from fsdp_trainer.data.prepare import BUNDLED_PREFERENCES
 from fsdp_trainer.loss import SequenceLogProbs
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.preference import METRICS
 from fsdp_trainer.sinks import LogLine, scalars
+from fsdp_trainer.steps.preference import METRICS
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
 TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]

@@ -16,7 +16,7 @@ import time
 
 from jsonargparse import ArgumentParser
 
-from fsdp_trainer.checkpoint import checkpoint_status, checkpoint_steps
+from fsdp_trainer.checkpoint.verify import checkpoint_status, checkpoint_steps
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.files import published_step
 

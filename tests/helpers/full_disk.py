@@ -6,11 +6,11 @@ import errno
 import os
 from contextlib import contextmanager
 
-import fsdp_trainer.checkpoint as checkpoint
+import fsdp_trainer.checkpoint.storage as storage
 import fsdp_trainer.train as train
 
 
-class FullOnOneRank(checkpoint.NamingFileSystem):
+class FullOnOneRank(storage.NamingFileSystem):
     @contextmanager
     def create_stream(self, path, mode):
         if (
@@ -23,5 +23,5 @@ class FullOnOneRank(checkpoint.NamingFileSystem):
             yield stream
 
 
-checkpoint.NamingFileSystem = FullOnOneRank
+storage.NamingFileSystem = FullOnOneRank
 train.main()

@@ -1,6 +1,6 @@
 """Will it fit? Predicted memory per rank for every sharding x activation-checkpointing choice of a recipe.
 
-    python -m fsdp_trainer.distributed.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80]
+    python -m fsdp_trainer.planner.plan --recipe recipes/8b.yaml --nproc 8 [--nnodes 2] [--device_mem_gb 80]
         [--device cuda] [--host_mem_gb 200]
 
 Prints a table (training state, gathered parameters, activations, logits, runtime, total, bytes sent per step, and on
@@ -69,13 +69,13 @@ import torch
 from fsdp_trainer.adapters.lora import LoRALinear, apply_lora
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
-from fsdp_trainer.distributed.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
-from fsdp_trainer.distributed.speed import GPUS, StepTime, step_time
 from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
+from fsdp_trainer.planner.fake import init_fake_world, measured_peak_gb
+from fsdp_trainer.planner.speed import GPUS, StepTime, step_time
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
@@ -352,7 +352,7 @@ def preference_note(recipe: Recipe, estimates: list[Estimate]) -> str:
 
 def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: int) -> str:
     """The estimate of each row without offload beside the peak one step allocates at the real shapes on fake tensors
-    (distributed/fake.py), both without the runtime term (CUDA context, NCCL, fragmentation), which a fake step has
+    (planner/fake.py), both without the runtime term (CUDA context, NCCL, fragmentation), which a fake step has
     none of."""
     init_fake_world(nproc * nnodes)
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
@@ -368,7 +368,7 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = recipe_parser("fsdp_trainer.distributed.plan", __doc__.split("\n\n")[0])
+    parser = recipe_parser("fsdp_trainer.planner.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument(
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--gpu",
         type=Literal[tuple(GPUS)] | None,
-        help="predict each row's step time, tokens/s per GPU and MFU on this GPU (distributed/speed.py), recommend "
+        help="predict each row's step time, tokens/s per GPU and MFU on this GPU (planner/speed.py), recommend "
         "the fastest that fits; sets --device cuda and --device_mem_gb to its memory unless given",
     )
     parser.add_argument(

@@ -1,6 +1,6 @@
 """One training step at a recipe's real shapes and world size, run without allocating memory or having the devices:
 FakeTensorMode for the tensors, torch's fake process group for the collectives, FSDPMemTracker for the peak. It is
-the planner's cross-check (`python -m fsdp_trainer.distributed.plan ... --check`): an 8B model on 64 ranks runs in
+the planner's cross-check (`python -m fsdp_trainer.planner.plan ... --check`): an 8B model on 64 ranks runs in
 seconds on a laptop's CPU.
 
 What it measures is what the step allocates per rank (parameters, gradients, optimizer state, activations,
@@ -23,7 +23,7 @@ from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.preference import PreferenceStep, Reference, frozen_copy
+from fsdp_trainer.steps.preference import PreferenceStep, Reference, frozen_copy
 from fsdp_trainer.train import train_step
 
 

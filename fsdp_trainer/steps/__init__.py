@@ -1,0 +1,1 @@
+"""One room per training kind: what its step computes, how it is evaluated, what it needs from the house."""
