@@ -1,73 +1,68 @@
-"""The pieces of a run, built from its recipe: the model, its data, its checkpointer, its reference; and the checks
-of a run before any process group exists (check_run) and the run directory's lock. train.py, launch.py and the
-planner share them."""
+"""The pieces of a run, built from its recipe: the model, its data, its step (the training kind's), its checkpointer;
+the checks of a run before any process group exists (check_run); the run directory's lock. train.py, launch.py and
+the planner share them."""
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.adapters.lora import apply_lora, init_lora, load_adapters
-from fsdp_trainer.adapters.nf4 import check_nf4_shapes, fill_shard, quantize_frozen, require_torchao
-from fsdp_trainer.checkpoint.checkpointer import Checkpointer, check_disk_room
-from fsdp_trainer.checkpoint.storage import resolve_checkpoint
-from fsdp_trainer.config import Recipe, compute_dtype
+from fsdp_trainer.adapters import adapter_kind, check_adapters, has_adapters, meta_model, start_adapters
+from fsdp_trainer.adapters.lora import init_lora
+from fsdp_trainer.adapters.nf4 import fill_shard
+from fsdp_trainer.checkpoint.checkpointer import Checkpointer
+from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base, lora_start
+from fsdp_trainer.checkpoint.storage import checkpoint_recipe, resolve_checkpoint, saved_entries
+from fsdp_trainer.checkpoint.weights import ModelState
+from fsdp_trainer.config import Recipe, compute_dtype, load_sections
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import Mixture, TokenLoader, open_data
 from fsdp_trainer.distributed.parallelize import (
-    SHARDING,
     Parallelized,
     fill_local_shard,
     materialize,
     parallelize,
     uses_flex_attention,
 )
-from fsdp_trainer.distributed.runtime import (
-    DistEnv,
-    process_group_backend,
-)
+from fsdp_trainer.distributed.runtime import DistEnv, process_group_backend
 from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
-from fsdp_trainer.hf import check_peft_adapter, load_peft_adapter
 from fsdp_trainer.model import Transformer
+from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.sinks import require_wandb
-from fsdp_trainer.steps.preference import Reference, frozen_copy
+from fsdp_trainer.steps import Step, check_data, training_kind
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
 logger = logging.getLogger("fsdp_trainer")
 
 
 def build_model(recipe: Recipe, env: DistEnv) -> tuple[Transformer, Parallelized]:
-    """The recipe's model, parallelized and initialised: shapes on meta, then AC / compile / FSDP from outside, then
-    each rank allocates and fills its own shards (the same weights at any world size); and what was applied. With
-    lora.rank set, every weight is frozen and the blocks' projections get adapters (adapters/lora.py)."""
-    with torch.device("meta"):
-        model = Transformer(recipe.model, flex_attention=uses_flex_attention(recipe.parallel, env.device))
-    lora = recipe.lora.rank is not None
-    if lora:  # adapters beside the frozen weights, sharded with them
-        apply_lora(model, recipe.lora, frozen_dtype=compute_dtype(recipe.parallel.mixed_precision))
-    if recipe.lora.quantize_base == "nf4":  # QLoRA: FSDP2 shards the frozen projections in their 4-bit form
-        quantize_frozen(model)
+    """The recipe's model, parallelized and initialised: shapes on meta with the adapters the recipe asks for
+    (adapters.meta_model), then AC / compile / FSDP from outside, then each rank allocates and fills its own shards
+    (the same weights at any world size); and what was applied."""
+    flex = uses_flex_attention(recipe.parallel, env.device)
+    frozen_dtype = compute_dtype(recipe.parallel.mixed_precision)
+    model = meta_model(recipe.model, recipe.lora, flex, frozen_dtype, quantize=True)
     applied = parallelize(model, recipe.parallel, env.mesh)
     materialize(model, env.device, recipe.train.seed, applied.cpu_offload, fill=fill_shard)
-    if lora:
+    if has_adapters(model):
         init_lora(model, recipe.train.seed, fill_local_shard, env.device)
     return model, applied
 
 
-def build_reference(recipe: Recipe, env: DistEnv, policy: Transformer) -> Reference:
-    """A preference run's reference model: with LoRA the policy itself, its adapters switched off; otherwise a frozen
-    copy of the model, built and sharded as the policy is, held in the compute dtype (what FSDP gathers anyway, so
-    its forward is the policy's at step 0, bitwise), no gradients, no optimizer state; the checkpointer loads the
-    weights the run started from into it."""
-    if recipe.lora.rank is not None:
-        return Reference(policy)
-    frozen = frozen_copy(recipe, env.mesh, uses_flex_attention(recipe.parallel, env.device))
-    materialize(frozen, env.device, recipe.train.seed, recipe.parallel.cpu_offload)
-    return Reference(policy, frozen)
+def build_step(recipe: Recipe, env: DistEnv, model: Transformer) -> Step:
+    """The step of the kind the recipe trains, with the frozen models it holds built beside `model` and initialised
+    as the recipe's model would be (the checkpointer then fills them with the weights the run started from)."""
+    step = training_kind(recipe).build(recipe, env, model)
+    for start in step.starts:
+        materialize(start.model, env.device, recipe.train.seed, recipe.parallel.cpu_offload)
+    return step
 
 
 def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> TokenLoader:
@@ -85,18 +80,37 @@ def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> Toke
     )
 
 
-def build_checkpointer(
-    recipe: Recipe, env: DistEnv, states: dict[str, Stateful], reference: torch.nn.Module | None = None
-) -> Checkpointer:
-    """The checkpointer of `states`, which have been restored as checkpoint.resume says (auto | none | PATH), and of a
-    preference run's frozen `reference`, loaded with the weights the run started from; a fresh LoRA run with
+def run_kind(recipe) -> tuple[str, str]:
+    """What a run is, for whether a checkpoint resumes it: its training kind and whether it trains adapters."""
+    return training_kind(recipe).name, adapter_kind(recipe.lora)
+
+
+def resumes(recipe: Recipe, path: Path) -> bool:
+    """Whether checkpoint `path` is of the run's own kind, to be resumed whole (optimizer, data, step), rather than
+    weights to start from: decided from the recipe it was saved with. A weights-only checkpoint (an import) and one
+    without a recipe this trainer reads are weights."""
+    try:
+        saved = SimpleNamespace(**load_sections(checkpoint_recipe(path)))
+    except (FileNotFoundError, ValueError):
+        return False
+    return saved_entries(path) != {"model"} and run_kind(saved) == run_kind(recipe)
+
+
+def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful], step: Step) -> Checkpointer:
+    """The checkpointer of `states`, restored as checkpoint.resume says (auto | none | PATH), and of the models that
+    hold the weights the run started from (a LoRA run's base, the step's frozen models); a fresh LoRA run with
     lora.adapter starts its adapters from that PEFT adapter."""
-    ckpt = Checkpointer(recipe, env, states, reference)
-    if ckpt.load() is None and recipe.lora.adapter is not None:  # a fresh start from an existing PEFT adapter
-        load_adapters(states["model"].model, load_peft_adapter(recipe.lora.adapter, recipe.lora), fill_local_shard)
-        if env.is_main:
-            logger.info(f"adapters loaded from {recipe.lora.adapter}")
+    model = states["model"].model
+    starts = [*([lora_start(model)] if has_adapters(model) else []), *step.starts]
+    ckpt = Checkpointer(recipe, env, states, starts, lambda path: resumes(recipe, path))
+    if ckpt.load() is None and start_adapters(model, recipe.lora) and env.is_main:
+        logger.info(f"adapters loaded from {recipe.lora.adapter}")
     return ckpt
+
+
+def model_state(model: Transformer) -> ModelState:
+    """What a run's checkpoints hold of its model: every weight, or with adapters the adapters alone."""
+    return ModelState(model, adapters_only=has_adapters(model))
 
 
 def lock_out_dir(out_dir: str, env: DistEnv) -> RunLock | None:
@@ -116,47 +130,50 @@ def lock_out_dir(out_dir: str, env: DistEnv) -> RunLock | None:
     return lock
 
 
-def check_preference_data(recipe: Recipe, train_file: Tokens | Mixture) -> None:
-    """A preference run trains on preference pairs, and preference pairs train only a preference run."""
-    pairs = train_file.preference
-    if recipe.preference.loss is not None and not pairs:
+def check_disk_room(recipe: Recipe) -> None:
+    """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the recipe's
+    model: fp32 weights and the optimizer's state of what it trains, as the planner counts them (gradients are not
+    saved; a LoRA run's checkpoints hold its adapters and their state only)."""
+    out_dir = recipe.train.out_dir
+    model = meta_model(recipe.model, recipe.lora)
+    saved = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    need = MASTER_WEIGHT_BYTES * saved + optimizer_state_bytes(recipe.optim, model)
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
         raise ValueError(
-            f"preference.loss={recipe.preference.loss} trains on preference pairs, and {train_file.path} holds none: "
-            "prepare the data with tools/prepare_data.py --format preference"
+            f"train.out_dir={out_dir} has {free / 1e9:.1f} GB free, and one checkpoint of this model takes "
+            f"{need / 1e9:.1f} GB; free space or choose another directory"
         )
-    if recipe.preference.loss is None and pairs:
-        raise ValueError(
-            f"{train_file.path} holds preference pairs: set preference.loss (sigmoid for DPO, ipo or robust) to train "
-            "on them"
-        )
+
+
+def check_start(recipe: Recipe) -> None:
+    """A checkpoint named by checkpoint.resume exists and, when the run starts from its weights rather than resuming
+    it, everything those weights come from is there (a LoRA checkpoint's base, unchanged)."""
+    resume = recipe.checkpoint.resume
+    if resume in ("auto", "none"):
+        return
+    path = resolve_checkpoint(resume)  # a path that holds no checkpoint
+    if not resumes(recipe, path) and is_adapters_only(path):
+        lora_base(path)
 
 
 def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Everything about a run that can be wrong before any process group exists: the token files against the
-    tokenizer and the model, the W&B package, the output directory (its room, and no live run holding it), the
-    backend. Returns the opened token files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls
-    it before it starts any worker, and every worker again."""
+    tokenizer, the model and the training kind, the W&B package, the output directory (its room, and no live run
+    holding it), the checkpoint it starts from, the adapters, the backend. Returns the opened token files; raises
+    ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any worker, and every
+    worker again."""
     # null: the tokenizer that travels with the checkpoint the run starts from, recorded resolved in config.yaml.
     data, resume = recipe.data, recipe.checkpoint.resume
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
     files = open_data(recipe)
-    check_preference_data(recipe, files[0])
+    check_data(recipe, files[0])
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     check_run_dir_free(recipe.train.out_dir)
     if recipe.checkpoint.every:
         check_disk_room(recipe)
-    if resume not in ("auto", "none"):
-        resolve_checkpoint(resume)  # a path that holds no checkpoint
-    if recipe.lora.adapter is not None:
-        check_peft_adapter(recipe.lora.adapter, recipe.lora)  # there, and made for this rank, scale and targets
-    if recipe.lora.quantize_base == "nf4":
-        require_torchao()
-        # The launcher knows no world size yet: it checks the whole weights, each worker its shard group too
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        _, shard_ranks = SHARDING[recipe.parallel.sharding].mesh_shape(
-            world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        )
-        check_nf4_shapes(recipe.model, recipe.lora, shard_ranks)
+    check_start(recipe)
+    check_adapters(recipe.model, recipe.lora, recipe.parallel)
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files

@@ -13,7 +13,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,12 +21,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
-from fsdp_trainer.checkpoint.starts import lora_base
-from fsdp_trainer.checkpoint.storage import RECIPE_FILE, checkpoint_recipe, checkpoint_tokenizer
-from fsdp_trainer.checkpoint.verify import verified_checkpoint
-from fsdp_trainer.checkpoint.weights import iter_model_weights, load_model_weights, save_model_weights
-from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype, load_sections, sections_to_yaml
+from fsdp_trainer.checkpoint.storage import RECIPE_FILE
+from fsdp_trainer.checkpoint.weights import (
+    SavedModel,
+    export_shapes,
+    load_model_weights,
+    read_saved_model,
+    save_model_weights,
+    weight_stream,
+)
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, sections_to_yaml
 from fsdp_trainer.files import CHECKPOINTS_DIR, write_failure
 from fsdp_trainer.hf import (
     check_safetensors,
@@ -55,75 +58,18 @@ def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
         return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
 
 
-@dataclass
-class _Checkpoint:
-    """What a checkpoint, checkpoints/ or run directory holds, for export."""
-
-    path: Path
-    """The step directory."""
-    model: ModelConfig
-    tokenizer: Path | None
-    lora: LoraConfig | None
-    """The adapters it was trained with, if any."""
-    seed: int
-    """The seed of its weight init (a LoRA run from scratch: the frozen weights are that init)."""
-
-
-def _read_checkpoint(path: str | os.PathLike) -> _Checkpoint:
-    ckpt = verified_checkpoint(path)  # a corrupted checkpoint never becomes a model or an HF directory
-    sections = load_sections(checkpoint_recipe(ckpt))
-    lora = sections["lora"] if sections["lora"].rank is not None else None
-    tokenizer = checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
-    return _Checkpoint(ckpt, sections["model"], tokenizer, lora, sections["train"].seed)
-
-
-def _export_shapes(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
-    """(the weights an HF model has, the LoRA adapters a checkpoint of a LoRA run holds) by name and shape; tied
-    embeddings once, under embed_tokens."""
-    with torch.device("meta"):
-        model = Transformer(ckpt.model)
-        if ckpt.lora is not None:
-            apply_lora(model, ckpt.lora)
-    shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if ckpt.model.tie_embeddings:
-        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
-    adapters = {name: shape for name, shape in shapes.items() if is_adapter(name)}
-    return {name: shape for name, shape in shapes.items() if name not in adapters}, adapters
-
-
-def _model_weights(ckpt: _Checkpoint, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+def _model_weights(ckpt: SavedModel, adapters_only: bool = False) -> dict[str, torch.Tensor]:
     """The full fp32 weights of a checkpoint, with a LoRA run's adapters merged into the weights they adapt (HF's
     model has no place for them), or with `adapters_only` the adapters alone."""
     if adapters_only:
-        return load_model_weights(ckpt.path, _export_shapes(ckpt)[1])
-    return dict(_weight_stream(ckpt)[1])
-
-
-def _weight_stream(ckpt: _Checkpoint) -> tuple[dict[str, torch.Size], Iterator[tuple[str, torch.Tensor]]]:
-    """The weights an HF model has, as (shapes, the tensors one at a time in that order): the memory it takes is one
-    tensor (and a LoRA run's adapters, which are small), not the model. A LoRA checkpoint holds its adapters only: the
-    frozen weights come from the base it records, and each adapted one is merged as it passes."""
-    cfg, lora = ckpt.model, ckpt.lora
-    weights, adapter_shapes = _export_shapes(ckpt)
-    if lora is None:
-        return weights, iter_model_weights(ckpt.path, weights)
-    adapters = load_model_weights(ckpt.path, adapter_shapes)
-    base = lora_base(ckpt.path)
-    if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
-        init = Transformer(cfg)
-        init.init_weights(seed=ckpt.seed)
-        init_state = init.state_dict()
-        frozen = ((name, init_state[name]) for name in weights)
-    else:
-        frozen = iter_model_weights(base, weights)
-
-    return weights, ((name, merged(name, tensor, adapters, lora)) for name, tensor in frozen)
+        return load_model_weights(ckpt.path, export_shapes(ckpt)[1])
+    return dict(weight_stream(ckpt)[1])
 
 
 def export_adapter(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> Path:
     """A LoRA run's adapters as a PEFT adapter directory, which appears only once complete (tools/consolidate.py
     --lora adapter)."""
-    ckpt = _read_checkpoint(ckpt_dir)
+    ckpt = read_saved_model(ckpt_dir)
     if ckpt.lora is None:
         raise ValueError(f"{ckpt.path} was trained without LoRA (lora.rank null), so it has no adapters; drop --lora")
     out = _new_output_dir(out_dir)
@@ -178,7 +124,7 @@ def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         state = load_safetensors(path)
         tokenizer_path = path
     else:
-        ckpt = _read_checkpoint(path)
+        ckpt = read_saved_model(path)
         cfg, tokenizer_path, state = ckpt.model, ckpt.tokenizer, _model_weights(ckpt)
         if tokenizer_path is None:
             raise FileNotFoundError(f"{ckpt.path} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
@@ -254,10 +200,10 @@ def consolidate(
     """Write a checkpoint as an HF directory, which appears only once complete and checked (tools/consolidate.py). The
     weights pass one tensor at a time (a shard's worth in memory); `verify="hf"` then loads the whole model into
     transformers, which `auto` does only where it takes at most half the memory available."""
-    read = _read_checkpoint(ckpt_dir)
+    read = read_saved_model(ckpt_dir)
     ckpt, cfg, tokenizer_path = read.path, read.model, read.tokenizer
     out = _new_output_dir(out_dir)
-    shapes, tensors = _weight_stream(read)
+    shapes, tensors = weight_stream(read)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
     model_bytes = sum(shape.numel() for shape in shapes.values()) * torch_dtype.itemsize

@@ -19,8 +19,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fsdp_trainer.build import build_checkpointer, build_loader, build_model, build_reference, check_run, lock_out_dir
-from fsdp_trainer.checkpoint.checkpointer import ModelState, OptimState
+from fsdp_trainer.build import (
+    build_checkpointer,
+    build_loader,
+    build_model,
+    build_step,
+    check_run,
+    lock_out_dir,
+    model_state,
+)
+from fsdp_trainer.checkpoint.checkpointer import OptimState
 from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
 from fsdp_trainer.convert import export_hf_sharded
@@ -29,7 +37,6 @@ from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader
 from fsdp_trainer.distributed.parallelize import (
     SHARDING,
     ShardingPlan,
-    reshard,
 )
 from fsdp_trainer.distributed.runtime import (
     DistEnv,
@@ -38,14 +45,12 @@ from fsdp_trainer.distributed.runtime import (
     init_distributed,
     resolve_precision,
     silent_ranks,
-    sum_over_ranks,
 )
 from fsdp_trainer.files import RunDirInUse
-from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
+from fsdp_trainer.steps.base import Step
 from fsdp_trainer.steps.next_token import NextTokenStep
-from fsdp_trainer.steps.preference import PreferenceStep
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -74,8 +79,8 @@ def train_step(
     device: the fused AdamW kernel skips its update where `found_inf` is set (the mechanism torch.amp.GradScaler
     uses). Both numbers are global, so every rank takes the same decision.
 
-    `step_losses` computes the micro-batches' losses and runs their backward: next-token cross-entropy
-    (NextTokenStep) unless a preference run passes its preference.PreferenceStep.
+    `step_losses`, the training kind's step (steps/), computes the micro-batches' losses and runs their backward;
+    next-token cross-entropy unless given.
 
     With an enabled `scaler` (fp16), the loss is scaled before backward and the gradients unscaled before clipping,
     so grad_norm and the clip are in real units. Scaled gradients that overflow are routine: the step is skipped the
@@ -184,27 +189,14 @@ class TrainState(Stateful):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, val_file: Tokens, recipe: Recipe, env: DistEnv, preference: PreferenceStep | None = None
-) -> dict[str, torch.Tensor]:
-    """Loss over the targets of the first train.eval_steps global micro-batches of the validation file (the same every
-    time); fine-tuning data: over the supervised tokens; preference pairs: their loss and reward metrics."""
+def evaluate(model: torch.nn.Module, step: Step, val_file: Tokens, recipe: Recipe, env: DistEnv) -> dict:
+    """The step's loss and metrics over the first train.eval_steps global micro-batches of the validation file (the
+    same every time): over its targets, its supervised tokens or its pairs, as the training kind counts them."""
     data = recipe.data
     loader = TokenLoader(
         val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
     )
-    if preference is not None:
-        return preference.evaluate(model, [loader.next_batch()[0] for _ in range(recipe.train.eval_steps)])
-    summed = torch.zeros(2, device=env.device)  # the loss summed over targets, and their number
-    for _ in range(recipe.train.eval_steps):
-        (batch,) = loader.next_batch()
-        objective = NextTokenLoss(batch.targets, recipe.train.loss_chunks)
-        summed[0] += model(batch.inputs, batch.documents, loss=objective)
-        summed[1] += objective.count()
-    reshard(model)
-    total, targets = sum_over_ranks(summed)  # one all-reduce
-    return {"loss": total / targets}
+    return step.evaluate(model, [loader.next_batch()[0] for _ in range(recipe.train.eval_steps)])
 
 
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
@@ -216,13 +208,9 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     scaler = build_loss_scaler(recipe.optim, recipe.parallel.mixed_precision, next(model.parameters()).device)
     loader = build_loader(recipe, env, train_file)
     state = TrainState(cfg.on_nonfinite, env.device, scaler)
-    model_state = ModelState(model, adapters_only=recipe.lora.rank is not None)  # LoRA: its checkpoints, adapters only
-    states = {"model": model_state, "optim": OptimState(model, optimizer), "data": loader, "train": state}
-    preference = None
-    if recipe.preference.loss is not None:  # the policy's rewards are measured against the model it starts as
-        reference = build_reference(recipe, env, model)
-        preference = PreferenceStep(recipe.preference, reference, cfg.loss_chunks)
-    ckpt = build_checkpointer(recipe, env, states, preference and preference.reference.frozen)
+    states = {"model": model_state(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
+    step = build_step(recipe, env, model)  # the training kind's, with the frozen models it holds
+    ckpt = build_checkpointer(recipe, env, states, step)
     if env.is_main:
         write_config(recipe)
     metrics = Metrics(recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from)
@@ -236,7 +224,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             lr = lr_at(state.step, recipe.optim, cfg.steps)
             batches = loader.next_batch()
             stats = train_step(
-                model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan, preference
+                model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan, step
             )
             state.finish_step(stats)
             metrics.step_done(state.step)
@@ -244,7 +232,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             if state.step % cfg.log_every == 0 or last or state.step == first_step:  # host syncs: log steps only
                 metrics.log(state.step, stats, lr, state.settle(), state.loss_scaling())
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
-                metrics.log_eval(state.step, evaluate(model, val_file, recipe, env, preference))
+                metrics.log_eval(state.step, evaluate(model, step, val_file, recipe, env))
             ckpt.save_if_due(state.step)
             if ckpt.preempted:
                 break

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.data.prepare import BUNDLED_CORPUS
+from fsdp_trainer.data.prepare import BUNDLED_CORPUS, BUNDLED_PREFERENCES
 from tests.helpers import REPO, TINY_MODEL
 
 
@@ -48,3 +48,28 @@ def tiny_data(tmp_path_factory) -> Path:
         text=True,
     )
     return recipe
+
+
+PAIRS_SEQ_LEN = 256  # a pair per window at most 256 tokens: each conversation up to 128 of the tiny tokenizer's
+
+
+def prepare_pairs(recipe, out, inputs, *extra, check=True):
+    """tools/prepare_data.py --format preference of `inputs` into out/train.bin and out/val.bin, in windows of
+    PAIRS_SEQ_LEN."""
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", "preference"]
+    cmd += ["--input", *map(str, inputs)]
+    cmd += ["--data.seq_len", str(PAIRS_SEQ_LEN), "--model.max_seq_len", str(PAIRS_SEQ_LEN), "--val_fraction", "0.1"]
+    cmd += ["--data.train_path", str(out / "train.bin"), "--data.val_path", str(out / "val.bin"), *map(str, extra)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="session")
+def pairs(tiny_data, tmp_path_factory):
+    """The first 600 pairs of the bundled set, prepared with the tiny tokenizer."""
+    root = tmp_path_factory.mktemp("pairs")
+    with gzip.open(BUNDLED_PREFERENCES, "rt") as f:
+        (root / "pairs.jsonl").write_text("".join(f.readlines()[:600]))
+    prepare_pairs(tiny_data, root, [root / "pairs.jsonl"])
+    return root

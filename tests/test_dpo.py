@@ -200,10 +200,11 @@ def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_
         return model
 
     step = PreferenceStep(PreferenceConfig(loss="sigmoid", beta=0.1), Reference(None, weights_of(reference)))
-    sums = step.sums(weights_of(policy), [batch])  # one rank's sums, and its pairs last
-    results = dict(zip(("loss", *METRICS), (sums[:-1] / sums[-1]).tolist(), strict=True))
+    with torch.no_grad():
+        loss, metrics, pairs = step.sums(weights_of(policy), batch)  # sums over the micro-batch's pairs
+    results = dict(zip(("loss", *METRICS), (torch.cat([loss[None], metrics]) / pairs).tolist(), strict=True))
     print(f"ours {results['loss']:.9g}, TRL {trl_loss:.9g}")
-    assert sums[-1] == len(PAIRS) and results["loss"] == pytest.approx(trl_loss, rel=1e-5)
+    assert pairs == len(PAIRS) and results["loss"] == pytest.approx(trl_loss, rel=1e-5)
     for name in METRICS:  # rewards: beta x a difference of log-probabilities a few hundred large, so absolute
         print(f"{name}: ours {results[name]:.9g}, TRL {trl_metrics[name]:.9g}")
         assert results[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-5 if "rewards/" in name else 0), name

@@ -274,13 +274,13 @@ def test_qlora_prices_the_adapted_projections_in_nf4_and_fits_8b_on_one_24gb_gpu
 
 
 def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatch, tmp_path):
-    from fsdp_trainer.checkpoint import checkpointer
+    from fsdp_trainer import build
 
-    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda path: shutil_usage(total=1e12, used=0, free=10e9))
+    monkeypatch.setattr(build.shutil, "disk_usage", lambda path: shutil_usage(total=1e12, used=0, free=10e9))
     args = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--train.out_dir", str(tmp_path)]
     with pytest.raises(ValueError, match="has 10.0 GB free, and one checkpoint of this model takes 96.4 GB"):
-        checkpointer.check_disk_room(parse_recipe(args))
-    checkpointer.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
+        build.check_disk_room(parse_recipe(args))
+    build.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
 @pytest.mark.parametrize("kind", ["fine-tuning", "dpo"])

@@ -10,8 +10,6 @@ import json
 import logging
 import math
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,29 +25,10 @@ from fsdp_trainer.loss import SequenceLogProbs
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.sinks import LogLine, scalars
 from fsdp_trainer.steps.preference import METRICS
+from tests.conftest import PAIRS_SEQ_LEN, prepare_pairs
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
-TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
-SEQ = 256  # a pair per window at most 256 tokens: each conversation up to 128 of the tiny tokenizer's
-
-
-def _prepare(recipe, out, inputs, *extra, check=True):
-    cmd = [*TOOL, "--recipe", str(recipe), "--format", "preference", "--input", *map(str, inputs)]
-    cmd += ["--data.seq_len", str(SEQ), "--model.max_seq_len", str(SEQ), "--val_fraction", "0.1"]
-    cmd += ["--data.train_path", str(out / "train.bin"), "--data.val_path", str(out / "val.bin"), *map(str, extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert not check or proc.returncode == 0, proc.stderr
-    return proc
-
-
-@pytest.fixture(scope="module")
-def pairs(tiny_data, tmp_path_factory):
-    """The first 600 pairs of the bundled set, prepared with the tiny tokenizer."""
-    root = tmp_path_factory.mktemp("pairs")
-    with gzip.open(BUNDLED_PREFERENCES, "rt") as f:
-        (root / "pairs.jsonl").write_text("".join(f.readlines()[:600]))
-    _prepare(tiny_data, root, [root / "pairs.jsonl"])
-    return root
+SEQ = PAIRS_SEQ_LEN
 
 
 def _args(tiny_data, pairs, out, steps, **sections):
@@ -219,7 +198,7 @@ def test_pairs_read_alike_from_jsonl_and_parquet_as_texts_or_messages(tiny_data,
     (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in texts))
     pq.write_table(pa.Table.from_pylist(messages), tmp_path / "messages.parquet")
     for name in ("texts.jsonl", "messages.parquet"):
-        _prepare(tiny_data, tmp_path / f"{name}.out", [tmp_path / name], "--val_fraction", "0")
+        prepare_pairs(tiny_data, tmp_path / f"{name}.out", [tmp_path / name], "--val_fraction", "0")
     a, b = (TokenFile(tmp_path / f"{name}.out" / "train.bin") for name in ("texts.jsonl", "messages.parquet"))
     assert a.meta["examples"] == 3 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.flags, b.flags)
 
@@ -243,9 +222,9 @@ def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
     ]
     for record, message in cases:
         (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
-        proc = _prepare(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], check=False)
+        proc = prepare_pairs(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
-    proc = _prepare(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], "--train_on", "all", check=False)
+    proc = prepare_pairs(tiny_data, tmp_path / "out", [tmp_path / "bad.jsonl"], "--train_on", "all", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert "--train_on=all applies to --format chat: a preference pair is measured on its answers" in proc.stderr
     # Pairs without a preference loss, and a preference loss on plain token files: refused before any process starts.

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_trainer.adapters import meta_model
 from fsdp_trainer.adapters.lora import LoRALinear, apply_lora, init_lora, is_adapter
 from fsdp_trainer.adapters.nf4 import (
     BLOCK,
@@ -135,16 +136,16 @@ def test_the_state_probe_counts_the_bytes_nf4_stores():
 
 
 def test_nf4_shapes_that_do_not_split_are_one_line_naming_the_projection():
-    check_nf4_shapes(QSMALL, LORA, 2)
+    check_nf4_shapes(meta_model(QSMALL, LORA), 2)
     with pytest.raises(ValueError, match=r"k_proj \(128 x 256\) does not split .* shard group of 4 ranks"):
-        check_nf4_shapes(QSMALL, LoraConfig(rank=4, targets=["q_proj", "k_proj"]), 4)
+        check_nf4_shapes(meta_model(QSMALL, LoraConfig(rank=4, targets=["q_proj", "k_proj"])), 4)
     # Qwen3's explicit head_dim sets the projections' shapes, not dim / n_heads (which would make q_proj 256 x 256).
     qwen3 = dataclasses.replace(QSMALL, family="qwen3", head_dim=32)
     with pytest.raises(ValueError, match=r"q_proj \(128 x 256\) does not split .* shard group of 4 ranks"):
-        check_nf4_shapes(qwen3, LoraConfig(rank=4, targets=["q_proj"]), 4)
+        check_nf4_shapes(meta_model(qwen3, LoraConfig(rank=4, targets=["q_proj"])), 4)
     tiny = ModelConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=64, max_seq_len=16)
     with pytest.raises(ValueError, match=r"q_proj \(64 x 64\) is not a whole number of NF4 scale blocks"):
-        check_nf4_shapes(tiny, LoraConfig(rank=4, targets=["q_proj"]), 1)
+        check_nf4_shapes(meta_model(tiny, LoraConfig(rank=4, targets=["q_proj"])), 1)
     with pytest.raises(ValueError, match="lora.quantize_base=nf4 needs lora.rank: it quantizes"):
         LoraConfig(quantize_base="nf4")
 

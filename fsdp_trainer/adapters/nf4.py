@@ -20,10 +20,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fsdp_trainer.adapters.lora import LoRALinear, apply_lora
-from fsdp_trainer.config import LoraConfig, ModelConfig
+from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.distributed.parallelize import fill_local_shard
-from fsdp_trainer.model import Transformer, unwrapped_name
+from fsdp_trainer.model import unwrapped_name
 
 BLOCK = 64
 """Values per NF4 scale (torchao's and bitsandbytes' default, QLoRA's)."""
@@ -69,23 +68,16 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(local).__name__ == "NF4Tensor"
 
 
-def quantized_shapes(model_cfg: ModelConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
-    """The shape (out, in) of each kind of layer (q_proj, ..., lm_head) whose frozen weight QLoRA quantizes: the
-    adapted linear layers of the model itself, built on the meta device."""
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    apply_lora(model, lora)
-    return {
+def check_nf4_shapes(model: nn.Module, shard_ranks: int) -> None:
+    """ValueError (one line) unless every projection of `model` (a recipe's model with its adapters, on meta) whose
+    frozen weight QLoRA quantizes splits into whole double-quantization blocks and whole rows over `shard_ranks` ranks,
+    as torchao's NF4 split (FSDP2's sharding of it) requires. An adapted embedding stays in the compute dtype."""
+    projections = {
         name.rsplit(".", 1)[-1]: tuple(module.weight.shape)
         for name, module in model.named_modules()
-        if isinstance(module, LoRALinear)  # an adapted embedding stays in the compute dtype
+        if isinstance(module, LoRALinear)
     }
-
-
-def check_nf4_shapes(model_cfg: ModelConfig, lora: LoraConfig, shard_ranks: int) -> None:
-    """ValueError (one line) unless every quantized projection splits into whole double-quantization blocks and whole
-    rows over `shard_ranks` ranks, as torchao's NF4 split (FSDP2's sharding of it) requires."""
-    for name, (rows, cols) in quantized_shapes(model_cfg, lora).items():
+    for name, (rows, cols) in projections.items():
         where = f"lora.quantize_base nf4: {name} ({rows} x {cols})"
         if rows * cols % VALUES_PER_SCALER_BLOCK:
             raise ValueError(

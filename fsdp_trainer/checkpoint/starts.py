@@ -1,24 +1,46 @@
-"""The weights a run started from, recorded in each of its checkpoints (path and fingerprint) and checked when they
-are loaded again."""
+"""The weights a run started from: the models a run holds beside what it saves (a LoRA run's frozen base, a
+preference run's reference, later a distillation teacher) take them, and each of the run's checkpoints records where
+they came from (path and fingerprint), so that a resume loads the same weights again and refuses changed ones.
+
+Each such model is a Start, declared by whoever holds it (the adapters, a training kind) and handed to the
+Checkpointer, which records, fingerprints and reloads every Start the same way.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch.nn as nn
+
 from fsdp_trainer.checkpoint.storage import CHECKSUMS_FILE, CheckpointError, is_complete
-from fsdp_trainer.files import (
-    file_sha256,
-)
+from fsdp_trainer.files import file_sha256
 
 LORA_BASE_FILE = "lora_base.json"
-"""In a LoRA run's step directory: the model its adapters apply to, {"path": a weights-only checkpoint, or null for
-the recipe's seeded init; "fingerprint": sha256 of that checkpoint's checksums.json}."""
+"""In a LoRA run's step directory: the model its adapters apply to, {"path": a checkpoint, or null for the recipe's
+seeded init; "fingerprint": sha256 of that checkpoint's checksums.json}."""
+
+
+@dataclass
+class Start:
+    """A model of the run that holds the weights the run started from, not weights it trains or saves."""
+
+    record: str
+    """The file in every step directory that records where its weights came from."""
+    model: nn.Module
+    what: str
+    """What it is to the run, for messages: "adapters were trained on", "reference model is"."""
+
+
+def lora_start(policy: nn.Module) -> Start:
+    """A LoRA run's frozen base: the policy itself, whose adapters its checkpoints hold alone."""
+    return Start(LORA_BASE_FILE, policy, "adapters were trained on")
 
 
 def base_fingerprint(path: Path) -> str:
-    """What identifies a weights-only checkpoint's values: the sha256 of its checksums.json (the size and CRC-32 of
-    every file), or of its .metadata where it has none."""
+    """What identifies a checkpoint's values: the sha256 of its checksums.json (the size and CRC-32 of every file), or
+    of its .metadata where it has none."""
     manifest = path / CHECKSUMS_FILE
     return file_sha256(manifest if manifest.is_file() else path / ".metadata")
 
@@ -26,23 +48,19 @@ def base_fingerprint(path: Path) -> str:
 def lora_base(ckpt: Path) -> Path | None:
     """The base model a LoRA checkpoint's adapters apply to (None: the recipe's seeded init), checked against the
     fingerprint recorded when the run started; CheckpointError naming both if it is gone or changed."""
-    return _recorded_start(ckpt, LORA_BASE_FILE, "adapters apply to", "it is not a LoRA checkpoint of this trainer")
+    return recorded_start(ckpt, LORA_BASE_FILE, "adapters apply to")
 
 
-REFERENCE_FILE = "reference.json"
-"""In a full fine-tuning preference run's step directory: the weights its frozen reference model holds, the model the
-run started from, recorded as LORA_BASE_FILE records a base."""
+def is_adapters_only(ckpt: Path) -> bool:
+    """Whether a checkpoint holds a LoRA run's adapters alone, its frozen weights being its base's."""
+    return (ckpt / LORA_BASE_FILE).is_file()
 
 
-def preference_reference(ckpt: Path) -> Path | None:
-    """The checkpoint a preference run's reference was loaded from (None: the recipe's seeded init), checked as
-    lora_base checks a base."""
-    return _recorded_start(ckpt, REFERENCE_FILE, "reference model is", "it is not a preference run's checkpoint")
-
-
-def _recorded_start(ckpt: Path, record_file: str, what: str, foreign: str) -> Path | None:
+def recorded_start(ckpt: Path, record_file: str, what: str) -> Path | None:
+    """Where the weights a Start holds came from (None: the recipe's seeded init), as `ckpt` records them, checked
+    against the recorded fingerprint; CheckpointError naming both if that checkpoint is gone or changed."""
     if not (ckpt / record_file).is_file():
-        raise CheckpointError(f"{ckpt} has no {record_file}: {foreign}")
+        raise CheckpointError(f"{ckpt} has no {record_file}: it was saved by a run of another kind")
     record = json.loads((ckpt / record_file).read_text())
     if record["path"] is None:
         return None
@@ -59,6 +77,7 @@ def _recorded_start(ckpt: Path, record_file: str, what: str, foreign: str) -> Pa
 
 
 def start_record(path: Path | None) -> bytes:
+    """The record of a Start's weights: a checkpoint's path and fingerprint, or null for the recipe's seeded init."""
     return json.dumps({"path": None, "fingerprint": None} if path is None else {
         "path": str(path.resolve()), "fingerprint": base_fingerprint(path)
     }).encode()  # fmt: skip

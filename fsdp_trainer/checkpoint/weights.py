@@ -7,28 +7,58 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.adapters.lora import is_adapter
+from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
+from fsdp_trainer.adapters.nf4 import is_nf4
+from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base
 from fsdp_trainer.checkpoint.storage import (
     CheckpointError,
     ChecksummedWriter,
+    checkpoint_recipe,
+    checkpoint_tokenizer,
     first_failure,
     load_state,
     read_metadata,
     resolve_checkpoint,
 )
+from fsdp_trainer.checkpoint.verify import verified_checkpoint
+from fsdp_trainer.config import LoraConfig, ModelConfig, load_sections
 from fsdp_trainer.files import (
     CHECKPOINTS_DIR,
     write_failure,
 )
+from fsdp_trainer.model import Transformer
+
+
+class ModelState(Stateful):
+    """The model's (sharded) weights under their HF names, whatever wrappers the model carries; with `adapters_only`
+    (a LoRA run), its adapters alone: the frozen weights are the base's, recorded by its Start, not saved again."""
+
+    def __init__(self, model: nn.Module, adapters_only: bool = False):
+        self.model, self.adapters_only = model, adapters_only
+
+    def state_dict(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model)
+        if self.adapters_only:
+            return {name: t for name, t in state.items() if is_adapter(name)}
+        # NF4 weights (QLoRA) are never saved and not loaded by DCP: restore.load_weights quantizes them
+        return {name: t for name, t in state.items() if not is_nf4(t)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        strict = not self.adapters_only and not any(is_nf4(p) for p in self.model.parameters())
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=strict))
 
 
 def check_model_shapes(path: Path, model_state: dict[str, Any], adapters_optional: bool = False) -> None:
@@ -108,3 +138,62 @@ def save_model_weights(
             raise OSError(f"{write_failure(cause, path.parent)}; no partial checkpoint was left at {path}") from e
         raise
     return path
+
+
+@dataclass
+class SavedModel:
+    """A checkpoint's model, as its recipe describes it: for export, and for a run that starts from its weights."""
+
+    path: Path
+    """The step directory."""
+    model: ModelConfig
+    tokenizer: Path | None
+    lora: LoraConfig | None
+    """The adapters it was trained with, if any."""
+    seed: int
+    """The seed of its weight init (a LoRA run from scratch: the frozen weights are that init)."""
+
+
+def read_saved_model(path: str | os.PathLike) -> SavedModel:
+    ckpt = verified_checkpoint(path)  # a corrupted checkpoint never becomes a model or an HF directory
+    sections = load_sections(checkpoint_recipe(ckpt))
+    lora = sections["lora"] if sections["lora"].rank is not None else None
+    tokenizer = checkpoint_tokenizer(ckpt, sections["data"].tokenizer_path)
+    return SavedModel(ckpt, sections["model"], tokenizer, lora, sections["train"].seed)
+
+
+def export_shapes(ckpt: SavedModel) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
+    """(the weights an HF model has, the LoRA adapters a checkpoint of a LoRA run holds) by name and shape; tied
+    embeddings once, under embed_tokens."""
+    with torch.device("meta"):
+        model = Transformer(ckpt.model)
+        if ckpt.lora is not None:
+            apply_lora(model, ckpt.lora)
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    if ckpt.model.tie_embeddings:
+        shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
+    adapters = {name: shape for name, shape in shapes.items() if is_adapter(name)}
+    return {name: shape for name, shape in shapes.items() if name not in adapters}, adapters
+
+
+def weight_stream(ckpt: SavedModel) -> tuple[dict[str, torch.Size], Iterator[tuple[str, torch.Tensor]]]:
+    """The weights an HF model has, as (shapes, the tensors one at a time in that order): the memory it takes is one
+    tensor (and a LoRA run's adapters, which are small), not the model. A LoRA checkpoint holds its adapters only: the
+    frozen weights come from the base it records, and each adapted one is merged as it passes."""
+    cfg, lora = ckpt.model, ckpt.lora
+    weights, adapter_shapes = export_shapes(ckpt)
+    if lora is None:
+        return weights, iter_model_weights(ckpt.path, weights)
+    adapters = load_model_weights(ckpt.path, adapter_shapes)
+    base = lora_base(ckpt.path)
+    if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
+        init = Transformer(cfg)
+        init.init_weights(seed=ckpt.seed)
+        init_state = init.state_dict()
+        frozen = ((name, init_state[name]) for name in weights)
+    elif is_adapters_only(base):  # a LoRA run started from another LoRA run's weights: merged in turn
+        frozen = weight_stream(read_saved_model(base))[1]
+    else:
+        frozen = iter_model_weights(base, weights)
+
+    return weights, ((name, merged(name, tensor, adapters, lora)) for name, tensor in frozen)

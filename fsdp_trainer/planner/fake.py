@@ -10,20 +10,20 @@ or allocator fragmentation, which the planner's `runtime` term stands for.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_trainer.adapters.lora import apply_lora
+from fsdp_trainer.adapters import meta_model
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
-from fsdp_trainer.loss import IGNORE
-from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.steps.preference import PreferenceStep, Reference, frozen_copy
+from fsdp_trainer.steps import training_kind
 from fsdp_trainer.train import train_step
 
 
@@ -34,23 +34,10 @@ def init_fake_world(world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
 
 
-def _pairs(batch: MicroBatch) -> MicroBatch:
-    """A micro-batch of windows each holding one preference pair: two sequences of half the window, each a prompt
-    (its first half, untrained) and an answer. Attention is left causal over the window: on a GPU the block-causal
-    mask goes through flex_attention's kernel, which, like the causal one, makes no scores matrix, while the boolean
-    mask a CPU uses would make one per layer (B x heads x T x T), a memory no GPU run has."""
-    rows, length = batch.inputs.shape
-    half = length // 2
-    position = torch.arange(length)
-    second = (position >= half).long()
-    answer = (position % half) >= half // 2
-    sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + second, -1)
-    return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
-
-
 def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     """Peak GB one rank allocates in a steady-state optimizer step (the second: AdamW's state exists) of `recipe`, on a
-    fake world of nproc x nnodes ranks (init_fake_world first). The recipe's precision must be resolved."""
+    fake world of nproc x nnodes ranks (init_fake_world first): the recipe's model with its adapters, and the step of
+    its training kind with the frozen models it holds, on that kind's data. The recipe's precision must be resolved."""
     parallel, data = recipe.parallel, recipe.data
     replicas, group = SHARDING[parallel.sharding].mesh_shape(nproc * nnodes, nproc)
     if replicas == 1:
@@ -58,26 +45,20 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     else:
         mesh = init_device_mesh("cpu", (replicas, group), mesh_dim_names=("dp_replicate", "dp_shard"))
     parallel.compile = False  # nothing to compile for fake tensors
+    env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"))
+    kind = training_kind(recipe)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with torch.device("meta"):
-            model = Transformer(recipe.model)
-        if recipe.lora.rank is not None:
-            apply_lora(model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
+        model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
         applied = parallelize(model, parallel, mesh)
         model.to_empty(device="cpu")
         optimizer = build_optimizer(model, recipe.optim)
         shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
-        batches = [MicroBatch(t[:, :-1], t[:, 1:], None) for t in torch.randint(0, recipe.model.vocab_size, shape)]
-        preference = None
-        if recipe.preference.loss is not None:  # a pair per window, and the reference the run would have
-            batches = [_pairs(batch) for batch in batches]
-            frozen = None
-            if recipe.lora.rank is None:  # LoRA's reference is the policy, its adapters off
-                frozen = frozen_copy(recipe, mesh)
-                frozen.to_empty(device="cpu")
-            reference = Reference(model, frozen)
-            preference = PreferenceStep(recipe.preference, reference, recipe.train.loss_chunks)
-        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, preference)
+        windows = torch.randint(0, recipe.model.vocab_size, shape)
+        batches = [kind.fake_batch(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in windows]
+        step = kind.build(recipe, env, model)
+        for start in step.starts:
+            start.model.to_empty(device="cpu")
+        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
         train_step(*args)
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batches[0].inputs,))

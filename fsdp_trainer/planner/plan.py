@@ -66,16 +66,18 @@ from typing import Literal
 
 import torch
 
-from fsdp_trainer.adapters.lora import LoRALinear, apply_lora
+from fsdp_trainer.adapters import meta_model, quantizes_base
+from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
-from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.model import count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_trainer.planner.fake import init_fake_world, measured_peak_gb
 from fsdp_trainer.planner.speed import GPUS, StepTime, step_time
+from fsdp_trainer.steps import training_kind
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}
@@ -196,18 +198,15 @@ def estimate(
     prefetch = recipe.parallel.prefetch_blocks
     tokens = data.micro_batch_size * data.seq_len
 
-    with torch.device("meta"):
-        meta_model = Transformer(cfg)
-        if recipe.lora.rank is not None:  # frozen weights: no gradient, no optimizer state
-            apply_lora(meta_model, recipe.lora)
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    trainable = sum(p.numel() for p in meta_model.parameters() if p.requires_grad)
-    optimizer = optimizer_state_bytes(recipe.optim, meta_model)
-    optimizer_step = optimizer_step_bytes(recipe.optim, meta_model, shard_group)
+    meta = meta_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
+    n_params = sum(p.numel() for p in meta.parameters())
+    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    optimizer = optimizer_state_bytes(recipe.optim, meta)
+    optimizer_step = optimizer_step_bytes(recipe.optim, meta, shard_group)
     # QLoRA: the adapted projections' frozen weights in NF4, held, gathered and sent in that form; each is
     # dequantized to the compute dtype for its matmul, one at a time.
-    projections = [m.weight.numel() for m in meta_model.modules() if isinstance(m, LoRALinear)]
-    quantized = sum(projections) if recipe.lora.quantize_base == "nf4" else 0
+    projections = [m.weight.numel() for m in meta.modules() if isinstance(m, LoRALinear)]
+    quantized = sum(projections) if quantizes_base(recipe.lora) else 0
     dequantized = a * max(projections) if quantized else 0
     # Frozen weights (LoRA) are held in the compute dtype, as they are gathered: no fp32 master copy to keep.
     held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable - quantized) + NF4_BYTES * quantized
@@ -215,9 +214,7 @@ def estimate(
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
-    quantized_root = (
-        meta_model.lm_head.weight.numel() if quantized and isinstance(meta_model.lm_head, LoRALinear) else 0
-    )
+    quantized_root = meta.lm_head.weight.numel() if quantized and isinstance(meta.lm_head, LoRALinear) else 0
     quantized_block = (quantized - quantized_root) // cfg.n_layers
     block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
     root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
@@ -242,17 +239,17 @@ def estimate(
     # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
     accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
-    # Preference runs: the reference's forward before the policy's, every micro-step, gathers the model again (with
-    # LoRA the policy's own weights, adapters off); full fine-tuning also holds the reference, a frozen copy in the
-    # compute dtype, sharded. Its gathered blocks are freed before the policy's forward, so they add to no peak.
-    reference = 0.0
-    if recipe.preference.loss is not None:
-        if shard_group > 1:
-            again = gathered_bytes * n_params * data.grad_accum_steps * (shard_group - 1) / shard_group
-            sent += again
-            internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
-        if recipe.lora.rank is None:
-            reference = a * n_params / shard_group
+    # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
+    # every micro-step, gathers the model again (the policy's own weights with adapters off, or a frozen copy's); the
+    # frozen copies it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
+    # forward, so they add to no peak.
+    kind = training_kind(recipe)
+    if shard_group > 1:
+        again = gathered_bytes * n_params * data.grad_accum_steps * (shard_group - 1) / shard_group
+        again *= kind.extra_forwards(recipe)
+        sent += again
+        internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
+    reference = kind.frozen_copies(recipe, trainable < n_params) * a * n_params / shard_group
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
@@ -273,7 +270,7 @@ def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]
     """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
     # NF4 weights do not run offloaded yet (config.Recipe refuses it)
-    offloads = (False, True) if device == "cuda" and recipe.lora.quantize_base is None else (False,)
+    offloads = (False, True) if device == "cuda" and not quantizes_base(recipe.lora) else (False,)
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads
@@ -333,21 +330,6 @@ def table(
             f"({e.internode_gb:.2f}) | {e.host_gb:.2f} | {e.host_traffic_gb:.2f} |{predicted}"
         )
     return "\n".join(rows)
-
-
-def preference_note(recipe: Recipe, estimates: list[Estimate]) -> str:
-    """What a preference run's reference model costs in the rows above, and what the other way of having it would."""
-    sharded = min((e for e in estimates if not e.offload), key=lambda e: e.reference_gb)
-    if recipe.lora.rank is not None:
-        held = "the policy with its adapters off: no memory of its own"
-    else:
-        held = f"a frozen copy in the compute dtype, {sharded.reference_gb:.2f} GB per rank sharded (`reference`)"
-    return (
-        f"preference.loss {recipe.preference.loss}: the reference model is {held}; its forward each micro-step "
-        "gathers the weights again (in `sent`) and adds a third of a step's compute (in the predicted step time). "
-        "Log-probabilities computed once before training and stored beside the data (8 bytes a pair) would cost "
-        "neither during training, but one forward pass over every pair first; this trainer does not offer it yet."
-    )
 
 
 def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: int) -> str:
@@ -432,8 +414,9 @@ def main(argv: list[str] | None = None) -> None:
               "per GPU and direction (datasheets)")  # fmt: skip
         times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates]
     print(table(estimates, mem, host_mem, times))
-    if recipe.preference.loss is not None:
-        print(preference_note(recipe, estimates))
+    note = training_kind(recipe).plan_note(recipe, estimates)
+    if note:
+        print(note)
     if args.check:
         print(check_table(recipe, estimates, args.nproc, args.nnodes))
     best = recommend(estimates, mem, host_mem, times)

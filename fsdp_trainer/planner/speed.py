@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_trainer.adapters import has_adapters, meta_model
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
+from fsdp_trainer.steps import training_kind
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,13 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
     model_flops = flops_per_token(cfg, data.seq_len)
     compute_flops = model_flops
-    if recipe.lora.rank is not None:  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
+    if has_adapters(meta_model(cfg, recipe.lora)):  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
         attention = attention_flops_per_token(cfg, data.seq_len)
         compute_flops = attention + (model_flops - attention) * 4 / 6
     if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls
         compute_flops *= 4 / 3
-    if recipe.preference.loss is not None:  # the reference's forward (no backward): 2 of the 6 FLOPs a weight
-        compute_flops += model_flops / 3
+    # The training kind's forwards without gradient (a reference's): 2 of the 6 FLOPs a weight each
+    compute_flops += training_kind(recipe).extra_forwards(recipe) * model_flops / 3
     efficiency = ACHIEVED * (COMPILED if recipe.parallel.compile else 1.0)
     compute_s = tokens * compute_flops / (peak * efficiency)
     intra_gb = estimate.sent_gb - estimate.internode_gb

@@ -1,1 +1,33 @@
-"""One room per training kind: what its step computes, how it is evaluated, what it needs from the house."""
+"""One room per training kind: what its step computes, how it is evaluated, what it needs from the house (base.py says
+what a kind is asked). A new kind is a file here with a Step subclass, and a line in KINDS."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_trainer.steps.base import DATA_KINDS, Step, data_kind
+from fsdp_trainer.steps.next_token import NextTokenStep
+from fsdp_trainer.steps.preference import PreferenceStep
+
+KINDS: tuple[type[Step], ...] = (PreferenceStep, NextTokenStep)
+"""The kinds, asked in this order whether a recipe wants them; next-token prediction, the last, when no other is."""
+
+
+def training_kind(recipe: Any) -> type[Step]:
+    """The kind a recipe (or a checkpoint's recipe sections, as attributes) trains."""
+    return next(kind for kind in KINDS if kind.wanted(recipe))
+
+
+def check_data(recipe: Any, train_file: Any) -> None:
+    """A kind trains on its kind of data, and data of a kind trains only the kinds made for it: ValueError naming the
+    file and what to set."""
+    kind, held = training_kind(recipe), data_kind(train_file)
+    if held == kind.trains_on:
+        return
+    if held == "tokens":
+        raise ValueError(
+            f"the {kind.name} kind trains on {DATA_KINDS[kind.trains_on]}, and {train_file.path} holds none: "
+            "prepare the data with tools/prepare_data.py --format preference"
+        )
+    fits = next(other for other in KINDS if other.trains_on == held)
+    raise ValueError(f"{train_file.path} holds {DATA_KINDS[held]}: {fits.chosen_by} to train on them")

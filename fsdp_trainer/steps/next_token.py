@@ -1,54 +1,53 @@
-"""Next-token prediction (pretraining and supervised fine-tuning): what a training step computes on token windows."""
+"""Next-token prediction: pretraining on token windows and supervised fine-tuning on packed examples (their
+assistant tokens). The loss is the sum of the cross-entropy of every target in the global batch (all micro-batches,
+all ranks) divided by the number of targets in it, so a micro-batch with few targets (fine-tuning: few assistant
+tokens) weighs as little as it holds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.nn as nn
 
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import (
-    ShardingPlan,
-    set_gradient_sync,
-)
-from fsdp_trainer.distributed.runtime import (
-    sum_over_ranks,
-)
-from fsdp_trainer.loss import NextTokenLoss, share_of_global_mean
+from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.loss import NextTokenLoss
+from fsdp_trainer.steps.base import Step
 
 
-class NextTokenStep:
-    """The losses of one optimizer step's micro-batches for train_step: next-token cross-entropy, averaged over the
-    targets of the global batch."""
+class NextTokenStep(Step):
+    """Next-token cross-entropy, averaged over the targets of the global batch; for packed data it also reports the
+    batch's supervised tokens."""
+
+    name = "next-token"
+    chosen_by = "ask for no other kind"
+    trains_on = "tokens"
 
     def __init__(self, chunks: int = 1):
+        super().__init__()
         self.chunks = chunks
 
-    def __call__(
-        self,
-        model: torch.nn.Module,
-        micro_batches: list[MicroBatch],
-        plan: ShardingPlan,
-        backward: Callable[[torch.Tensor], None],
-        world: int,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(the global batch's mean loss, and for packed data its supervised tokens), after backward of every
-        micro-batch."""
-        device = micro_batches[0].inputs.device
-        packed = micro_batches[0].documents is not None
-        # The global number of targets: a device tensor, or for plain windows a Python number (a tensor made from it
-        # would be a host-to-device copy every step).
-        objectives = [NextTokenLoss(batch.targets, self.chunks) for batch in micro_batches]
-        if packed:
-            targets = sum_over_ranks(sum(objective.count() for objective in objectives).float())
-        else:
-            targets = float(sum(batch.targets.numel() for batch in micro_batches) * world)
-        loss_sum = torch.zeros((), device=device)
-        for i, (batch, objective) in enumerate(zip(micro_batches, objectives, strict=True)):
-            # Reduce gradients across ranks only after the last micro-batch; before that they accumulate locally.
-            set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
-            backward(share_of_global_mean(loss, targets, world))
-            loss_sum += loss.detach()
-        loss = sum_over_ranks(loss_sum) / targets
-        return loss, {"supervised_tokens": targets} if packed else {}
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        return True  # the kind of every run that asks for no other
+
+    @classmethod
+    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> NextTokenStep:
+        return cls(recipe.train.loss_chunks)
+
+    def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
+        """The global number of targets: for packed data a device tensor (one all-reduce), for plain windows a Python
+        number (a tensor made from it would be a host-to-device copy every step)."""
+        if micro_batches[0].documents is None:
+            return float(sum(batch.targets.numel() for batch in micro_batches) * world)
+        counts = [NextTokenLoss(batch.targets).count() for batch in micro_batches]
+        return sum_over_ranks(sum(counts).float())
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        objective = NextTokenLoss(batch.targets, self.chunks)
+        loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
+        return loss, loss.new_zeros(0), objective.count()
+
+    def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
+        return {"supervised_tokens": units} if micro_batches[0].documents is not None else {}

@@ -13,20 +13,23 @@ all-reduce queued before the first backward, and the metrics are summed and all-
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_trainer.adapters import has_adapters
 from fsdp_trainer.adapters.lora import adapters_disabled
+from fsdp_trainer.checkpoint.starts import Start
 from fsdp_trainer.config import PreferenceConfig, Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, reshard, set_gradient_sync
-from fsdp_trainer.distributed.runtime import sum_over_ranks
-from fsdp_trainer.loss import PreferenceLoss, SequenceLogProbs, share_of_global_mean
+from fsdp_trainer.distributed.parallelize import parallelize, reshard, uses_flex_attention
+from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.loss import IGNORE, PreferenceLoss, SequenceLogProbs
 from fsdp_trainer.model import Transformer
+from fsdp_trainer.steps.base import Step
 
 METRICS = (
     "rewards/chosen",
@@ -74,22 +77,88 @@ def _objective(batch: MicroBatch, chunks: int) -> SequenceLogProbs:
     return SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks)
 
 
-def global_pairs(micro_batches: list[MicroBatch], device: torch.device) -> torch.Tensor:
-    """The pairs of the global batch, on the device (one all-reduce)."""
-    return sum_over_ranks(torch.tensor(float(sum(batch.pairs for batch in micro_batches)), device=device))
+REFERENCE_FILE = "reference.json"
+"""In a full fine-tuning preference run's step directory: where its frozen reference model's weights came from, the
+model the run started from (checkpoint/starts.py)."""
 
 
-class PreferenceStep:
-    """The losses of one optimizer step's micro-batches, for train.train_step: the reference's log-probabilities
-    (no gradient), then the policy's forward and backward, micro-batch by micro-batch."""
+class PreferenceStep(Step):
+    """The losses of one optimizer step's micro-batches of preference pairs: the reference's log-probabilities
+    (no gradient), then the policy's forward and backward, micro-batch by micro-batch; the loss and TRL's reward
+    metrics are means over the global batch's pairs."""
+
+    name = "preference"
+    chosen_by = "set preference.loss (sigmoid for DPO, ipo or robust)"
+    trains_on = "pairs"
+    metrics = METRICS
 
     def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
+        super().__init__()
         self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
         self.reference, self.chunks = reference, chunks
+        if reference.frozen is not None:  # the frozen copy holds the weights the run started from
+            self.starts.append(Start(REFERENCE_FILE, reference.frozen, "reference model is"))
 
-    def _pair_losses(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(each pair's loss, the sums over the pairs of METRICS) of a micro-batch: the reference's log-probabilities
-        of its answers (no gradient), then the policy's (with gradient, where enabled)."""
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        return recipe.preference.loss is not None
+
+    @classmethod
+    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> PreferenceStep:
+        """The step with its reference: with adapters, the policy itself with them switched off; otherwise a frozen
+        copy of the model, built and sharded as the policy is, held in the compute dtype (what FSDP gathers anyway, so
+        its forward is the policy's at step 0, bitwise), no gradients, no optimizer state; the checkpointer loads the
+        weights the run started from into it."""
+        frozen = None
+        if not has_adapters(policy):  # on meta: build.build_step materializes it
+            frozen = frozen_copy(recipe, env.mesh, uses_flex_attention(recipe.parallel, env.device))
+        return cls(recipe.preference, Reference(policy, frozen), recipe.train.loss_chunks)
+
+    @classmethod
+    def frozen_copies(cls, recipe: Any, adapted: bool) -> int:
+        return 0 if adapted else 1
+
+    @classmethod
+    def extra_forwards(cls, recipe: Any) -> int:
+        return 1  # the reference's
+
+    @classmethod
+    def plan_note(cls, recipe: Any, estimates: list) -> str:
+        """What the reference costs in the planner's rows, and what the other way of having it would."""
+        sharded = min((e for e in estimates if not e.offload), key=lambda e: e.reference_gb)
+        if sharded.reference_gb == 0:
+            held = "the policy with its adapters off: no memory of its own"
+        else:
+            held = f"a frozen copy in the compute dtype, {sharded.reference_gb:.2f} GB per rank sharded (`reference`)"
+        return (
+            f"preference.loss {recipe.preference.loss}: the reference model is {held}; its forward each micro-step "
+            "gathers the weights again (in `sent`) and adds a third of a step's compute (in the predicted step time). "
+            "Log-probabilities computed once before training and stored beside the data (8 bytes a pair) would cost "
+            "neither during training, but one forward pass over every pair first; this trainer does not offer it yet."
+        )
+
+    @classmethod
+    def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
+        """Windows each holding one pair: two sequences of half the window, each a prompt (its first half, untrained)
+        and an answer. Attention is left causal over the window: on a GPU the block-causal mask goes through
+        flex_attention's kernel, which, like the causal one, makes no scores matrix, while the boolean mask a CPU uses
+        would make one per layer (B x heads x T x T), a memory no GPU run has."""
+        rows, length = batch.inputs.shape
+        half = length // 2
+        position = torch.arange(length)
+        second = (position >= half).long()
+        answer = (position % half) >= half // 2
+        sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + second, -1)
+        return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
+
+    def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor:
+        """The pairs of the global batch, on the device (one all-reduce)."""
+        device = micro_batches[0].inputs.device
+        return sum_over_ranks(torch.tensor(float(sum(batch.pairs for batch in micro_batches)), device=device))
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The micro-batch's loss summed over its pairs and its sums of METRICS: the reference's log-probabilities of
+        its answers (no gradient), then the policy's (with gradient, where enabled)."""
         reference = self.reference.logps(batch, self.chunks)
         objective = _objective(batch, self.chunks)
         policy = model(batch.inputs, batch.documents, loss=objective)
@@ -97,41 +166,7 @@ class PreferenceStep:
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
         rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
-        return losses, torch.stack([rewards[name].sum() for name in METRICS])
+        return losses.sum(), torch.stack([rewards[name].sum() for name in METRICS]), batch.pairs
 
-    def __call__(
-        self,
-        model: nn.Module,
-        micro_batches: list[MicroBatch],
-        plan: ShardingPlan,
-        backward: Callable[[torch.Tensor], None],
-        world: int,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(the global batch's mean loss, its metrics and pair count), after backward of every micro-batch."""
-        device = micro_batches[0].inputs.device
-        pairs = global_pairs(micro_batches, device)
-        totals = torch.zeros(1 + len(METRICS), device=device)  # the loss and the metrics, summed over pairs
-        for i, batch in enumerate(micro_batches):
-            set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            losses, metrics = self._pair_losses(model, batch)
-            summed = losses.sum()
-            backward(share_of_global_mean(summed, pairs, world))
-            totals += torch.cat([summed.detach()[None], metrics])
-        totals = sum_over_ranks(totals) / pairs
-        return totals[0], {"pairs": pairs, **dict(zip(METRICS, totals[1:], strict=True))}
-
-    @torch.no_grad()
-    def sums(self, model: nn.Module, micro_batches: list[MicroBatch]) -> torch.Tensor:
-        """This rank's sums over its pairs of the loss and of METRICS, and last its number of pairs; no gradient."""
-        device = micro_batches[0].inputs.device
-        totals = torch.zeros(2 + len(METRICS), device=device)
-        for batch in micro_batches:
-            losses, metrics = self._pair_losses(model, batch)
-            totals += torch.cat([losses.sum()[None], metrics, torch.tensor([batch.pairs], device=device)])
-        return totals
-
-    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
-        """The mean loss and METRICS over the pairs of every rank's micro-batches (one all-reduce)."""
-        totals = sum_over_ranks(self.sums(model, micro_batches))
-        reshard(model)
-        return dict(zip(("loss", *METRICS), totals[:-1] / totals[-1], strict=True))
+    def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
+        return {"pairs": units}

@@ -1,0 +1,202 @@
+"""Where a run starts, as `checkpoint.resume` says: from nothing (the recipe's seeded init), from its own newest
+checkpoint that verifies, or from a checkpoint it names. A named checkpoint of the run's own kind (the same training
+kind, with or without adapters alike) is resumed whole: weights, optimizer, data position, step. Any other checkpoint of
+this trainer (a pretraining, SFT, DPO or LoRA run's, an import) gives its weights only, a LoRA checkpoint's adapters
+merged into its base, and the run starts at step 0 with its own optimizer and data.
+
+Either way, the models that hold the weights the run started from (its Starts: a LoRA base, a reference) are filled
+and recorded, and a resume fills them again from where they were recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from fsdp_trainer.adapters.lora import is_adapter
+from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
+from fsdp_trainer.checkpoint.starts import Start, is_adapters_only, recorded_start, start_record
+from fsdp_trainer.checkpoint.storage import (
+    STEP_DIR,
+    CheckpointError,
+    checkpoint_recipe,
+    is_complete,
+    load_state,
+    resolve_checkpoint,
+    saved_entries,
+)
+from fsdp_trainer.checkpoint.verify import accepted, verify_checkpoint
+from fsdp_trainer.checkpoint.weights import (
+    ModelState,
+    check_model_shapes,
+    iter_model_weights,
+    read_saved_model,
+    weight_stream,
+)
+from fsdp_trainer.config import AUTO, load_sections
+from fsdp_trainer.files import published_step
+from fsdp_trainer.model import unwrapped_name
+from fsdp_trainer.tokenizer import HF_GENERATION_CONFIG
+
+logger = logging.getLogger("fsdp_trainer")
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Every weight a checkpoint's model computes with, into `model` (sharded or not), whatever kind of run saved it:
+    its own weights, or a LoRA checkpoint's base with its adapters merged. The model's own adapters keep their values;
+    its NF4 weights (QLoRA) are each read whole and quantized whole on every rank, which keeps its rows."""
+    if is_adapters_only(path):  # the frozen weights are its base's: merged one tensor at a time as they pass
+        params = {unwrapped_name(name): param for name, param in model.named_parameters()}
+        shapes, tensors = weight_stream(read_saved_model(path))
+        for name, param in params.items():
+            if not is_adapter(name) and tuple(shapes.get(name, ())) != tuple(param.shape):
+                raise CheckpointError(
+                    f"checkpoint {path} holds {name} of shape {tuple(shapes.get(name, ())) or 'none'} but the recipe's "
+                    f"model has {tuple(param.shape)}: the recipe's model section differs from the run that saved it"
+                )
+        for name, values in tensors:
+            if name in params:  # a tied output layer is the embedding
+                fill_shard(params[name], values.to(params[name].dtype))
+        return
+    weights = ModelState(model)
+    quantized = quantized_weights(model)
+    check_model_shapes(path, {**weights.state_dict(), **quantized}, adapters_optional=True)
+    load_state({"model": weights}, path, partial=True)
+    for name, values in iter_model_weights(path, {name: p.shape for name, p in quantized.items()}):
+        fill_shard(quantized[name], values)
+
+
+class Restorer:
+    """What Checkpointer.load does, over the run's `states`, `starts` and `attachments` (which it updates with the
+    start records); `resumes(path)` says whether a checkpoint is of this run's kind."""
+
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        states: dict[str, Stateful],
+        starts: list[Start],
+        attachments: dict[str, bytes],
+        resumes: Callable[[Path], bool],
+        group: dist.ProcessGroup,
+        is_main: bool,
+        precision: str,
+    ):
+        self.dir, self.states, self.starts, self.attachments = ckpt_dir, states, starts, attachments
+        self.resumes, self.group, self.is_main, self.precision = resumes, group, is_main, precision
+
+    def load(self, resume: str) -> Path | None:
+        """Restore the run as `resume` (auto | none | PATH) says; returns the step directory whose whole state it
+        loaded, or None for a run that starts at step 0."""
+        has_own = published_step(self.dir) is not None
+        if resume == "none" or (resume == "auto" and not has_own):
+            return None
+        path = self.newest_verified() if resume == "auto" else self.verified(resolve_checkpoint(resume))
+        self.carry_generation_config(path)
+        started_from = None  # a checkpoint of another kind named again, when the run goes on from its own
+        if not self.resumes(path):
+            if resume == "auto":
+                raise CheckpointError(
+                    f"{self.dir} holds the checkpoints of a run of another kind than this recipe trains; choose "
+                    "another train.out_dir, or set --checkpoint.resume to start from their weights in a new one"
+                )
+            if not has_own:
+                self.start_from(path)
+                return None
+            # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
+            # instead of starting over from the weights (and losing every step since).
+            logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
+            started_from, path = path, self.newest_verified()
+        for start in self.starts:  # they hold the weights the run started from, not its latest
+            recorded = recorded_start(path, start.record, start.what)
+            if started_from is not None and recorded != started_from.resolve():
+                raise CheckpointError(
+                    f"this run's {start.what} {recorded}, not {started_from}; resume with --checkpoint.resume "
+                    f"{recorded}, or start a new run in another train.out_dir"
+                )
+            if recorded is not None:
+                load_weights(recorded, start.model)
+            self.attachments[start.record] = (path / start.record).read_bytes()
+        check_model_shapes(path, self.states["model"].state_dict())
+        self.check_precision(path)
+        missing = set(self.states) - saved_entries(path)
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
+        load_state(self.states, path)
+        return path
+
+    def start_from(self, path: Path) -> None:
+        """The weights of `path` into the model and every Start, recorded: fresh optimizer, data stream and step."""
+        policy = self.states["model"].model
+        load_weights(path, policy)
+        for start in self.starts:
+            if start.model is not policy:
+                load_weights(path, start.model)
+            self.attachments[start.record] = start_record(path)
+        merged = " (a LoRA checkpoint: its adapters merged into its base)" if is_adapters_only(path) else ""
+        logger.info(
+            f"loaded weights from {path}{merged}; starting at step 0 with this run's own optimizer and data: it is "
+            "not a checkpoint of this run's kind, so only its weights carry over"
+        )
+
+    def carry_generation_config(self, path: Path) -> None:
+        """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it,
+        so that consolidate.py exports it again."""
+        if (path / HF_GENERATION_CONFIG).is_file():
+            self.attachments[HF_GENERATION_CONFIG] = (path / HF_GENERATION_CONFIG).read_bytes()
+
+    def check_precision(self, path: Path) -> None:
+        """A resume in another precision than the checkpoint was trained in (auto resolved otherwise on this hardware,
+        or an override) goes on from the same state, but not as the original run would have: one warning says so.
+        Into fp16 from another precision it cannot: fp16's loss scale is part of the training state."""
+        try:
+            saved = load_sections(checkpoint_recipe(path))["parallel"].mixed_precision
+        except (FileNotFoundError, ValueError):
+            return  # a checkpoint without a readable recipe: nothing recorded to compare with
+        if saved in (AUTO, self.precision):
+            return
+        if self.precision == "fp16":
+            raise CheckpointError(
+                f"checkpoint {path} was trained in {saved} and holds no fp16 loss scale to resume with; set "
+                f"parallel.mixed_precision {saved}"
+            )
+        if self.is_main:
+            logger.warning(
+                f"checkpoint {path} was trained in {saved}, and this run computes in {self.precision}: it goes on from "
+                f"the same state, not bitwise as the original run would have; set parallel.mixed_precision {saved} to "
+                "keep it (if this hardware runs it natively)"
+            )
+
+    def problems(self, path: Path) -> list[str] | None:
+        """verify_checkpoint with the files split over the ranks (each reads 1/N of the bytes), and the problems every
+        rank found gathered on all, so that every rank takes the same decision."""
+        share = verify_checkpoint(path, dist.get_rank(), dist.get_world_size())
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, share, group=self.group)  # gloo: CPU objects, no device involved
+        return None if found[0] is None else sorted(problem for share in found for problem in share)
+
+    def verified(self, path: Path) -> Path:
+        return accepted(path, self.problems(path), warn=self.is_main)
+
+    def newest_verified(self) -> Path:
+        """The step `latest` names if it verifies; else, with one warning naming what failed, the newest older
+        published step that does (keep_last kept it); CheckpointError if none does."""
+        latest = published_step(self.dir).name
+        older = [p.name for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.name < latest]
+        failed = []
+        for name in [latest, *sorted(older, reverse=True)]:
+            path = self.dir / name
+            problems = self.problems(path) if is_complete(path) else [f"{path} is missing or has no .metadata"]
+            if not problems:  # [] verified, or None: saved before checksums existed
+                if failed and self.is_main:
+                    logger.warning(f"{failed[0]}; resuming from {name}, the newest checkpoint that verifies")
+                return accepted(path, problems, warn=self.is_main)
+            failed.append(f"checkpoint {name} is corrupted: {problems[0]}")
+        raise CheckpointError(
+            f"no checkpoint under {self.dir} verifies ({'; '.join(failed)}); copy good ones back, or start over with "
+            "--checkpoint.resume none"
+        )

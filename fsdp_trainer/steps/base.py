@@ -1,0 +1,142 @@
+"""What every training kind is asked, and the loop they share.
+
+A kind is a subclass of Step in a file of its own beside this one. The rest of the house never reads a kind's recipe
+section: it asks the kind, through these class attributes and methods,
+
+- whether a recipe asks for it (`wanted`), and how a user would ask (`chosen_by`), for the one line that names it;
+- what data it trains on (`trains_on`: token windows and packed examples, or preference pairs), checked before any
+  process group exists;
+- for the step itself (`build`): the losses of one optimizer step's micro-batches, their backward, and its evaluation;
+- the models it holds frozen beside the one it trains (`starts`): each takes the weights the run started from, and
+  the checkpointer records where they came from and loads them again on resume (checkpoint/starts.py);
+- its metrics beside the loss (`metrics`), which metrics.jsonl, TensorBoard and W&B carry under these names;
+- its price for the planner: the frozen copies of the model it holds (`frozen_copies`), the forwards without gradient
+  it runs each micro-step (`extra_forwards`), and a micro-batch of its data at given shapes (`fake_batch`).
+
+The accumulation over micro-batches is written once, here (`__call__`); so is the evaluation (`evaluate`). A kind
+says what one micro-batch contributes (`sums`) and how many units the global batch holds (`units`: the targets, the
+pairs), so every number is a mean over the global batch however it is split over ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn as nn
+
+from fsdp_trainer.checkpoint.starts import Start
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, set_gradient_sync
+from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.loss import share_of_global_mean
+
+DataKind = Literal["tokens", "pairs"]
+"""What a token file holds: token windows or packed examples, or packed preference pairs."""
+DATA_KINDS: dict[str, str] = {"tokens": "token windows or examples", "pairs": "preference pairs"}
+
+
+def data_kind(tokens: Any) -> DataKind:
+    """The kind of data a token file (or a mixture) holds."""
+    return "pairs" if tokens.preference else "tokens"
+
+
+class Step:
+    """A training kind's step: the losses of one optimizer step's micro-batches for train.train_step, with backward,
+    and the same numbers without gradient for evaluation."""
+
+    name: ClassVar[str]
+    """What the kind is called in log lines and checkpoints' kind checks."""
+    chosen_by: ClassVar[str]
+    """How a recipe asks for this kind, for a line that tells a user how."""
+    trains_on: ClassVar[DataKind]
+    metrics: ClassVar[tuple[str, ...]] = ()
+    """What a step reports beside its loss (means over the global batch), under these names."""
+
+    def __init__(self) -> None:
+        self.starts: list[Start] = []
+        """The frozen models this step holds that take the weights the run started from."""
+
+    # --- what the house asks before it builds anything -------------------------------------------------------------
+
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        """Whether `recipe` (a Recipe, or a checkpoint's recipe sections as attributes) trains this kind."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> Step:
+        """The step of a run that trains `policy` (built, parallelized and initialised), with the frozen models it
+        holds (its `starts`) built beside it, parallelized as the policy is, on the meta device: the caller
+        materializes them (build.build_step), and the checkpointer fills them."""
+        raise NotImplementedError
+
+    @classmethod
+    def frozen_copies(cls, recipe: Any, adapted: bool) -> int:
+        """The whole copies of the model this kind holds frozen beside the policy (in the compute dtype, sharded as
+        the policy is); `adapted`: the policy carries adapters."""
+        return 0
+
+    @classmethod
+    def extra_forwards(cls, recipe: Any) -> int:
+        """The forwards without gradient it runs per micro-step beside the policy's forward and backward."""
+        return 0
+
+    @classmethod
+    def plan_note(cls, recipe: Any, estimates: list) -> str | None:
+        """A line for the planner's table (planner.plan.Estimate rows) on what this kind's frozen models cost."""
+        return None
+
+    @classmethod
+    def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
+        """A micro-batch of this kind's data with the shapes of `batch` (random windows), for the planner's check."""
+        return batch
+
+    # --- one micro-batch, and the global batch ------------------------------------------------------------------------
+
+    def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
+        """What the global batch's mean is over (its targets, its pairs): every rank's, the same on all."""
+        raise NotImplementedError
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+        """(the micro-batch's loss summed over its units, with gradient where enabled; the sums over its units of
+        `metrics`, a 1-d tensor; its number of units)."""
+        raise NotImplementedError
+
+    def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
+        """Numbers about the global batch to log beside the loss (its supervised tokens, its pairs)."""
+        return {}
+
+    def __call__(
+        self,
+        model: nn.Module,
+        micro_batches: list[MicroBatch],
+        plan: ShardingPlan,
+        backward: Callable[[torch.Tensor], None],
+        world: int,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """(the global batch's mean loss, its metrics), after backward of every micro-batch. Gradients are reduced
+        across ranks only after the last micro-batch; before that they accumulate locally."""
+        units = self.units(micro_batches, world)  # one all-reduce, queued before the first backward
+        totals = None
+        for i, batch in enumerate(micro_batches):
+            set_gradient_sync(model, plan, i == len(micro_batches) - 1)
+            loss, metrics, _ = self.sums(model, batch)
+            backward(share_of_global_mean(loss, units, world))
+            row = torch.cat([loss.detach()[None], metrics])
+            totals = row if totals is None else totals + row
+        totals = sum_over_ranks(totals) / units  # the loss and the metrics: one all-reduce
+        return totals[0], {**self.extra(micro_batches, units), **dict(zip(self.metrics, totals[1:], strict=True))}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
+        """The mean loss and metrics over the units of every rank's micro-batches (one all-reduce)."""
+        totals = None
+        for batch in micro_batches:
+            loss, metrics, units = self.sums(model, batch)
+            row = torch.cat([loss[None], metrics, torch.as_tensor(units, dtype=loss.dtype, device=loss.device)[None]])
+            totals = row if totals is None else totals + row
+        reshard(model)
+        totals = sum_over_ranks(totals)
+        return dict(zip(("loss", *self.metrics), totals[:-1] / totals[-1], strict=True))

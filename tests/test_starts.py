@@ -1,0 +1,126 @@
+"""Any checkpoint of this trainer starts any kind of run. A checkpoint of the run's own kind is resumed whole (its
+step, optimizer and data position); one of another kind (full or LoRA; next-token or DPO) gives its weights only, a
+LoRA checkpoint's adapters merged into its base, and the run starts at step 0 with its own optimizer and data. Every
+pair of the kinds that exist today, in one process that calls main() for each run (lr 1e-30 in the runs that start,
+so what they save is, in fp32, what they started from)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import PAIRS_SEQ_LEN
+from tests.helpers import REPO, run_args
+
+KINDS = {
+    "full": {},
+    "lora": {"lora": {"rank": 4, "alpha": 8}},
+    "dpo": {"preference": {"loss": "sigmoid"}},
+    "lora_dpo": {"preference": {"loss": "sigmoid"}, "lora": {"rank": 4, "alpha": 8}},
+}
+
+SCRIPT = r"""
+import json, logging, sys
+from pathlib import Path
+import torch
+from fsdp_trainer.checkpoint.weights import read_saved_model, weight_stream
+from fsdp_trainer.train import main
+
+runs = json.loads(sys.argv[1])
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("fsdp_trainer").addHandler(handler)
+
+def weights(out):
+    step = sorted((Path(out) / "checkpoints").glob("step_*"))[-1]
+    return dict(weight_stream(read_saved_model(step))[1])
+
+results = {}
+for name, args, source in runs:
+    lines.clear()
+    main(args)
+    result = {"log": list(lines)}
+    if source is not None:
+        theirs, ours = weights(source), weights(args[args.index("--train.out_dir") + 1])
+        assert theirs.keys() == ours.keys(), (name, sorted(theirs.keys() ^ ours.keys()))
+        result["max_diff"] = max((theirs[k].float() - ours[k].float()).abs().max().item() for k in theirs)
+    results[name] = result
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def _kind_args(kind: str, tiny_data, pairs, out, steps: int, **sections) -> list[str]:
+    overrides = {section: dict(values) for section, values in KINDS[kind].items()}
+    if "preference" in overrides:  # trains on the prepared pairs
+        overrides["model"] = {"max_seq_len": PAIRS_SEQ_LEN}
+        overrides["data"] = {"train_path": pairs / "train.bin", "val_path": pairs / "val.bin",
+                             "seq_len": PAIRS_SEQ_LEN, "micro_batch_size": 2}  # fmt: skip
+    for section, values in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    return run_args(tiny_data, out, steps, **overrides)
+
+
+@pytest.fixture(scope="module")
+def starts(tiny_data, pairs, tmp_path_factory):
+    """Two trained steps of each kind, then a run of each kind from each of their checkpoints."""
+    root = tmp_path_factory.mktemp("starts")
+    runs = []
+    for kind in KINDS:  # lr high enough that the adapters move off their init (B = 0)
+        args = _kind_args(kind, tiny_data, pairs, root / kind, 2, checkpoint={"every": 2}, optim={"lr": 3e-2})
+        runs.append((kind, args, None))
+    for source in KINDS:
+        for kind in KINDS:
+            out = root / f"{source}_to_{kind}"
+            resume = {"every": 1, "resume": root / source}
+            args = _kind_args(kind, tiny_data, pairs, out, 3, checkpoint=resume, optim={"lr": 1e-30, "min_lr": 1e-30})
+            runs.append((f"{source}->{kind}", args, None if source == kind else str(root / source)))
+    runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
+    return root, results
+
+
+@pytest.mark.parametrize("source", list(KINDS))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_run_resumes_its_own_kind_and_starts_from_the_weights_of_any_other(starts, source, kind):
+    root, results = starts
+    result = results[f"{source}->{kind}"]
+    log = "\n".join(result["log"])
+    with open(root / f"{source}_to_{kind}" / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    first = next(r for r in records if "loss" in r)
+    if source == kind:  # the whole state: step 2 of the source goes on to 3
+        assert f"resumed from {root / source}" in log and first["step"] == 3, log
+        return
+    assert f"loaded weights from {root / source}" in log and "only its weights carry over" in log, log
+    assert "resumed from" not in log and first["step"] == 1
+    # What the run saved (lr 1e-30: what it started from) computes as the source does: its weights, or for a LoRA
+    # checkpoint its base with its adapters merged, bit for bit.
+    assert result["max_diff"] == 0.0
+    if "lora" in source:
+        assert "its adapters merged into its base" in log
+    if "dpo" in kind:  # the reference is the policy it starts as: every reward 0, the loss ln 2
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0
+
+
+def test_a_lora_source_moved_its_adapters(starts):
+    """The LoRA sources trained their adapters away from zero, so the merge above is not a no-op."""
+    root, _ = starts
+    from fsdp_trainer.checkpoint.storage import read_metadata
+    from fsdp_trainer.checkpoint.weights import load_model_weights
+
+    for source in ("lora", "lora_dpo"):
+        step = sorted((root / source / "checkpoints").glob("step_*"))[-1]
+        saved = read_metadata(step).state_dict_metadata
+        shapes = {key.removeprefix("model."): tuple(meta.size) for key, meta in saved.items()
+                  if key.startswith("model.") and "lora_B" in key}  # fmt: skip
+        values = load_model_weights(step, shapes)
+        assert max(v.abs().max().item() for v in values.values()) > 0, source
