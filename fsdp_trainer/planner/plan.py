@@ -349,7 +349,7 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser():
     parser = recipe_parser("fsdp_trainer.planner.plan", __doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="processes (devices) per node")
     parser.add_argument("--nnodes", type=int, default=1)
@@ -380,7 +380,10 @@ def main(argv: list[str] | None = None) -> None:
         help="also run one step of each row at the real shapes and world size on fake tensors and a fake process "
         "group (no memory, no devices: seconds per row) and print its measured peak beside the estimate",
     )
-    recipe, args = parse_args(parser, argv)
+    return parser
+
+
+def _checked_args(args) -> None:
     if args.nproc < 1 or args.nnodes < 1:
         fail("--nproc and --nnodes must be >= 1")
     for flag in ("device_mem_gb", "host_mem_gb"):
@@ -388,30 +391,65 @@ def main(argv: list[str] | None = None) -> None:
             fail(f"--{flag} must be positive, not {getattr(args, flag)}")
     if args.train_tokens is not None and (args.gpu is None or args.train_tokens <= 0):
         fail("--train_tokens needs --gpu and a positive number of tokens")
-    device = "cuda" if args.gpu else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
+
+
+def _memories(args, device: str) -> tuple[float, float]:
+    """(memory per device, host memory per rank) in GB: as given, else the GPU's and this machine's."""
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     mem = args.device_mem_gb or (GPUS[args.gpu].memory_gb if args.gpu else None)
     if mem is None:
-        if device == "cuda" and torch.cuda.is_available():
-            mem = torch.cuda.get_device_properties(0).total_memory / 1e9
-        else:
-            mem = host_mem
+        visible = device == "cuda" and torch.cuda.is_available()
+        mem = torch.cuda.get_device_properties(0).total_memory / 1e9 if visible else host_mem
+    return mem, host_mem
+
+
+def _gpu_line(gpu: str) -> str:
+    spec = GPUS[gpu]
+    fp8 = f" ({spec.fp8_flops / 1e12:,.0f} fp8)" if spec.fp8_flops else ""
+    return (
+        f"{gpu}: {PEAK_FLOPS[gpu]['bf16'] / 1e12:,.0f} TFLOP/s dense bf16{fp8}, HBM {spec.hbm_gb_s / 1e3:.2f} TB/s, "
+        f"NVLink {spec.nvlink_gb_s} GB/s and network {spec.network_gb_s} GB/s per GPU and direction (datasheets)"
+    )
+
+
+def _nothing_fits(estimates: list[Estimate], mem: float, host_mem: float) -> str:
+    smallest = min(estimates, key=lambda e: e.total_gb)
+    offload = host = ""
+    if smallest.offload:
+        offload, host = " + offload", f", and {smallest.host_gb:.1f} GB on a host of {host_mem:.1f}"
+    return (
+        f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC{offload}, "
+        f"{smallest.total_gb:.1f} GB{host}): lower data.micro_batch_size (and raise data.grad_accum_steps) or add "
+        "devices"
+    )
+
+
+def _prediction(args, t: StepTime) -> str:
+    gpus = args.nproc * args.nnodes
+    lines = [f"predicted on {gpus} x {args.gpu}: {t.step_s:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per "
+             f"GPU, MFU {100 * t.mfu:.1f}% (a model calibrated on published runs: docs/benchmarks.md)"]  # fmt: skip
+    if args.train_tokens:
+        hours = args.train_tokens / (t.tokens_per_s_per_gpu * gpus) / 3600
+        lines.append(f"{args.train_tokens:.3g} tokens: {hours:,.1f} hours, {hours * gpus:,.0f} GPU-hours")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    recipe, args = parse_args(_parser(), argv)
+    _checked_args(args)
+    device = "cuda" if args.gpu else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
+    mem, host_mem = _memories(args, device)
     estimates = plan(recipe, args.nproc, args.nnodes, device)
-    n_params = count_params(recipe.model)
     data = recipe.data
     print(
-        f"{recipe.model.family} {n_params / 1e6:,.1f}M params, {recipe.parallel.mixed_precision} ({why}), micro-batch "
-        f"{data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} {device} "
-        f"device(s) of {mem:.1f} GB"
+        f"{recipe.model.family} {count_params(recipe.model) / 1e6:,.1f}M params, {recipe.parallel.mixed_precision} "
+        f"({why}), micro-batch {data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} "
+        f"{device} device(s) of {mem:.1f} GB"
     )
     times = None
     if args.gpu:
-        spec = GPUS[args.gpu]
-        fp8 = f" ({spec.fp8_flops / 1e12:,.0f} fp8)" if spec.fp8_flops else ""
-        print(f"{args.gpu}: {PEAK_FLOPS[args.gpu]['bf16'] / 1e12:,.0f} TFLOP/s dense bf16{fp8}, HBM "
-              f"{spec.hbm_gb_s / 1e3:.2f} TB/s, NVLink {spec.nvlink_gb_s} GB/s and network {spec.network_gb_s} GB/s "
-              "per GPU and direction (datasheets)")  # fmt: skip
+        print(_gpu_line(args.gpu))
         times = [step_time(recipe, e, args.gpu, args.nproc, args.nnodes) for e in estimates]
     print(table(estimates, mem, host_mem, times))
     note = training_kind(recipe).plan_note(recipe, estimates)
@@ -421,17 +459,7 @@ def main(argv: list[str] | None = None) -> None:
         print(check_table(recipe, estimates, args.nproc, args.nnodes))
     best = recommend(estimates, mem, host_mem, times)
     if best is None:
-        smallest = min(estimates, key=lambda e: e.total_gb)
-        offload, host = (
-            (" + offload", f", and {smallest.host_gb:.1f} GB on a host of {host_mem:.1f}")
-            if smallest.offload
-            else ("", "")
-        )
-        sys.exit(  # a verdict, not an error of input: no `error:` prefix
-            f"nothing fits in {mem:.1f} GB per device (smallest: {smallest.sharding} + {smallest.ac} AC{offload}, "
-            f"{smallest.total_gb:.1f} GB{host}): lower data.micro_batch_size (and raise data.grad_accum_steps) or add "
-            "devices"
-        )
+        sys.exit(_nothing_fits(estimates, mem, host_mem))  # a verdict, not an error of input: no `error:` prefix
     offload = " --parallel.cpu_offload true" if best.offload else ""
     print(
         f"recommended: --parallel.sharding {best.sharding} --parallel.activation_checkpointing {best.ac}{offload} "
@@ -439,12 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     t = times[estimates.index(best)] if times else None
     if t is not None:
-        gpus = args.nproc * args.nnodes
-        print(f"predicted on {gpus} x {args.gpu}: {t.step_s:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per "
-              f"GPU, MFU {100 * t.mfu:.1f}% (a model calibrated on published runs: docs/benchmarks.md)")  # fmt: skip
-        if args.train_tokens:
-            hours = args.train_tokens / (t.tokens_per_s_per_gpu * gpus) / 3600
-            print(f"{args.train_tokens:.3g} tokens: {hours:,.1f} hours, {hours * gpus:,.0f} GPU-hours")
+        print(_prediction(args, t))
 
 
 if __name__ == "__main__":
