@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
-from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, PrepareOptions, prepare
+from fsdp_trainer.data.options import PrepareOptions
+from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, prepare
 
 BUNDLED = {"text": BUNDLED_CORPUS, "chat": BUNDLED_CHAT, "preference": BUNDLED_PREFERENCES}
 

@@ -19,6 +19,7 @@ from fsdp_trainer.data.chat import ChatEncoder, PreferenceEncoder
 from fsdp_trainer.data.format import (
     disk_dtype,
 )
+from fsdp_trainer.data.options import PrepareOptions
 from fsdp_trainer.data.sources import Task, tasks, text_of, where
 from fsdp_trainer.tokenizer import load_tokenizer
 
@@ -131,17 +132,16 @@ def _split_documents(
 
 
 def process(
-    files: list[str],
-    text_key: str | None,
-    start: int,
-    tokenizer_path: str,
-    val_fraction: float,
-    workers: int,
-    train_on: str | None = None,
-    preference: bool = False,
+    files: list[str], start: int, tokenizer_path: str, options: PrepareOptions, workers: int, validation: bool = True
 ) -> Iterator[Result]:
-    """_process of every task, in input order. With several workers at most 2 tasks per worker are in flight, so
-    the text read ahead and the ids waiting to be written stay bounded."""
+    """_process of every task from document `start` on, as `options` say (conversations, with format chat or
+    preference, are whole records with a training mask; `validation` False: no document goes to validation). With
+    several workers at most 2 tasks per worker are in flight, so the text read ahead and the ids waiting to be written
+    stay bounded."""
+    chat = options.format != "text"
+    text_key, train_on = (None, options.train_on) if chat else (options.text_key, None)
+    val_fraction = options.val_fraction if validation else 0.0
+    preference = options.format == "preference"
     pending_tasks = tasks(files, text_key, start)
     first = list(islice(pending_tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start

@@ -26,14 +26,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.data.chat import Packer, check_options
+from fsdp_trainer.data.chat import Packer
 from fsdp_trainer.data.encode import process
 from fsdp_trainer.data.format import disk_dtype
+from fsdp_trainer.data.options import PrepareOptions
 from fsdp_trainer.data.sources import BadRecords, expand_inputs, kind_of, read_documents
 from fsdp_trainer.data.writers import FileWriter, PackedWriter, ShardWriter, writer_kind
 from fsdp_trainer.files import write_failure
@@ -47,54 +46,6 @@ BUNDLED_PREFERENCES = Path(__file__).parents[1] / "assets" / "shakespeare_prefer
 """The default preference pairs: those conversations' last answers (chosen) against their words shuffled (rejected)."""
 
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
-
-
-@dataclass
-class PrepareOptions:
-    """How tools/prepare_data.py prepares a corpus: its options beside the recipe, checked as a recipe section is."""
-
-    inputs: list[str]
-    """Files or globs: .txt(.gz), .jsonl(.gz), .json(.gz), .parquet (sources.py)."""
-    val_fraction: float = 0.05
-    """Share of the documents (or of a single document's tail) that goes to data.val_path."""
-    vocab_size: int | None = None
-    """A new sentencepiece tokenizer's vocabulary (default: model.vocab_size; or fewer)."""
-    force: bool = False
-    """Rebuild even if the outputs are up to date."""
-    text_key: str = "text"
-    """The field of a JSON record, or the parquet column, that holds a document's text."""
-    workers: int | None = None
-    """Tokenizing processes (default: all cores)."""
-    shard_tokens: int = 50_000_000
-    """Tokens per training shard when a data path is a directory; validation shards hold shard_tokens x val_fraction,
-    so both outputs complete shards at the same pace through the input and a restart redoes at most about one."""
-    skip_bad_records: bool = False
-    """Skip (and count) bad records instead of stopping at the first."""
-    format: Literal["text", "chat", "preference"] = "text"
-    """text: documents; chat: conversations, rendered with the tokenizer's chat template and packed into
-    data.seq_len windows; preference: pairs of answers (prompt / chosen / rejected), each pair's two conversations
-    packed together, each up to data.seq_len / 2 tokens."""
-    train_on: str = "assistant"
-    """chat: the tokens trained on, assistant (its turns) or all; preference: assistant (the answers) only."""
-    long_examples: str = "truncate"
-    """chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted.
-    preference: the same for a pair with a conversation longer than data.seq_len / 2 (truncation keeps its start, as
-    TRL's keep_start does)."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"--val_fraction={self.val_fraction} must lie in [0, 1)")
-        if self.shard_tokens < 1:
-            raise ValueError(f"--shard_tokens={self.shard_tokens} must be positive")
-        if self.format not in ("text", "chat", "preference"):
-            raise ValueError(f"--format={self.format!r} must be text, chat or preference")
-        if self.format != "text":
-            check_options(self.train_on, self.long_examples)
-        if self.format == "preference" and self.train_on != "assistant":
-            raise ValueError(
-                f"--train_on={self.train_on} applies to --format chat: a preference pair is measured on its answers "
-                "alone (their log-probabilities given the prompt)"
-            )
 
 
 def prepare(recipe: Recipe, options: PrepareOptions) -> None:
@@ -149,10 +100,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     total_bytes = sum(s.st_size for s in stat)
     workers = o.workers or os.cpu_count() or 1
     bad = BadRecords(skip=o.skip_bad_records)
-    # Conversations are whole records (no text field) with a training mask; no validation output: every token trains.
-    key, mask = (None, o.train_on) if chat else (o.text_key, None)
-    val_fraction = o.val_fraction if val is not None else 0.0
-    results = process(files, key, start, data.tokenizer_path, val_fraction, workers, mask, preference)
+    results = process(files, start, data.tokenizer_path, o, workers, validation=val is not None)
     writers = [w for w in (train, val) if w is not None]
     try:
         n_docs = _write(results, train, val, bad, total_bytes)
