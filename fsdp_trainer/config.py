@@ -1,8 +1,8 @@
 """Typed recipe sections. jsonargparse turns them into the CLI and their attribute docstrings into `--help`.
 
-A recipe is a YAML file with one mapping per section (model, parallel, data, optim, train, checkpoint, wandb); any
-key can be overridden on the command line as `--section.key value`. Every check that can fail does so here, with one
-`error: ...` line naming the key, before any process group exists.
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, train,
+checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check that can fail
+does so here, with one `error: ...` line naming the key, before any process group exists.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recipe parsing: overrides, validation messages, --help, and the README's reference staying complete."""
+"""Recipe parsing: overrides, validation messages, --help, and the recipe reference staying complete."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from fsdp_trainer.config import SECTIONS, parse_recipe, recipe_to_yaml
+from fsdp_trainer.reference import recipe_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config.py"
+REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "recipe_reference.md"
 
 
 def test_overrides_and_types():
@@ -101,19 +103,22 @@ def _attribute_docstrings() -> dict[str, dict[str, str]]:
     return out
 
 
-def test_readme_reference_is_the_help_text_of_every_key():
-    """README's recipe reference says what `--help` says, key for key: checked here, so the two cannot drift."""
-    text = README.read_text()
+def test_the_recipe_reference_is_the_help_text_of_every_key():
+    """docs/recipe_reference.md is what tools/recipe_reference.py makes from config.py, a row per key whose meaning is
+    the key's --help text, and README points to it: checked here, so they cannot drift."""
+    text = REFERENCE.read_text()
+    assert text == recipe_reference(), "docs/recipe_reference.md is stale: run python tools/recipe_reference.py"
     rows = {}
     for line in text.splitlines():
         if line.startswith("| `") and line.count(" | ") >= 2:
             key, _, meaning = line.strip("| ").split(" | ", 2)
-            rows.setdefault(key.strip("`"), []).append(" ".join(meaning.strip(" |").split()))
+            rows.setdefault(key.strip("`"), []).append(" ".join(meaning.strip(" |").replace("\\|", "|").split()))
     for section, docs in _attribute_docstrings().items():
-        assert f"**`{section}`**" in text
+        assert f"## `{section}`" in text
         for field in dataclasses.fields(SECTIONS[section]):
-            assert field.name in rows, f"README lacks {section}.{field.name}"
-            assert docs[field.name] in rows[field.name], f"README's {section}.{field.name} differs from its --help"
+            assert field.name in rows, f"the reference lacks {section}.{field.name}"
+            assert docs[field.name] in rows[field.name], f"the reference's {section}.{field.name} differs from --help"
+    assert "(docs/recipe_reference.md)" in README.read_text()
 
 
 def test_print_config_prints_the_resolved_recipe_that_reproduces_it(tmp_path, capsys):

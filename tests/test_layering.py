@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_trainer"
 FLOORS = [
     {"__init__", "files", "loss", "muon"},
     {"config", "tokenizer"},
-    {"model", "optim", "hf", "data"},
+    {"model", "optim", "hf", "data", "reference"},
     {"distributed"},  # runtime, parallelize
     {"adapters"},  # applied to the model between construction and parallelize
     {"checkpoint", "sinks"},
