@@ -124,3 +124,33 @@ def test_a_lora_source_moved_its_adapters(starts):
                   if key.startswith("model.") and "lora_B" in key}  # fmt: skip
         values = load_model_weights(step, shapes)
         assert max(v.abs().max().item() for v in values.values()) > 0, source
+
+
+def test_a_start_with_weights_of_its_own_takes_them_and_records_them(tmp_path):
+    """A kind's frozen model whose weights come from elsewhere than the run's start (a distillation teacher) takes
+    them in a fresh run too, and every checkpoint records where they came from, fingerprinted."""
+    import torch
+
+    from fsdp_trainer.checkpoint.restore import Restorer
+    from fsdp_trainer.checkpoint.starts import Start, recorded_start
+    from fsdp_trainer.checkpoint.weights import save_model_weights
+    from fsdp_trainer.config import ModelConfig
+    from fsdp_trainer.model import Transformer
+    from tests.helpers import TINY_MODEL
+
+    teacher_weights = Transformer(ModelConfig(**TINY_MODEL))
+    teacher_weights.init_weights(seed=7)
+    source = save_model_weights(dict(teacher_weights.state_dict()), tmp_path / "teacher")
+    teacher = Transformer(ModelConfig(**TINY_MODEL))
+    teacher.init_weights(seed=0)
+    attachments: dict[str, bytes] = {}
+    start = Start("teacher.json", teacher, "teacher is", source=source)
+    restorer = Restorer(
+        tmp_path / "run" / "checkpoints", {}, [start], attachments, lambda path: False, None, True, "fp32"
+    )
+    assert restorer.load("none") is None
+    for name, value in teacher_weights.state_dict().items():
+        assert torch.equal(teacher.state_dict()[name], value), name
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "teacher.json").write_bytes(attachments["teacher.json"])
+    assert recorded_start(tmp_path / "step", "teacher.json", start.what) == source.resolve()

@@ -94,6 +94,7 @@ class Restorer:
         loaded, or None for a run that starts at step 0."""
         has_own = published_step(self.dir) is not None
         if resume == "none" or (resume == "auto" and not has_own):
+            self.fill_own_sources()
             return None
         path = self.newest_verified() if resume == "auto" else self.verified(resolve_checkpoint(resume))
         self.carry_generation_config(path)
@@ -113,7 +114,7 @@ class Restorer:
             started_from, path = path, self.newest_verified()
         for start in self.starts:  # they hold the weights the run started from, not its latest
             recorded = recorded_start(path, start.record, start.what)
-            if started_from is not None and recorded != started_from.resolve():
+            if started_from is not None and start.source is None and recorded != started_from.resolve():
                 raise CheckpointError(
                     f"this run's {start.what} {recorded}, not {started_from}; resume with --checkpoint.resume "
                     f"{recorded}, or start a new run in another train.out_dir"
@@ -129,14 +130,22 @@ class Restorer:
         load_state(self.states, path)
         return path
 
+    def fill_own_sources(self) -> None:
+        """A run from the recipe's seeded init: the Starts with weights of their own (a teacher) take them."""
+        for start in self.starts:
+            if start.source is not None:
+                load_weights(start.source, start.model)
+                self.attachments[start.record] = start_record(start.source)
+
     def start_from(self, path: Path) -> None:
         """The weights of `path` into the model and every Start, recorded: fresh optimizer, data stream and step."""
         policy = self.states["model"].model
         load_weights(path, policy)
         for start in self.starts:
-            if start.model is not policy:
-                load_weights(path, start.model)
-            self.attachments[start.record] = start_record(path)
+            source = start.source or path
+            if start.model is not policy or source != path:
+                load_weights(source, start.model)
+            self.attachments[start.record] = start_record(source)
         merged = " (a LoRA checkpoint: its adapters merged into its base)" if is_adapters_only(path) else ""
         logger.info(
             f"loaded weights from {path}{merged}; starting at step 0 with this run's own optimizer and data: it is "

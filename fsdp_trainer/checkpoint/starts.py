@@ -31,6 +31,8 @@ class Start:
     model: nn.Module
     what: str
     """What it is to the run, for messages: "adapters were trained on", "reference model is"."""
+    source: Path | None = None
+    """Where its weights come from when not from the checkpoint the run starts from (a distillation teacher)."""
 
 
 def lora_start(policy: nn.Module) -> Start:
