@@ -31,9 +31,10 @@ import torch.distributed.checkpoint as dcp
 from runner import report_header, torchrun_command
 
 from fsdp_trainer.build import build_model
-from fsdp_trainer.checkpoint.checkpointer import ModelState, OptimState
+from fsdp_trainer.checkpoint.checkpointer import OptimState
 from fsdp_trainer.checkpoint.storage import ChecksummedWriter
 from fsdp_trainer.checkpoint.verify import verify_checkpoint
+from fsdp_trainer.checkpoint.weights import ModelState
 from fsdp_trainer.config import parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed, resolve_precision
 from fsdp_trainer.optim import build_optimizer
