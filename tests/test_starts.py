@@ -43,7 +43,11 @@ def weights(out):
 results = {}
 for name, args, source in runs:
     lines.clear()
-    main(args)
+    try:
+        main(args)
+    except SystemExit as e:  # a refusal: one error line on stderr
+        results[name] = {"exit": e.code}
+        continue
     result = {"log": list(lines)}
     if source is not None:
         theirs, ours = weights(source), weights(args[args.index("--train.out_dir") + 1])
@@ -79,19 +83,21 @@ def starts(tiny_data, pairs, tmp_path_factory):
             resume = {"every": 1, "resume": root / source}
             args = _kind_args(kind, tiny_data, pairs, out, 3, checkpoint=resume, optim={"lr": 1e-30, "min_lr": 1e-30})
             runs.append((f"{source}->{kind}", args, None if source == kind else str(root / source)))
+    # A LoRA run's directory holds LoRA checkpoints: a full run there under resume auto is refused
+    runs.append(("full_in_lora_dir", _kind_args("full", tiny_data, pairs, root / "lora", 4), None))
     runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, cwd=REPO, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
-    return root, results
+    return root, results, proc.stderr
 
 
 @pytest.mark.parametrize("source", list(KINDS))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_run_resumes_its_own_kind_and_starts_from_the_weights_of_any_other(starts, source, kind):
-    root, results = starts
+    root, results, _ = starts
     result = results[f"{source}->{kind}"]
     log = "\n".join(result["log"])
     with open(root / f"{source}_to_{kind}" / "metrics.jsonl") as f:
@@ -113,7 +119,7 @@ def test_a_run_resumes_its_own_kind_and_starts_from_the_weights_of_any_other(sta
 
 def test_a_lora_source_moved_its_adapters(starts):
     """The LoRA sources trained their adapters away from zero, so the merge above is not a no-op."""
-    root, _ = starts
+    root, _, _ = starts
     from fsdp_trainer.checkpoint.storage import read_metadata
     from fsdp_trainer.checkpoint.weights import load_model_weights
 
@@ -124,6 +130,13 @@ def test_a_lora_source_moved_its_adapters(starts):
                   if key.startswith("model.") and "lora_B" in key}  # fmt: skip
         values = load_model_weights(step, shapes)
         assert max(v.abs().max().item() for v in values.values()) > 0, source
+
+
+def test_a_run_directory_of_another_kind_is_refused_under_resume_auto(starts):
+    root, results, stderr = starts
+    assert results["full_in_lora_dir"] == {"exit": 1}
+    message = f"{root / 'lora' / 'checkpoints'} holds the checkpoints of a run of another kind than this recipe trains"
+    assert message in stderr, stderr[-3000:]
 
 
 def test_a_start_with_weights_of_its_own_takes_them_and_records_them(tmp_path):

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
+from fsdp_trainer.adapters import meta_model
+from fsdp_trainer.adapters.lora import is_adapter, merged
 from fsdp_trainer.adapters.nf4 import is_nf4
 from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base
 from fsdp_trainer.checkpoint.storage import (
@@ -165,10 +166,7 @@ def read_saved_model(path: str | os.PathLike) -> SavedModel:
 def export_shapes(ckpt: SavedModel) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
     """(the weights an HF model has, the LoRA adapters a checkpoint of a LoRA run holds) by name and shape; tied
     embeddings once, under embed_tokens."""
-    with torch.device("meta"):
-        model = Transformer(ckpt.model)
-        if ckpt.lora is not None:
-            apply_lora(model, ckpt.lora)
+    model = meta_model(ckpt.model, ckpt.lora or LoraConfig())
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     if ckpt.model.tie_embeddings:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load

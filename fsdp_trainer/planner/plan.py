@@ -240,16 +240,16 @@ def estimate(
     # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
     accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
-    # every micro-step, gathers the model again (the policy's own weights with adapters off, or a frozen copy's); the
-    # frozen copies it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
+    # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
+    # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
     # forward, so they add to no peak.
     kind = training_kind(recipe)
     if shard_group > 1:
-        again = gathered_bytes * n_params * data.grad_accum_steps * (shard_group - 1) / shard_group
-        again *= kind.extra_forwards(recipe)
+        forward = kind.forward_params(recipe, n_params)
+        again = gathered_bytes * forward * data.grad_accum_steps * (shard_group - 1) / shard_group
         sent += again
         internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
-    reference = kind.frozen_copies(recipe, trainable < n_params) * a * n_params / shard_group
+    reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.

@@ -26,6 +26,7 @@ from fsdp_trainer.adapters import has_adapters, meta_model
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
+from fsdp_trainer.model import count_params
 from fsdp_trainer.steps import training_kind
 
 
@@ -86,8 +87,10 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
         compute_flops = attention + (model_flops - attention) * 4 / 6
     if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls
         compute_flops *= 4 / 3
-    # The training kind's forwards without gradient (a reference's): 2 of the 6 FLOPs a weight each
-    compute_flops += training_kind(recipe).extra_forwards(recipe) * model_flops / 3
+    # The training kind's forwards without gradient (a reference's, a teacher's): 2 FLOPs a weight, against the
+    # policy's 6, scaled by their weights
+    n_params = count_params(cfg)
+    compute_flops += training_kind(recipe).forward_params(recipe, n_params) / n_params * model_flops / 3
     efficiency = ACHIEVED * (COMPILED if recipe.parallel.compile else 1.0)
     compute_s = tokens * compute_flops / (peak * efficiency)
     intra_gb = estimate.sent_gb - estimate.internode_gb

@@ -10,8 +10,9 @@ section: it asks the kind, through these class attributes and methods,
 - the models it holds frozen beside the one it trains (`starts`): each takes the weights the run started from, and
   the checkpointer records where they came from and loads them again on resume (checkpoint/starts.py);
 - its metrics beside the loss (`metrics`), which metrics.jsonl, TensorBoard and W&B carry under these names;
-- its price for the planner: the frozen copies of the model it holds (`frozen_copies`), the forwards without gradient
-  it runs each micro-step (`extra_forwards`), and a micro-batch of its data at given shapes (`fake_batch`).
+- its price for the planner: the weights it holds frozen beside the policy (`frozen_params`), the weights it runs
+  forward without gradient each micro-step (`forward_params`), and a micro-batch of its data at given shapes
+  (`fake_batch`): a frozen copy of the model, or a teacher of another size, priced without the planner knowing which.
 
 The accumulation over micro-batches is written once, here (`__call__`); so is the evaluation (`evaluate`). A kind
 says what one micro-batch contributes (`sums`) and how many units the global batch holds (`units`: the targets, the
@@ -73,14 +74,15 @@ class Step:
         raise NotImplementedError
 
     @classmethod
-    def frozen_copies(cls, recipe: Any, adapted: bool) -> int:
-        """The whole copies of the model this kind holds frozen beside the policy (in the compute dtype, sharded as
-        the policy is); `adapted`: the policy carries adapters."""
+    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        """The parameters of the models this kind holds frozen beside the policy (in the compute dtype, sharded as the
+        policy is), for a policy of `n_params`; `adapted`: the policy carries adapters."""
         return 0
 
     @classmethod
-    def extra_forwards(cls, recipe: Any) -> int:
-        """The forwards without gradient it runs per micro-step beside the policy's forward and backward."""
+    def forward_params(cls, recipe: Any, n_params: int) -> int:
+        """The parameters it runs forward without gradient each micro-step beside the policy's forward and backward
+        (each gathered again, at 2 FLOPs a token each)."""
         return 0
 
     @classmethod

@@ -115,12 +115,12 @@ class PreferenceStep(Step):
         return cls(recipe.preference, Reference(policy, frozen), recipe.train.loss_chunks)
 
     @classmethod
-    def frozen_copies(cls, recipe: Any, adapted: bool) -> int:
-        return 0 if adapted else 1
+    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        return 0 if adapted else n_params  # with adapters, the reference is the policy's own weights
 
     @classmethod
-    def extra_forwards(cls, recipe: Any) -> int:
-        return 1  # the reference's
+    def forward_params(cls, recipe: Any, n_params: int) -> int:
+        return n_params  # the reference's forward
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
