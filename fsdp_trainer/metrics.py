@@ -189,7 +189,9 @@ class Metrics:
         start_step: int = 0,
         clock: Callable[[], float] = time.perf_counter,
         resumed_from: str | os.PathLike | None = None,
+        shown: dict[str, str] | None = None,
     ):
+        """`shown`: the training kind's metrics the log line carries ({metric: label})."""
         data = recipe.data
         self.env, self.model, self.optimizer, self.loader, self.clock = env, model, optimizer, loader, clock
         self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
@@ -212,7 +214,12 @@ class Metrics:
         if recipe.train.progress_bar and sys.stdout.isatty():
             self.bar = ProgressBar(recipe.train.steps, start_step)
         self.wandb = WandbRun(recipe, resumed_from, start_step) if uses_wandb(recipe) else None
-        self.sinks = [LogLine(), JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step), tensorboard, self.wandb]
+        self.sinks = [
+            LogLine(shown),
+            JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step),
+            tensorboard,
+            self.wandb,
+        ]
         self.sinks = [sink for sink in [*self.sinks, self.bar] if sink is not None]
         n_params = count_params(recipe.model)
         logger.info(

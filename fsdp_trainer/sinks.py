@@ -25,18 +25,20 @@ STATE_KEYS = ("params_gb", "grads_gb", "optimizer_gb")
 """The training state each rank holds, logged once, with their sum as `state_gb`."""
 
 
-def _rewards(record: dict, prefix: str = "") -> str:
-    """A preference run's reward accuracy and margin, for the log line ("" for other runs)."""
-    if f"{prefix}rewards/accuracies" not in record:
-        return ""
-    return (
-        f" | {prefix}reward accuracy {record[f'{prefix}rewards/accuracies']:.3f} | {prefix}margin "
-        f"{record[f'{prefix}rewards/margins']:.3f}"
-    )
-
-
 class LogLine:
-    """A line on stdout per record, through the `fsdp_trainer` logger."""
+    """A line on stdout per record, through the `fsdp_trainer` logger; `shown` ({metric: label}) are the training
+    kind's metrics the line carries beside the loss (a preference run's reward accuracy and margin), on training and
+    validation lines alike."""
+
+    def __init__(self, shown: dict[str, str] | None = None):
+        self.shown = shown or {}
+
+    def _shown(self, record: dict, prefix: str = "") -> str:
+        return "".join(
+            f" | {prefix}{label} {record[prefix + name]:.3f}"
+            for name, label in self.shown.items()
+            if prefix + name in record
+        )
 
     def write(self, record: dict) -> None:
         if "loss" in record:
@@ -46,10 +48,10 @@ class LogLine:
                 f"{record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s{mfu} | "
                 f"mem {record['peak_mem_gb']:.2f} GB"
                 + (f" | scale {record['loss_scale']:g}" if "loss_scale" in record else "")
-                + _rewards(record)
+                + self._shown(record)
             )
         elif "val_loss" in record:
-            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}" + _rewards(record, "val_"))
+            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}" + self._shown(record, "val_"))
         elif "state_gb" in record:
             parts = ", ".join(f"{k.removesuffix('_gb')} {record[k]:.3f}" for k in STATE_KEYS)
             logger.info(f"training state per rank: {record['state_gb']:.3f} GB ({parts})")

@@ -24,7 +24,7 @@ from fsdp_trainer.data.prepare import BUNDLED_PREFERENCES
 from fsdp_trainer.loss import SequenceLogProbs
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.sinks import LogLine, scalars
-from fsdp_trainer.steps.preference import METRICS
+from fsdp_trainer.steps.preference import METRICS, PreferenceStep
 from tests.conftest import PAIRS_SEQ_LEN, prepare_pairs
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses
 
@@ -209,7 +209,9 @@ def test_reward_metrics_go_to_tensorboard_and_wandb_under_trls_names_and_to_the_
         "loss/train": 0.5, "train/rewards/accuracies": 0.75, "eval/rewards/margins": 1.5, "loss/val": 0.6
     }  # fmt: skip
     caplog.set_level(logging.INFO, logger="fsdp_trainer")
-    LogLine().write({"step": 5, "val_loss": 0.6, "val_rewards/accuracies": 0.875, "val_rewards/margins": 1.25})
+    LogLine(PreferenceStep.shown).write(
+        {"step": 5, "val_loss": 0.6, "val_rewards/accuracies": 0.875, "val_rewards/margins": 1.25}
+    )
     assert "step      5 | val_loss 0.6000 | val_reward accuracy 0.875 | val_margin 1.250" in caplog.text
 
 

@@ -9,7 +9,8 @@ section: it asks the kind, through these class attributes and methods,
 - for the step itself (`build`): the losses of one optimizer step's micro-batches, their backward, and its evaluation;
 - the models it holds frozen beside the one it trains (`starts`): each takes the weights the run started from, and
   the checkpointer records where they came from and loads them again on resume (checkpoint/starts.py);
-- its metrics beside the loss (`metrics`), which metrics.jsonl, TensorBoard and W&B carry under these names;
+- its metrics beside the loss (`metrics`), which metrics.jsonl, TensorBoard and W&B carry under these names, and
+  those the log line shows (`shown`);
 - its price for the planner: the weights it holds frozen beside the policy (`frozen_params`), the weights it runs
   forward without gradient each micro-step (`forward_params`), and a micro-batch of its data at given shapes
   (`fake_batch`): a frozen copy of the model, or a teacher of another size, priced without the planner knowing which.
@@ -54,6 +55,8 @@ class Step:
     trains_on: ClassVar[DataKind]
     metrics: ClassVar[tuple[str, ...]] = ()
     """What a step reports beside its loss (means over the global batch), under these names."""
+    shown: ClassVar[dict[str, str]] = {}
+    """The metrics the log line carries beside the loss, with their labels."""
 
     def __init__(self) -> None:
         self.starts: list[Start] = []

@@ -91,6 +91,7 @@ class PreferenceStep(Step):
     chosen_by = "set preference.loss (sigmoid for DPO, ipo or robust)"
     trains_on = "pairs"
     metrics = METRICS
+    shown = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
 
     def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
         super().__init__()
