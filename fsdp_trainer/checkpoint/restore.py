@@ -22,15 +22,13 @@ from fsdp_trainer.adapters.lora import is_adapter
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.checkpoint.starts import Start, is_adapters_only, recorded_start, start_record
 from fsdp_trainer.checkpoint.storage import (
-    STEP_DIR,
     CheckpointError,
     checkpoint_recipe,
-    is_complete,
     load_state,
     resolve_checkpoint,
     saved_entries,
 )
-from fsdp_trainer.checkpoint.verify import accepted, verify_checkpoint
+from fsdp_trainer.checkpoint.verify import SharedVerification
 from fsdp_trainer.checkpoint.weights import (
     ModelState,
     check_model_shapes,
@@ -71,6 +69,36 @@ def load_weights(path: Path, model: nn.Module) -> None:
         fill_shard(quantized[name], values)
 
 
+def carry_generation_config(path: Path, attachments: dict[str, bytes]) -> None:
+    """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it, so
+    that consolidate.py exports it again."""
+    if (path / HF_GENERATION_CONFIG).is_file():
+        attachments[HF_GENERATION_CONFIG] = (path / HF_GENERATION_CONFIG).read_bytes()
+
+
+def check_precision(path: Path, precision: str, is_main: bool) -> None:
+    """A resume in another precision than the checkpoint was trained in (auto resolved otherwise on this hardware,
+    or an override) goes on from the same state, but not as the original run would have: one warning says so.
+    Into fp16 from another precision it cannot: fp16's loss scale is part of the training state."""
+    try:
+        saved = load_sections(checkpoint_recipe(path))["parallel"].mixed_precision
+    except (FileNotFoundError, ValueError):
+        return  # a checkpoint without a readable recipe: nothing recorded to compare with
+    if saved in (AUTO, precision):
+        return
+    if precision == "fp16":
+        raise CheckpointError(
+            f"checkpoint {path} was trained in {saved} and holds no fp16 loss scale to resume with; set "
+            f"parallel.mixed_precision {saved}"
+        )
+    if is_main:
+        logger.warning(
+            f"checkpoint {path} was trained in {saved}, and this run computes in {precision}: it goes on from "
+            f"the same state, not bitwise as the original run would have; set parallel.mixed_precision {saved} to "
+            "keep it (if this hardware runs it natively)"
+        )
+
+
 class Restorer:
     """What Checkpointer.load does, over the run's `states`, `starts` and `attachments` (which it updates with the
     start records); `resumes(path)` says whether a checkpoint is of this run's kind."""
@@ -87,7 +115,8 @@ class Restorer:
         precision: str,
     ):
         self.dir, self.states, self.starts, self.attachments = ckpt_dir, states, starts, attachments
-        self.resumes, self.group, self.is_main, self.precision = resumes, group, is_main, precision
+        self.resumes, self.is_main, self.precision = resumes, is_main, precision
+        self.verification = SharedVerification(ckpt_dir, group, is_main)
 
     def load(self, resume: str) -> Path | None:
         """Restore the run as `resume` (auto | none | PATH) says; returns the step directory whose whole state it
@@ -96,8 +125,12 @@ class Restorer:
         if resume == "none" or (resume == "auto" and not has_own):
             self.fill_own_sources()
             return None
-        path = self.newest_verified() if resume == "auto" else self.verified(resolve_checkpoint(resume))
-        self.carry_generation_config(path)
+        path = (
+            self.verification.newest_verified()
+            if resume == "auto"
+            else self.verification.verified(resolve_checkpoint(resume))
+        )
+        carry_generation_config(path, self.attachments)
         started_from = None  # a checkpoint of another kind named again, when the run goes on from its own
         if not self.resumes(path):
             if resume == "auto":
@@ -111,7 +144,7 @@ class Restorer:
             # The same command again after a preemption or a torchrun restart: the run goes on from its own latest
             # instead of starting over from the weights (and losing every step since).
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
-            started_from, path = path, self.newest_verified()
+            started_from, path = path, self.verification.newest_verified()
         for start in self.starts:  # they hold the weights the run started from, not its latest
             recorded = recorded_start(path, start.record, start.what)
             if started_from is not None and start.source is None and recorded != started_from.resolve():
@@ -123,7 +156,7 @@ class Restorer:
                 load_weights(recorded, start.model)
             self.attachments[start.record] = (path / start.record).read_bytes()
         check_model_shapes(path, self.states["model"].state_dict())
-        self.check_precision(path)
+        check_precision(path, self.precision, self.is_main)
         missing = set(self.states) - saved_entries(path)
         if missing:
             raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
@@ -150,62 +183,4 @@ class Restorer:
         logger.info(
             f"loaded weights from {path}{merged}; starting at step 0 with this run's own optimizer and data: it is "
             "not a checkpoint of this run's kind, so only its weights carry over"
-        )
-
-    def carry_generation_config(self, path: Path) -> None:
-        """An imported model's generation_config.json goes on with every checkpoint of the runs that start from it,
-        so that consolidate.py exports it again."""
-        if (path / HF_GENERATION_CONFIG).is_file():
-            self.attachments[HF_GENERATION_CONFIG] = (path / HF_GENERATION_CONFIG).read_bytes()
-
-    def check_precision(self, path: Path) -> None:
-        """A resume in another precision than the checkpoint was trained in (auto resolved otherwise on this hardware,
-        or an override) goes on from the same state, but not as the original run would have: one warning says so.
-        Into fp16 from another precision it cannot: fp16's loss scale is part of the training state."""
-        try:
-            saved = load_sections(checkpoint_recipe(path))["parallel"].mixed_precision
-        except (FileNotFoundError, ValueError):
-            return  # a checkpoint without a readable recipe: nothing recorded to compare with
-        if saved in (AUTO, self.precision):
-            return
-        if self.precision == "fp16":
-            raise CheckpointError(
-                f"checkpoint {path} was trained in {saved} and holds no fp16 loss scale to resume with; set "
-                f"parallel.mixed_precision {saved}"
-            )
-        if self.is_main:
-            logger.warning(
-                f"checkpoint {path} was trained in {saved}, and this run computes in {self.precision}: it goes on from "
-                f"the same state, not bitwise as the original run would have; set parallel.mixed_precision {saved} to "
-                "keep it (if this hardware runs it natively)"
-            )
-
-    def problems(self, path: Path) -> list[str] | None:
-        """verify_checkpoint with the files split over the ranks (each reads 1/N of the bytes), and the problems every
-        rank found gathered on all, so that every rank takes the same decision."""
-        share = verify_checkpoint(path, dist.get_rank(), dist.get_world_size())
-        found: list = [None] * dist.get_world_size()
-        dist.all_gather_object(found, share, group=self.group)  # gloo: CPU objects, no device involved
-        return None if found[0] is None else sorted(problem for share in found for problem in share)
-
-    def verified(self, path: Path) -> Path:
-        return accepted(path, self.problems(path), warn=self.is_main)
-
-    def newest_verified(self) -> Path:
-        """The step `latest` names if it verifies; else, with one warning naming what failed, the newest older
-        published step that does (keep_last kept it); CheckpointError if none does."""
-        latest = published_step(self.dir).name
-        older = [p.name for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.name < latest]
-        failed = []
-        for name in [latest, *sorted(older, reverse=True)]:
-            path = self.dir / name
-            problems = self.problems(path) if is_complete(path) else [f"{path} is missing or has no .metadata"]
-            if not problems:  # [] verified, or None: saved before checksums existed
-                if failed and self.is_main:
-                    logger.warning(f"{failed[0]}; resuming from {name}, the newest checkpoint that verifies")
-                return accepted(path, problems, warn=self.is_main)
-            failed.append(f"checkpoint {name} is corrupted: {problems[0]}")
-        raise CheckpointError(
-            f"no checkpoint under {self.dir} verifies ({'; '.join(failed)}); copy good ones back, or start over with "
-            "--checkpoint.resume none"
         )

@@ -7,6 +7,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
 from fsdp_trainer.checkpoint.storage import (
     CHECKSUMS_FILE,
     STEP_DIR,
@@ -18,6 +20,7 @@ from fsdp_trainer.checkpoint.storage import (
 )
 from fsdp_trainer.files import (
     CHECKPOINTS_DIR,
+    published_step,
 )
 
 logger = logging.getLogger("fsdp_trainer")
@@ -95,3 +98,41 @@ def verified_checkpoint(path: str | os.PathLike) -> Path:
     """resolve_checkpoint, then every file checked against its checksum (see accepted)."""
     path = resolve_checkpoint(path)
     return accepted(path, verify_checkpoint(path))
+
+
+class SharedVerification:
+    """Verification of a run's checkpoints by all its ranks together: each reads 1/N of the bytes, and every rank
+    takes the same decision from what all found (gathered on `group`, a gloo group of CPU round trips)."""
+
+    def __init__(self, ckpt_dir: Path, group: dist.ProcessGroup, is_main: bool):
+        self.dir, self.group, self.is_main = ckpt_dir, group, is_main
+
+    def problems(self, path: Path) -> list[str] | None:
+        """verify_checkpoint with the files split over the ranks (each reads 1/N of the bytes), and the problems every
+        rank found gathered on all, so that every rank takes the same decision."""
+        share = verify_checkpoint(path, dist.get_rank(), dist.get_world_size())
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, share, group=self.group)  # gloo: CPU objects, no device involved
+        return None if found[0] is None else sorted(problem for share in found for problem in share)
+
+    def verified(self, path: Path) -> Path:
+        return accepted(path, self.problems(path), warn=self.is_main)
+
+    def newest_verified(self) -> Path:
+        """The step `latest` names if it verifies; else, with one warning naming what failed, the newest older
+        published step that does (keep_last kept it); CheckpointError if none does."""
+        latest = published_step(self.dir).name
+        older = [p.name for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.name < latest]
+        failed = []
+        for name in [latest, *sorted(older, reverse=True)]:
+            path = self.dir / name
+            problems = self.problems(path) if is_complete(path) else [f"{path} is missing or has no .metadata"]
+            if not problems:  # [] verified, or None: saved before checksums existed
+                if failed and self.is_main:
+                    logger.warning(f"{failed[0]}; resuming from {name}, the newest checkpoint that verifies")
+                return accepted(path, problems, warn=self.is_main)
+            failed.append(f"checkpoint {name} is corrupted: {problems[0]}")
+        raise CheckpointError(
+            f"no checkpoint under {self.dir} verifies ({'; '.join(failed)}); copy good ones back, or start over with "
+            "--checkpoint.resume none"
+        )
