@@ -99,6 +99,21 @@ def check_precision(path: Path, precision: str, is_main: bool) -> None:
         )
 
 
+def reload_starts(path: Path, starts: list[Start], attachments: dict[str, bytes], started_from: Path | None) -> None:
+    """Resuming from `path`: every Start takes the weights its record there names (the weights the run started from,
+    not its latest), checked against the checkpoint the command names (`started_from`), and the record goes on."""
+    for start in starts:
+        recorded = recorded_start(path, start.record, start.what)
+        if started_from is not None and start.source is None and recorded != started_from.resolve():
+            raise CheckpointError(
+                f"this run's {start.what} {recorded}, not {started_from}; resume with --checkpoint.resume "
+                f"{recorded}, or start a new run in another train.out_dir"
+            )
+        if recorded is not None:
+            load_weights(recorded, start.model)
+        attachments[start.record] = (path / start.record).read_bytes()
+
+
 class Restorer:
     """What Checkpointer.load does, over the run's `states`, `starts` and `attachments` (which it updates with the
     start records); `resumes(path)` says whether a checkpoint is of this run's kind."""
@@ -125,11 +140,8 @@ class Restorer:
         if resume == "none" or (resume == "auto" and not has_own):
             self.fill_own_sources()
             return None
-        path = (
-            self.verification.newest_verified()
-            if resume == "auto"
-            else self.verification.verified(resolve_checkpoint(resume))
-        )
+        verify = self.verification
+        path = verify.newest_verified() if resume == "auto" else verify.verified(resolve_checkpoint(resume))
         carry_generation_config(path, self.attachments)
         started_from = None  # a checkpoint of another kind named again, when the run goes on from its own
         if not self.resumes(path):
@@ -145,16 +157,7 @@ class Restorer:
             # instead of starting over from the weights (and losing every step since).
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
             started_from, path = path, self.verification.newest_verified()
-        for start in self.starts:  # they hold the weights the run started from, not its latest
-            recorded = recorded_start(path, start.record, start.what)
-            if started_from is not None and start.source is None and recorded != started_from.resolve():
-                raise CheckpointError(
-                    f"this run's {start.what} {recorded}, not {started_from}; resume with --checkpoint.resume "
-                    f"{recorded}, or start a new run in another train.out_dir"
-                )
-            if recorded is not None:
-                load_weights(recorded, start.model)
-            self.attachments[start.record] = (path / start.record).read_bytes()
+        reload_starts(path, self.starts, self.attachments, started_from)
         check_model_shapes(path, self.states["model"].state_dict())
         check_precision(path, self.precision, self.is_main)
         missing = set(self.states) - saved_entries(path)
