@@ -201,7 +201,8 @@ def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_
 
     step = PreferenceStep(PreferenceConfig(loss="sigmoid", beta=0.1), Reference(None, weights_of(reference)))
     with torch.no_grad():
-        loss, metrics, pairs = step.sums(weights_of(policy), batch)  # sums over the micro-batch's pairs
+        loss, metrics = step.sums(weights_of(policy), batch)  # sums over the micro-batch's pairs
+    pairs = step.batch_units(batch)
     results = dict(zip(("loss", *METRICS), (torch.cat([loss[None], metrics]) / pairs).tolist(), strict=True))
     print(f"ours {results['loss']:.9g}, TRL {trl_loss:.9g}")
     assert pairs == len(PAIRS) and results["loss"] == pytest.approx(trl_loss, rel=1e-5)

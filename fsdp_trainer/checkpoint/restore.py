@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.adapters.lora import is_adapter
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.checkpoint.starts import Start, is_adapters_only, recorded_start, start_record
 from fsdp_trainer.checkpoint.storage import (
@@ -32,6 +31,7 @@ from fsdp_trainer.checkpoint.verify import SharedVerification
 from fsdp_trainer.checkpoint.weights import (
     ModelState,
     check_model_shapes,
+    check_shapes,
     iter_model_weights,
     read_saved_model,
     weight_stream,
@@ -51,12 +51,7 @@ def load_weights(path: Path, model: nn.Module) -> None:
     if is_adapters_only(path):  # the frozen weights are its base's: merged one tensor at a time as they pass
         params = {unwrapped_name(name): param for name, param in model.named_parameters()}
         shapes, tensors = weight_stream(read_saved_model(path))
-        for name, param in params.items():
-            if not is_adapter(name) and tuple(shapes.get(name, ())) != tuple(param.shape):
-                raise CheckpointError(
-                    f"checkpoint {path} holds {name} of shape {tuple(shapes.get(name, ())) or 'none'} but the recipe's "
-                    f"model has {tuple(param.shape)}: the recipe's model section differs from the run that saved it"
-                )
+        check_shapes(path, {name: tuple(shape) for name, shape in shapes.items()}, params, adapters_optional=True)
         for name, values in tensors:
             if name in params:  # a tied output layer is the embedding
                 fill_shard(params[name], values.to(params[name].dtype))

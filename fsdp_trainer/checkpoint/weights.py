@@ -66,16 +66,26 @@ def check_model_shapes(path: Path, model_state: dict[str, Any], adapters_optiona
     """Refuse a checkpoint of another model before DCP fails deep inside with a shape error. With
     `adapters_optional`, a checkpoint without the model's LoRA adapters (its base model) passes."""
     metadata = read_metadata(path).state_dict_metadata
+    saved = {
+        key.removeprefix("model."): tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+        for key, meta in metadata.items()
+        if key.startswith("model.")
+    }
+    check_shapes(path, saved, model_state, adapters_optional)
+
+
+def check_shapes(
+    path: Path, saved: dict[str, tuple | None], model_state: dict[str, Any], adapters_optional: bool = False
+) -> None:
+    """check_model_shapes against the shapes of the weights `path` holds, by name (None: not a tensor)."""
     for name, tensor in model_state.items():
-        key = f"model.{name}"
-        saved = metadata.get(key)
-        if saved is None and adapters_optional and is_adapter(name):
+        if name not in saved and adapters_optional and is_adapter(name):
             continue
-        if saved is None:
+        if name not in saved:
             raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
-        if isinstance(saved, TensorStorageMetadata) and tuple(saved.size) != tuple(tensor.shape):
+        if saved[name] is not None and saved[name] != tuple(tensor.shape):
             raise CheckpointError(
-                f"checkpoint {path} holds {name} of shape {tuple(saved.size)} but the recipe's model has "
+                f"checkpoint {path} holds {name} of shape {saved[name]} but the recipe's model has "
                 f"{tuple(tensor.shape)}: the recipe's model section differs from the run that saved it"
             )
 

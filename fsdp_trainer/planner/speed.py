@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_trainer.adapters import has_adapters, meta_model
+from fsdp_trainer.adapters import adapter_kind
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
@@ -82,7 +82,7 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
     model_flops = flops_per_token(cfg, data.seq_len)
     compute_flops = model_flops
-    if has_adapters(meta_model(cfg, recipe.lora)):  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
+    if adapter_kind(recipe.lora) == "lora":  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
         attention = attention_flops_per_token(cfg, data.seq_len)
         compute_flops = attention + (model_flops - attention) * 4 / 6
     if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls

@@ -27,7 +27,7 @@ def check_data(recipe: Any, train_file: Any) -> None:
     if held == "tokens":
         raise ValueError(
             f"the {kind.name} kind trains on {DATA_KINDS[kind.trains_on]}, and {train_file.path} holds none: "
-            "prepare the data with tools/prepare_data.py --format preference"
+            f"prepare the data with {kind.prepared_with}"
         )
     fits = next(other for other in KINDS if other.trains_on == held)
     raise ValueError(f"{train_file.path} holds {DATA_KINDS[held]}: {fits.chosen_by} to train on them")

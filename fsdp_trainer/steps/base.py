@@ -53,6 +53,8 @@ class Step:
     chosen_by: ClassVar[str]
     """How a recipe asks for this kind, for a line that tells a user how."""
     trains_on: ClassVar[DataKind]
+    prepared_with: ClassVar[str]
+    """The command that prepares its data, for a line that tells a user how."""
     metrics: ClassVar[tuple[str, ...]] = ()
     """What a step reports beside its loss (means over the global batch), under these names."""
     shown: ClassVar[dict[str, str]] = {}
@@ -104,9 +106,13 @@ class Step:
         """What the global batch's mean is over (its targets, its pairs): every rank's, the same on all."""
         raise NotImplementedError
 
-    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]:
+    def batch_units(self, batch: MicroBatch) -> torch.Tensor | int:
+        """How many units one micro-batch holds (its targets, its pairs)."""
+        raise NotImplementedError
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's loss summed over its units, with gradient where enabled; the sums over its units of
-        `metrics`, a 1-d tensor; its number of units)."""
+        `metrics`, a 1-d tensor)."""
         raise NotImplementedError
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
@@ -127,7 +133,7 @@ class Step:
         totals = None
         for i, batch in enumerate(micro_batches):
             set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            loss, metrics, _ = self.sums(model, batch)
+            loss, metrics = self.sums(model, batch)
             backward(share_of_global_mean(loss, units, world))
             row = torch.cat([loss.detach()[None], metrics])
             totals = row if totals is None else totals + row
@@ -139,8 +145,9 @@ class Step:
         """The mean loss and metrics over the units of every rank's micro-batches (one all-reduce)."""
         totals = None
         for batch in micro_batches:
-            loss, metrics, units = self.sums(model, batch)
-            row = torch.cat([loss[None], metrics, torch.as_tensor(units, dtype=loss.dtype, device=loss.device)[None]])
+            loss, metrics = self.sums(model, batch)
+            units = torch.as_tensor(self.batch_units(batch), dtype=loss.dtype, device=loss.device)
+            row = torch.cat([loss[None], metrics, units[None]])
             totals = row if totals is None else totals + row
         reshard(model)
         totals = sum_over_ranks(totals)

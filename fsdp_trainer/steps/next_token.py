@@ -23,6 +23,7 @@ class NextTokenStep(Step):
     name = "next-token"
     chosen_by = "ask for no other kind"
     trains_on = "tokens"
+    prepared_with = "tools/prepare_data.py (--format text or chat)"
 
     def __init__(self, chunks: int = 1):
         super().__init__()
@@ -41,13 +42,14 @@ class NextTokenStep(Step):
         number (a tensor made from it would be a host-to-device copy every step)."""
         if micro_batches[0].documents is None:
             return float(sum(batch.targets.numel() for batch in micro_batches) * world)
-        counts = [NextTokenLoss(batch.targets).count() for batch in micro_batches]
-        return sum_over_ranks(sum(counts).float())
+        return sum_over_ranks(sum(self.batch_units(batch) for batch in micro_batches).float())
 
-    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        objective = NextTokenLoss(batch.targets, self.chunks)
-        loss = model(batch.inputs, batch.documents, loss=objective)  # summed over this micro-batch's targets
-        return loss, loss.new_zeros(0), objective.count()
+    def batch_units(self, batch: MicroBatch) -> torch.Tensor:
+        return NextTokenLoss(batch.targets).count()
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = model(batch.inputs, batch.documents, loss=NextTokenLoss(batch.targets, self.chunks))  # over its targets
+        return loss, loss.new_zeros(0)
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
         return {"supervised_tokens": units} if micro_batches[0].documents is not None else {}

@@ -90,6 +90,7 @@ class PreferenceStep(Step):
     name = "preference"
     chosen_by = "set preference.loss (sigmoid for DPO, ipo or robust)"
     trains_on = "pairs"
+    prepared_with = "tools/prepare_data.py --format preference"
     metrics = METRICS
     shown = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
 
@@ -154,10 +155,13 @@ class PreferenceStep(Step):
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor:
         """The pairs of the global batch, on the device (one all-reduce)."""
-        device = micro_batches[0].inputs.device
-        return sum_over_ranks(torch.tensor(float(sum(batch.pairs for batch in micro_batches)), device=device))
+        pairs = float(sum(self.batch_units(batch) for batch in micro_batches))
+        return sum_over_ranks(torch.tensor(pairs, device=micro_batches[0].inputs.device))
 
-    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def batch_units(self, batch: MicroBatch) -> int:
+        return batch.pairs
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss summed over its pairs and its sums of METRICS: the reference's log-probabilities of
         its answers (no gradient), then the policy's (with gradient, where enabled)."""
         reference = self.reference.logps(batch, self.chunks)
@@ -167,7 +171,7 @@ class PreferenceStep(Step):
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
         rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
-        return losses.sum(), torch.stack([rewards[name].sum() for name in METRICS]), batch.pairs
+        return losses.sum(), torch.stack([rewards[name].sum() for name in METRICS])
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
         return {"pairs": units}
