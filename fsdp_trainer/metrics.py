@@ -6,12 +6,10 @@ into one record per log step and hands it to every sink.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -21,18 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import ModelConfig, Recipe
 from fsdp_trainer.distributed.runtime import DistEnv, max_over_ranks
-from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR
 from fsdp_trainer.model import count_params
-from fsdp_trainer.sinks import (
-    STATE_KEYS,
-    WANDB_RUN_FILE,
-    JsonlFile,
-    LogLine,
-    ProgressBar,
-    TensorBoard,
-    WandbRun,
-    uses_wandb,
-)
+from fsdp_trainer.sinks import STATE_KEYS, Sinks
 
 if TYPE_CHECKING:
     from fsdp_trainer.data.loader import TokenLoader
@@ -130,6 +118,20 @@ def peak_host_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
+def training_state_gb(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict:
+    """The largest rank's GB of parameters, gradients and optimizer state, and their sum (one host sync)."""
+    local = [local_gb(model.parameters()), local_gb(p.grad for p in model.parameters()), optimizer_state_gb(optimizer)]
+    state = dict(zip(STATE_KEYS, max_over_ranks(local, device), strict=True))
+    return {**state, "state_gb": sum(state.values())}
+
+
+def peak_memories_gb(device: torch.device) -> dict[str, float]:
+    """The largest rank's peak memory, and on CUDA its peak host memory too (one host sync)."""
+    cuda = device.type == "cuda"  # else the device's memory is the host's
+    peaks = max_over_ranks([peak_memory_gb(device), *([peak_host_memory_gb()] if cuda else [])], device)
+    return {"peak_mem_gb": peaks[0], **({"peak_host_mem_gb": peaks[1]} if cuda else {})}
+
+
 # --- step timing ------------------------------------------------------------------------------------------------------
 
 
@@ -171,7 +173,84 @@ class StepTimer:
         return [end - start for start, end in pairs]
 
 
+# --- the log window: throughput and step times since the last record ----------------------------------------------
+
+
+class Window:
+    """The steps since the last log record: their throughput, MFU and step times (no host sync until the record),
+    and, off a terminal where no progress bar moves, a line when `progress_every_s` pass without a record."""
+
+    def __init__(self, recipe: Recipe, env: DistEnv, start_step: int, clock: Callable[[], float]):
+        data = recipe.data
+        self.clock, self.world_size = clock, env.world_size
+        self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
+        self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
+        self.peak = peak_flops(env.device, recipe.parallel.mixed_precision)  # resolved (auto is decided at start-up)
+        self.step_timer = StepTimer(env.device, clock)
+        self.total_steps, self.progress_every_s = recipe.train.steps, recipe.train.progress_every_s
+        self.restart(start_step)
+
+    def restart(self, step: int) -> None:
+        """Open the window at `step` (after start-up, a resume, a log step or an evaluation)."""
+        self.last_time, self.last_step = self.clock(), step
+        self.last_line = self.last_time
+        self.step_timer.restart()
+
+    def progress_line(self, step: int) -> None:
+        """A line when progress_every_s passed since the last (host clock, no sync)."""
+        now = self.clock()
+        if not self.progress_every_s or now - self.last_line < self.progress_every_s or step <= self.last_step:
+            return
+        self.last_line = now
+        per_step = (now - self.last_time) / (step - self.last_step)
+        eta = round(per_step * (self.total_steps - step))
+        logger.info(
+            f"step {step:>6} of {self.total_steps} | {per_step:.2f} s/step | eta {eta // 3600}h{eta // 60 % 60:02d}m"
+            f"{eta % 60:02d}s"
+        )
+
+    def close(self, step: int) -> dict[str, float | None]:
+        """The window's numbers up to `step` (a host sync on CUDA), and a new window from there."""
+        now = self.clock()
+        tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
+        step_times = self.step_timer.durations()
+        self.restart(step)
+        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.world_size) if self.peak else None
+        return {
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "mfu": mfu,
+            # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
+            "step_time_s": statistics.median(step_times) if step_times else None,
+            "step_time_max_s": max(step_times) if step_times else None,
+        }
+
+
 # --- Metrics: the loop's numbers -> records -> sinks ------------------------------------------------------------------
+
+
+def kind_numbers(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The training kind's numbers in a step's stats (steps/base.py): the global batch's supervised tokens (packed
+    fine-tuning data: the tokens the loss is over) or pairs, and its metrics (TRL's names: rewards/..., logps/...)."""
+    counts = {name: int(stats[name].item()) for name in ("supervised_tokens", "pairs") if name in stats}
+    return {**counts, **{name: value.item() for name, value in stats.items() if "/" in name}}
+
+
+def mixture_numbers(loader: TokenLoader | None) -> dict:
+    """Per source of a data mixture, the tokens drawn so far and their epochs: a small source repeating shows."""
+    mixture = loader.mixture_report() if loader is not None else None
+    return {"mixture": mixture} if mixture is not None else {}
+
+
+def run_banner(recipe: Recipe, env: DistEnv) -> str:
+    """The line a run opens with: the model, the ranks and how they shard, the global batch, where it writes."""
+    data, parallel = recipe.data, recipe.parallel
+    rows = data.micro_batch_size * data.grad_accum_steps * env.world_size
+    return (
+        f"{recipe.model.family} model, {count_params(recipe.model) / 1e6:.1f}M params | {env.world_size} rank(s), "
+        f"{parallel.sharding}, {parallel.mixed_precision} | global batch {rows} x {data.seq_len} tokens | "
+        f"{recipe.train.steps} steps -> {recipe.train.out_dir}"
+    )
 
 
 class Metrics:
@@ -192,78 +271,30 @@ class Metrics:
         shown: dict[str, str] | None = None,
     ):
         """`shown`: the training kind's metrics the log line carries ({metric: label})."""
-        data = recipe.data
         self.env, self.model, self.optimizer, self.loader, self.clock = env, model, optimizer, loader, clock
-        self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
-        self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
         self.precision = recipe.parallel.mixed_precision  # resolved (auto is decided at start-up)
-        self.peak = peak_flops(env.device, self.precision)
-        self.start = self.clock()
-        self.cpu_start = time.process_time()
+        self.start, self.cpu_start = self.clock(), time.process_time()
         self.first_step = start_step + 1
-        self.step_timer = StepTimer(env.device, clock)
-        self.total_steps, self.progress_every_s = recipe.train.steps, recipe.train.progress_every_s
-        self.sinks: list = []
-        self.bar: ProgressBar | None = None
-        self.wandb: WandbRun | None = None
-        self.restart_clock(start_step)
-        if not env.is_main:
-            return
-        out_dir = recipe.train.out_dir
-        tensorboard = TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step)
-        if recipe.train.progress_bar and sys.stdout.isatty():
-            self.bar = ProgressBar(recipe.train.steps, start_step)
-        self.wandb = WandbRun(recipe, resumed_from, start_step) if uses_wandb(recipe) else None
-        self.sinks = [
-            LogLine(shown),
-            JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step),
-            tensorboard,
-            self.wandb,
-        ]
-        self.sinks = [sink for sink in [*self.sinks, self.bar] if sink is not None]
-        n_params = count_params(recipe.model)
-        logger.info(
-            f"{recipe.model.family} model, {n_params / 1e6:.1f}M params | {env.world_size} rank(s), "
-            f"{recipe.parallel.sharding}, {recipe.parallel.mixed_precision} | global batch "
-            f"{self.tokens_per_step // data.seq_len} x {data.seq_len} tokens | {recipe.train.steps} steps -> {out_dir}"
-        )
+        self.window = Window(recipe, env, start_step, clock)
+        self.sinks = Sinks(recipe, env.is_main, start_step, shown, resumed_from)
+        if env.is_main:
+            logger.info(run_banner(recipe, env))
 
     def restart_clock(self, step: int) -> None:
         """Start the throughput window at `step` (after start-up, a resume, a log step or an evaluation)."""
-        self.last_time, self.last_step = self.clock(), step
-        self.last_line = self.last_time
-        self.step_timer.restart()
-
-    def _progress_line(self, step: int) -> None:
-        """Off a terminal, where no bar moves: a line when progress_every_s pass without one (host clock, no sync)."""
-        now = self.clock()
-        if not self.progress_every_s or now - self.last_line < self.progress_every_s or step <= self.last_step:
-            return
-        self.last_line = now
-        per_step = (now - self.last_time) / (step - self.last_step)
-        eta = round(per_step * (self.total_steps - step))
-        logger.info(
-            f"step {step:>6} of {self.total_steps} | {per_step:.2f} s/step | eta {eta // 3600}h{eta // 60 % 60:02d}m"
-            f"{eta % 60:02d}s"
-        )
+        self.window.restart(step)
 
     def step_done(self, step: int) -> None:
-        """Called after every step: times it and moves the progress bar (no sync). After this process's first step,
-        while the gradients are alive (train_step frees them at its start), records the training state each rank
-        holds."""
-        self.step_timer.mark()
-        if self.bar is not None:
-            self.bar.update(step)
+        """After every step: times it, moves the progress bar (no sync); after this process's first step, while the
+        gradients are alive (train_step frees them at its start), records the training state each rank holds."""
+        self.window.step_timer.mark()
+        if self.sinks.bar is not None:
+            self.sinks.bar.update(step)
         elif self.env.is_main:
-            self._progress_line(step)
+            self.window.progress_line(step)
         if step == self.first_step:
-            local = [
-                local_gb(self.model.parameters()),
-                local_gb(p.grad for p in self.model.parameters()),
-                optimizer_state_gb(self.optimizer),
-            ]
-            state = dict(zip(STATE_KEYS, max_over_ranks(local, self.env.device), strict=True))  # host sync, once
-            self._write({"step": step, **state, "state_gb": sum(state.values()), "mixed_precision": self.precision})
+            state = training_state_gb(self.model, self.optimizer, self.env.device)  # host sync, once
+            self.sinks.write({"step": step, **state, "mixed_precision": self.precision})
 
     def log(
         self,
@@ -275,60 +306,30 @@ class Metrics:
     ) -> dict:
         """One record of the steps since the last: loss, gradient norm (host syncs), throughput, peak memory (the
         largest rank's) and the median and largest step time."""
-        cuda = self.env.device.type == "cuda"  # else the device's memory is the host's
-        probes = [peak_memory_gb(self.env.device), *([peak_host_memory_gb()] if cuda else [])]
-        peaks = max_over_ranks(probes, self.env.device)
-        now = self.clock()
-        tokens_per_s = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
-        step_times = self.step_timer.durations()
-        self.restart_clock(step)
-        mfu = tokens_per_s * self.flops_per_token / (self.peak * self.env.world_size) if self.peak else None
         record = {
             "step": step,
             "loss": stats["loss"].item(),
             "lr": lr,
             "grad_norm": stats["grad_norm"].item(),
-            "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.env.world_size,
-            "mfu": mfu,
-            "peak_mem_gb": peaks[0],
-            **({"peak_host_mem_gb": peaks[1]} if cuda else {}),
-            # The spread of the window's step times: a slow data read, a checkpoint or a straggler shows in the max.
-            "step_time_s": statistics.median(step_times) if step_times else None,
-            "step_time_max_s": max(step_times) if step_times else None,
+            **self.window.close(step),
+            **peak_memories_gb(self.env.device),
             "skipped_steps": skipped_steps,
             **(loss_scaling or {}),  # fp16: loss_scale and overflow_steps
-            # Packed fine-tuning data: the tokens of this step's global batch the loss is over (the assistant's).
-            **({"supervised_tokens": int(stats["supervised_tokens"].item())} if "supervised_tokens" in stats else {}),
-            # Preference pairs: how many the global batch held, and TRL's reward metrics (rewards/..., logps/...).
-            **({"pairs": int(stats["pairs"].item())} if "pairs" in stats else {}),
-            **{name: value.item() for name, value in stats.items() if "/" in name},
-            "elapsed_s": now - self.start,
+            **kind_numbers(stats),
+            "elapsed_s": self.clock() - self.start,
             # Rank 0's CPU seconds (all its threads): unlike elapsed_s, blind to time other processes take from it.
             "cpu_s": time.process_time() - self.cpu_start,
+            **mixture_numbers(self.loader),
         }
-        mixture = self.loader.mixture_report() if self.loader is not None else None
-        if mixture is not None:  # per source: a small source repeating shows in its epochs
-            record["mixture"] = mixture
-        self._write(record)
+        self.sinks.write(record)
         return record
 
     def log_eval(self, step: int, results: dict[str, torch.Tensor]) -> None:
-        """One record of an evaluation (`loss`, and a preference run's reward metrics), each as `val_` + its name; its
-        time counts toward no step's."""
+        """One record of an evaluation (`loss` and the kind's metrics, as `val_` + name), whose time is no step's."""
         values = torch.stack(list(results.values())).tolist()  # one host sync
         record = {f"val_{name}": value for name, value in zip(results, values, strict=True)}
-        self._write({"step": step, **record, "elapsed_s": self.clock() - self.start})
+        self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
         self.restart_clock(step)
 
-    def attachments(self) -> dict[str, bytes]:
-        """Files for the checkpointer to save with every checkpoint: the W&B run id, when there is a W&B run."""
-        return {WANDB_RUN_FILE: json.dumps({"id": self.wandb.run_id}).encode()} if self.wandb is not None else {}
-
-    def _write(self, record: dict) -> None:
-        for sink in self.sinks:
-            sink.write(record)
-
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        self.sinks.close()

@@ -244,19 +244,24 @@ class Transformer(nn.Module):
             if name.endswith("norm.weight"):
                 fill(param, torch.ones(param.shape, dtype=param.dtype, device=param.device))
                 continue
-            std = cfg.init_std
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std = std / math.sqrt(2 * cfg.n_layers)
-            where = device or param.device
-            gen = torch.Generator(device=where).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            values = torch.empty(param.shape, dtype=torch.float32, device=where)
-            nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=gen)
-            fill(param, values.to(param.dtype))
+            fill(param, initial_values(cfg, name, param.shape, seed, device or param.device).to(param.dtype))
         cos, sin = rope_tables(
             cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, device=self.rope_cos.device
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+
+def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    """A weight's initial values (fp32), drawn on `device` from a generator seeded by (seed, its HF name), so the
+    model is the same however it is sharded: truncated normal(0, init_std) at +-3 std, the projections that write
+    into the residual (o_proj, down_proj) scaled by 1 / sqrt(2 * n_layers)."""
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    values = torch.empty(shape, dtype=torch.float32, device=device)
+    return nn.init.trunc_normal_(values, std=std, a=-3 * std, b=3 * std, generator=gen)
 
 
 def unwrapped_name(name: str) -> str:

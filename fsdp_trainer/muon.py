@@ -86,35 +86,7 @@ class Muon(torch.optim.Optimizer):
                 names = [n for n, p in zip(group["names"], group["params"], strict=True) if p.grad is not None]
                 self._muon(group, params, names, found_inf)
             elif params:
-                self._adamw(group, params, found_inf)
-
-    def _adamw(self, group, params, found_inf):
-        for p in params:
-            if not self.state[p]:
-                self.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-        states = [self.state[p] for p in params]
-        beta1, beta2 = group["betas"]
-        adamw(
-            params,
-            [p.grad for p in params],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [],
-            [s["step"] for s in states],
-            fused=True,
-            found_inf=found_inf,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-        )
+                adamw_step(self.state, group, params, found_inf)
 
     def _muon(self, group, params, names, found_inf):
         momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
@@ -144,6 +116,36 @@ class Muon(torch.optim.Optimizer):
             w = _local(p)
             new_w = w * (1 - lr * decay) - update * (lr * math.sqrt(max(1.0, rows / cols)))
             w.copy_(torch.where(found_inf > 0, w, new_w) if skip else new_w)
+
+
+def adamw_step(state: dict, group: dict, params: list, found_inf: torch.Tensor | None) -> None:
+    """AdamW (fused, decoupled weight decay) on `params` of a group, with its moments in the optimizer's `state`."""
+    for p in params:
+        if not state[p]:
+            state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+    states = [state[p] for p in params]
+    beta1, beta2 = group["betas"]
+    adamw(
+        params,
+        [p.grad for p in params],
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [],
+        [s["step"] for s in states],
+        fused=True,
+        found_inf=found_inf,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.files import write_atomic
+from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR, write_atomic
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -223,3 +223,44 @@ class ProgressBar:
     def close(self) -> None:
         self.bar.close()
         self._redirect.__exit__(None, None, None)
+
+
+class Sinks:
+    """Where rank 0's records go: the log line, metrics.jsonl, TensorBoard, W&B (when the recipe names a project)
+    and, on a terminal, the progress bar. Other ranks hold none."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        is_main: bool,
+        start_step: int,
+        shown: dict[str, str] | None,
+        resumed_from: str | os.PathLike | None,
+    ):
+        """`shown`: the training kind's metrics the log line carries ({metric: label})."""
+        self.sinks, self.bar, self.wandb = [], None, None
+        if not is_main:
+            return
+        out_dir, train = recipe.train.out_dir, recipe.train
+        self.bar = ProgressBar(train.steps, start_step) if train.progress_bar and sys.stdout.isatty() else None
+        self.wandb = WandbRun(recipe, resumed_from, start_step) if uses_wandb(recipe) else None
+        sinks = [
+            LogLine(shown),
+            JsonlFile(os.path.join(out_dir, METRICS_FILE), start_step),
+            TensorBoard.open(os.path.join(out_dir, TENSORBOARD_DIR), start_step),
+            self.wandb,
+            self.bar,
+        ]
+        self.sinks = [sink for sink in sinks if sink is not None]
+
+    def write(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def attachments(self) -> dict[str, bytes]:
+        """Files for the checkpointer to save with every checkpoint: the W&B run id, when there is a W&B run."""
+        return {WANDB_RUN_FILE: json.dumps({"id": self.wandb.run_id}).encode()} if self.wandb is not None else {}
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

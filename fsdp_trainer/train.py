@@ -216,7 +216,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     metrics = Metrics(
         recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from, shown=step.shown
     )
-    ckpt.attachments.update(metrics.attachments())  # the W&B run id goes with every checkpoint
+    ckpt.attachments.update(metrics.sinks.attachments())  # the W&B run id goes with every checkpoint
 
     first_step = state.step + 1  # logged whatever log_every says: the first sign of life (and of the loss)
     if recipe.parallel.compile and env.is_main:

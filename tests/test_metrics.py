@@ -179,3 +179,21 @@ def test_mfu_is_against_the_peak_of_the_precision_the_run_computes_in(monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0), precision) == peak
     assert peak_flops(torch.device("cpu"), precision) is None
+
+
+def test_only_rank_0_opens_the_run_files(tmp_path):
+    """Every rank builds its Metrics alike; only rank 0 may open metrics.jsonl, whose "w" would empty the file rank 0
+    writes (2 ranks lost a resumed run's records that way, now and then)."""
+    from fsdp_trainer.sinks import Sinks
+
+    train = TrainConfig(out_dir=str(tmp_path), progress_bar=False)
+    recipe = Recipe(model=ModelConfig(**TINY_MODEL), data=DataConfig(seq_len=32), train=train)
+    (tmp_path / METRICS_FILE).write_text('{"step": 1}\n')
+    other = Sinks(recipe, is_main=False, start_step=0, shown=None, resumed_from=None)
+    other.write({"step": 2, "val_loss": 1.5})
+    other.close()
+    assert sorted(os.listdir(tmp_path)) == [METRICS_FILE] and read_metrics(tmp_path) == [{"step": 1}]
+    main = Sinks(recipe, is_main=True, start_step=1, shown=None, resumed_from=None)
+    main.write({"step": 2, "val_loss": 1.5})
+    main.close()
+    assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2, "val_loss": 1.5}]

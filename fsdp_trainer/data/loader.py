@@ -172,6 +172,29 @@ def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, 
     return np.where(trained, np.searchsorted(responses, keys), -1), len(responses) // 2
 
 
+def micro_batch(rows: np.ndarray, packed: bool, preference: bool, device: torch.device) -> MicroBatch:
+    """A micro-batch of rows read from a token file: windows of seq_len + 1 tokens (B, T + 1), or packed windows of
+    tokens and their flags (B, 2, T), on `device`."""
+    pairs = 0
+    if packed:  # (B, 2, T): tokens, flags
+        tokens, flags = rows[:, 0], rows[:, 1]
+        targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
+        documents = np.cumsum((flags & START) > 0, axis=1)
+        rows = [tokens, targets, documents]
+        if preference:
+            sequences, pairs = _responses(documents, targets != IGNORE)
+            rows.append(sequences)
+        rows = np.stack(rows, 1)
+    rows = torch.from_numpy(rows)
+    if device.type == "cuda":
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    if preference:
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs)
+    if packed:
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
+    return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
+
+
 class TokenLoader:
     """Batches of (inputs, targets) for one rank, in an order fixed by the seed; checkpointable by state_dict()."""
 
@@ -190,8 +213,7 @@ class TokenLoader:
         self.file = token_file
         self.seq_len, self.micro_batch_size, self.grad_accum_steps = seq_len, micro_batch_size, grad_accum_steps
         self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle = seed, shuffle
-        self.device = torch.device(device)
+        self.seed, self.shuffle, self.device = seed, shuffle, torch.device(device)
         self.mixture = token_file if isinstance(token_file, Mixture) else None
         if self.mixture is None:
             self.sources = [_Epochs(token_file, seq_len, [seed], shuffle)]
@@ -212,24 +234,7 @@ class TokenLoader:
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        pairs = 0
-        if self.packed:  # (B, 2, T): tokens, flags
-            tokens, flags = rows[:, 0], rows[:, 1]
-            targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
-            documents = np.cumsum((flags & START) > 0, axis=1)
-            rows = [tokens, targets, documents]
-            if self.preference:
-                sequences, pairs = _responses(documents, targets != IGNORE)
-                rows.append(sequences)
-            rows = np.stack(rows, 1)
-        rows = torch.from_numpy(rows)
-        if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
-        if self.preference:
-            return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs)
-        if self.packed:
-            return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
-        return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
+        return micro_batch(rows, self.packed, self.preference, self.device)
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""

@@ -160,6 +160,55 @@ class _Chunk:
         return int(self.part.indices[k]), int(self.offsets[k] + pos - self.starts[k])
 
 
+def kept_shards(shard_dir: Path, stamp: dict) -> tuple[list[dict], tuple[int, int]]:
+    """The shards a previous, interrupted run with the same `stamp` completed in `shard_dir` and that still verify,
+    and where the last of them ends ((0, 0) for none); everything else in it is removed."""
+    progress = shard_dir / "progress.json"
+    if shard_dir.is_dir() and (not progress.is_file() or json.loads(progress.read_text()) != stamp):
+        ours = ("shard_", MANIFEST, "progress.json")
+        strangers = [p.name for p in shard_dir.iterdir() if not p.name.startswith(ours)]
+        if strangers:
+            raise ValueError(
+                f"{shard_dir} exists and holds files that are not token shards ({', '.join(sorted(strangers)[:3])});"
+                " choose another data path (a directory of shards, or a file name ending in .bin)"
+            )
+        shutil.rmtree(shard_dir)  # shards made from other inputs or options: start over
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    shards, end = [], (0, 0)
+    write_atomic(progress, json.dumps(stamp))
+    for index in range(sys.maxsize):
+        path = shard_dir / shard_name(index)
+        try:
+            shard = TokenFile(path)
+            if file_sha256(path) != shard.meta["sha256"]:
+                break
+        except (FileNotFoundError, ValueError, KeyError):
+            break
+        shards.append({"file": path.name, "n_tokens": len(shard), "sha256": shard.meta["sha256"]})
+        end = tuple(shard.meta["end"])
+    for path in shard_dir.iterdir():  # whatever comes after the kept shards is redone
+        if path.name.startswith("shard_") and path.name.split(".")[0] >= shard_name(len(shards))[:-4]:
+            path.unlink()
+    return shards, end
+
+
+def after(part: Part, end: tuple[int, int]) -> tuple[Part, np.ndarray]:
+    """The documents' ids of `part` from `end` on ((document, offset in its part): where kept shards end), and
+    where in its part each kept document's ids start."""
+    doc, offset = end
+    indices, lengths, pieces, offsets, start = [], [], [], [], 0
+    for index, length in zip(part.indices.tolist(), part.lengths.tolist(), strict=True):
+        drop = length if index < doc else min(offset, length) if index == doc else 0
+        if length > drop:
+            indices.append(index)
+            lengths.append(length - drop)
+            pieces.append(part.ids[start + drop : start + length])
+            offsets.append(drop)
+        start += length
+    kept = Part(np.array(indices, np.int64), np.array(lengths, np.int64), np.concatenate(pieces or [part.ids[:0]]))
+    return kept, np.array(offsets, np.int64)
+
+
 class ShardWriter:
     """A directory of token shards of `shard_tokens` tokens each (the last shorter), written in order, each shard
     atomically, with a manifest last. A shard's meta says where it ends: its last token comes from document `doc`,
@@ -170,63 +219,19 @@ class ShardWriter:
         self.vocab_size, self.tokenizer_sha256 = vocab_size, tokenizer_sha256
         self.buffer: deque[_Chunk] = deque()
         self.buffered = 0
-        self.shards: list[dict] = []
-        self.end = (0, 0)  # where the last complete shard ends
-        self._resume(stamp)
+        # the shards a previous, interrupted run completed, and where the last of them ends
+        self.shards, self.end = kept_shards(self.dir, stamp)
         self.resume_from = self.end[0]
-
-    def _resume(self, stamp: dict) -> None:
-        """Keep the shards a previous, interrupted run with the same stamp completed and that still verify."""
-        progress = self.dir / "progress.json"
-        if self.dir.is_dir() and (not progress.is_file() or json.loads(progress.read_text()) != stamp):
-            ours = ("shard_", MANIFEST, "progress.json")
-            strangers = [p.name for p in self.dir.iterdir() if not p.name.startswith(ours)]
-            if strangers:
-                raise ValueError(
-                    f"{self.dir} exists and holds files that are not token shards ({', '.join(sorted(strangers)[:3])});"
-                    " choose another data path (a directory of shards, or a file name ending in .bin)"
-                )
-            shutil.rmtree(self.dir)  # shards made from other inputs or options: start over
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(progress, json.dumps(stamp))
-        for index in range(sys.maxsize):
-            path = self.dir / shard_name(index)
-            try:
-                shard = TokenFile(path)
-                if file_sha256(path) != shard.meta["sha256"]:
-                    break
-            except (FileNotFoundError, ValueError, KeyError):
-                break
-            self.shards.append({"file": path.name, "n_tokens": len(shard), "sha256": shard.meta["sha256"]})
-            self.end = tuple(shard.meta["end"])
-        for path in self.dir.iterdir():  # whatever comes after the kept shards is redone
-            if path.name.startswith("shard_") and path.name.split(".")[0] >= shard_name(len(self.shards))[:-4]:
-                path.unlink()
 
     def add(self, part: Part) -> None:
         offsets = np.zeros(len(part.indices), dtype=np.int64)  # where in its part each document's ids here start
         if len(part.indices) and part.indices[0] <= self.end[0]:  # after a restart: drop what kept shards hold
-            part, offsets = self._after(part)
+            part, offsets = after(part, self.end)
         if len(part.ids):
             self.buffer.append(_Chunk(part, offsets))
             self.buffered += len(part.ids)
         while self.buffered >= self.shard_tokens:
             self._write_shard(self.shard_tokens)
-
-    def _after(self, part: Part) -> tuple[Part, np.ndarray]:
-        """The documents' ids from this writer's position on."""
-        doc, offset = self.end
-        indices, lengths, pieces, offsets, start = [], [], [], [], 0
-        for index, length in zip(part.indices.tolist(), part.lengths.tolist(), strict=True):
-            drop = length if index < doc else min(offset, length) if index == doc else 0
-            if length > drop:
-                indices.append(index)
-                lengths.append(length - drop)
-                pieces.append(part.ids[start + drop : start + length])
-                offsets.append(drop)
-            start += length
-        kept = Part(np.array(indices, np.int64), np.array(lengths, np.int64), np.concatenate(pieces or [part.ids[:0]]))
-        return kept, np.array(offsets, np.int64)
 
     def _write_shard(self, n_tokens: int) -> None:
         pieces, taken = [], 0

@@ -44,9 +44,10 @@ def data_kind(tokens: Any) -> DataKind:
     return "pairs" if tokens.preference else "tokens"
 
 
-class Step:
-    """A training kind's step: the losses of one optimizer step's micro-batches for train.train_step, with backward,
-    and the same numbers without gradient for evaluation."""
+class Kind:
+    """What the house asks a training kind before anything is built, answered from the recipe: whether it is
+    wanted, its data, its metrics, how to build its step; and what the planner (planner/plan.py) prices beside what
+    every run costs: a frozen copy of the model, or a teacher of another size, priced without knowing which."""
 
     name: ClassVar[str]
     """What the kind is called in log lines and checkpoints' kind checks."""
@@ -59,12 +60,6 @@ class Step:
     """What a step reports beside its loss (means over the global batch), under these names."""
     shown: ClassVar[dict[str, str]] = {}
     """The metrics the log line carries beside the loss, with their labels."""
-
-    def __init__(self) -> None:
-        self.starts: list[Start] = []
-        """The frozen models this step holds that take the weights the run started from."""
-
-    # --- what the house asks before it builds anything -------------------------------------------------------------
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
@@ -99,6 +94,15 @@ class Step:
     def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
         """A micro-batch of this kind's data with the shapes of `batch` (random windows), for the planner's check."""
         return batch
+
+
+class Step(Kind):
+    """A training kind's step: the losses of one optimizer step's micro-batches for train.train_step, with backward,
+    and the same numbers without gradient for evaluation."""
+
+    def __init__(self) -> None:
+        self.starts: list[Start] = []
+        """The frozen models this step holds that take the weights the run started from."""
 
     # --- one micro-batch, and the global batch ------------------------------------------------------------------------
 
