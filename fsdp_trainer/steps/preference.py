@@ -1,15 +1,7 @@
-"""Preference tuning (DPO and its variants): what a training step and an evaluation compute on pairs of answers.
-
-A micro-batch of preference data (data/loader.py) is packed windows in which each pair's two conversations sit side
-by side, the chosen one first, attended to block-causally, so no answer sees another. Its forward gives each answer's
-summed log-probability (loss.SequenceLogProbs) under the policy (the model being trained) and, with no gradient,
-under the reference (the model the run started from); loss.PreferenceLoss turns the four numbers of each pair into
-its loss and TRL's reward metrics.
-
-Every number is a mean over the pairs of the whole global batch, whatever its split over ranks and micro-batches:
-each micro-batch's summed loss is scaled by the global number of pairs (share_of_global_mean), counted in one
-all-reduce queued before the first backward, and the metrics are summed and all-reduced once, on the device.
-"""
+"""Preference tuning against a reference (DPO and its variants): the reference's log-probabilities of each pair's
+answers (no gradient), then the policy's, and loss.PreferenceLoss turns the four numbers of each pair into its loss
+and TRL's reward metrics. The reference is the model the run started from: the policy with its adapters off, or a
+frozen copy (pairs.py says what every pair kind shares)."""
 
 from __future__ import annotations
 
@@ -26,10 +18,10 @@ from fsdp_trainer.checkpoint.starts import Start
 from fsdp_trainer.config import PreferenceConfig, Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import parallelize, reshard, uses_flex_attention
-from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
-from fsdp_trainer.loss import IGNORE, PreferenceLoss, SequenceLogProbs
+from fsdp_trainer.distributed.runtime import DistEnv
+from fsdp_trainer.loss import PreferenceLoss
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.steps.base import Step
+from fsdp_trainer.steps.pairs import PairStep, answer_logps, answers_objective
 
 METRICS = (
     "rewards/chosen",
@@ -67,14 +59,10 @@ class Reference:
         """Each answer's summed log-probability under the reference (2 x pairs,), chosen and rejected alternating."""
         model = self.frozen if self.frozen is not None else self.policy
         with adapters_disabled(self.policy) if self.frozen is None else nullcontext():
-            logps = model(batch.inputs, batch.documents, loss=_objective(batch, chunks))
+            logps = model(batch.inputs, batch.documents, loss=answers_objective(batch, chunks))
         if self.frozen is not None:
             reshard(self.frozen)
         return logps
-
-
-def _objective(batch: MicroBatch, chunks: int) -> SequenceLogProbs:
-    return SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks)
 
 
 REFERENCE_FILE = "reference.json"
@@ -82,15 +70,13 @@ REFERENCE_FILE = "reference.json"
 model the run started from (checkpoint/starts.py)."""
 
 
-class PreferenceStep(Step):
+class PreferenceStep(PairStep):
     """The losses of one optimizer step's micro-batches of preference pairs: the reference's log-probabilities
     (no gradient), then the policy's forward and backward, micro-batch by micro-batch; the loss and TRL's reward
     metrics are means over the global batch's pairs."""
 
     name = "preference"
     chosen_by = "set preference.loss (sigmoid for DPO, ipo or robust)"
-    trains_on = "pairs"
-    prepared_with = "tools/prepare_data.py --format preference"
     metrics = METRICS
     shown = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
 
@@ -139,39 +125,12 @@ class PreferenceStep(Step):
             "neither during training, but one forward pass over every pair first; this trainer does not offer it yet."
         )
 
-    @classmethod
-    def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
-        """Windows each holding one pair: two sequences of half the window, each a prompt (its first half, untrained)
-        and an answer. Attention is left causal over the window: on a GPU the block-causal mask goes through
-        flex_attention's kernel, which, like the causal one, makes no scores matrix, while the boolean mask a CPU uses
-        would make one per layer (B x heads x T x T), a memory no GPU run has."""
-        rows, length = batch.inputs.shape
-        half = length // 2
-        position = torch.arange(length)
-        second = (position >= half).long()
-        answer = (position % half) >= half // 2
-        sequences = torch.where(answer, 2 * torch.arange(rows)[:, None] + second, -1)
-        return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
-
-    def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor:
-        """The pairs of the global batch, on the device (one all-reduce)."""
-        pairs = float(sum(self.batch_units(batch) for batch in micro_batches))
-        return sum_over_ranks(torch.tensor(pairs, device=micro_batches[0].inputs.device))
-
-    def batch_units(self, batch: MicroBatch) -> int:
-        return batch.pairs
-
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss summed over its pairs and its sums of METRICS: the reference's log-probabilities of
         its answers (no gradient), then the policy's (with gradient, where enabled)."""
         reference = self.reference.logps(batch, self.chunks)
-        objective = _objective(batch, self.chunks)
-        policy = model(batch.inputs, batch.documents, loss=objective)
-        lengths = objective.count()
+        policy, lengths = answer_logps(model, batch, self.chunks)
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
         rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
         return losses.sum(), torch.stack([rewards[name].sum() for name in METRICS])
-
-    def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
-        return {"pairs": units}
