@@ -1,10 +1,11 @@
 """What a preference run's reference model costs: DPO against next-token fine-tuning on the same packed windows, with
 every weight trained (the reference a frozen sharded copy) and with LoRA (the reference the policy with its adapters
-off): training state and peak memory per rank, and tokens/s, one training job per kind in the order given (repeat
-kinds to alternate them).
+off), and the reference-free kinds (SimPO, ORPO) against DPO: training state and peak memory per rank, and tokens/s,
+one training job per kind in the order given (repeat kinds to alternate them).
 
     python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 \
         --kinds sft dpo lora_sft lora_dpo lora_dpo lora_sft dpo sft [--data.seq_len 512 --lora.rank 16 ...]
+    python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 --kinds dpo simpo orpo orpo simpo dpo
 
 The data is the bundled preference set prepared with the recipe's tokenizer (data.tokenizer_path) into data.seq_len
 windows; the fine-tuning baselines read the same windows as plain packed examples (the loss on both answers). Each
@@ -34,6 +35,9 @@ KINDS = {  # (its flags, the baseline a DPO kind is compared with)
     "dpo": (["--preference.loss", "sigmoid"], "sft"),
     "lora_sft": (["--lora.rank", "{rank}"], None),
     "lora_dpo": (["--lora.rank", "{rank}", "--preference.loss", "sigmoid"], "lora_sft"),
+    # the reference-free kinds, against DPO with its frozen copy
+    "simpo": (["--preference.loss", "simpo", "--preference.beta", "2.0"], "dpo"),
+    "orpo": (["--preference.loss", "orpo"], "dpo"),
 }
 
 
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             flags, baseline = KINDS[kind]
             flags = [flag.format(rank=rank) for flag in flags]
             out = tmp / f"{i}_{kind}"
-            data_path = pairs if baseline else plain
+            data_path = pairs if baseline else plain  # a kind compared with a baseline trains on pairs
             result = run_ours(str(recipe_path), data_path, data.tokenizer_path, args.nproc, args.steps - 1, 1,
                               tokens_per_step, out, flags)  # fmt: skip
             results.append({"kind": kind, **{k: result[k] for k in ("state_gb", "peak_mem_gb", "tokens_per_s")}})

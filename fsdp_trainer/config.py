@@ -311,20 +311,29 @@ class LoraConfig:
 
 @dataclass
 class PreferenceConfig:
-    """Preference tuning (DPO and its variants) on pairs of answers, prepared with prepare_data.py --format preference:
-    the model learns to rank each pair's chosen answer above its rejected one, measured against a reference model,
+    """Preference tuning on pairs of answers, prepared with prepare_data.py --format preference: the model learns to
+    rank each pair's chosen answer above its rejected one. DPO and its variants measure it against a reference model,
     the model the run starts from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy
-    of it in the compute dtype, with no gradients and no optimizer state)."""
+    of it in the compute dtype, with no gradients and no optimizer state); SimPO and ORPO need none."""
 
-    loss: Literal["sigmoid", "ipo", "robust"] | None = None
+    loss: Literal["sigmoid", "ipo", "robust", "simpo", "orpo"] | None = None
     """null: not a preference run. sigmoid: DPO (Rafailov et al. 2023), with label_smoothing conservative DPO; ipo: IPO
     (Azar et al. 2023), log-ratios averaged over each answer's tokens; robust: rDPO (Chowdhury et al. 2024), for
-    labels flipped with probability label_smoothing. TRL's DPOTrainer's losses of the same names."""
+    labels flipped with probability label_smoothing (TRL's DPOTrainer's losses of the same names). simpo: SimPO (Meng
+    et al. 2024; TRL's CPOTrainer loss_type simpo), length-normalized, a target margin, no reference. orpo: ORPO (Hong
+    et al. 2024; TRL's ORPOTrainer), the chosen answers' NLL plus beta x the log odds ratio, no reference."""
     beta: float = 0.1
     """How far from the reference the policy may move: the implicit reward is beta x (policy - reference
-    log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin)."""
+    log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin). simpo: the reward scale
+    (the paper's 2.0-2.5); orpo: lambda, the weight of the odds-ratio term."""
     label_smoothing: float = 0.0
-    """sigmoid and robust: the probability that a pair's labels are flipped, in [0, 0.5)."""
+    """sigmoid, robust and simpo: the probability that a pair's labels are flipped, in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
+    nll_weight: float = 0.0
+    """The weight of the chosen answers' negative log-likelihood (a mean over their tokens) added to the loss: DPO +
+    NLL (RPO; TRL's DPO loss_type [sigmoid, sft] with loss_weights [1, w]), or CPO's cpo_alpha with simpo. ORPO's NLL
+    term always weighs 1 (beta weighs its other)."""
 
     def __post_init__(self) -> None:
         _require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
@@ -333,8 +342,14 @@ class PreferenceConfig:
             f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)",
         )
         _require(
-            self.label_smoothing == 0 or self.loss != "ipo",
-            "preference.label_smoothing applies to the sigmoid and robust losses, not ipo; set it to 0",
+            self.label_smoothing == 0 or self.loss not in ("ipo", "orpo"),
+            f"preference.label_smoothing applies to the sigmoid, robust and simpo losses, not {self.loss}; set it to 0",
+        )
+        _require(self.nll_weight >= 0, f"preference.nll_weight={self.nll_weight} must be >= 0")
+        _require(
+            self.nll_weight == 0 or self.loss != "orpo",
+            "preference.nll_weight: ORPO's NLL term always weighs 1 (preference.beta weighs the odds-ratio term); "
+            "set it to 0",
         )
 
 

@@ -111,7 +111,9 @@ class SequenceLogProbs:
         # by: the shapes are known on the host, nothing waits for the device.
         slots = torch.where(self.sequences >= 0, self.sequences, self.n_sequences).flatten()
         summed = torch.zeros(self.n_sequences + 1, dtype=values.dtype, device=values.device)
-        return summed.index_add(0, slots, values.flatten())[: self.n_sequences]
+        # A copy, not a view of `summed`: FSDP2 warns that an in-place op on a view a module returns would drop its
+        # pre-backward hook (and the copy is of one number per response).
+        return summed.index_add(0, slots, values.flatten())[: self.n_sequences].clone()
 
     def count(self) -> torch.Tensor:
         """The trained targets of each response: its length in tokens."""

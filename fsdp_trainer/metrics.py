@@ -229,11 +229,19 @@ class Window:
 # --- Metrics: the loop's numbers -> records -> sinks ------------------------------------------------------------------
 
 
+HOUSE_STATS = ("loss", "grad_norm", "nonfinite", "overflow")
+"""What train_step reports of every step; the rest of its stats are the training kind's (steps/base.py)."""
+
+
 def kind_numbers(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The training kind's numbers in a step's stats (steps/base.py): the global batch's supervised tokens (packed
-    fine-tuning data: the tokens the loss is over) or pairs, and its metrics (TRL's names: rewards/..., logps/...)."""
-    counts = {name: int(stats[name].item()) for name in ("supervised_tokens", "pairs") if name in stats}
-    return {**counts, **{name: value.item() for name, value in stats.items() if "/" in name}}
+    """The training kind's numbers in a step's stats: the global batch's supervised tokens (packed fine-tuning data:
+    the tokens the loss is over) or pairs, as integers, and its metrics (TRL's names: rewards/..., nll_loss, ...)."""
+    counts = ("supervised_tokens", "pairs")
+    return {
+        name: int(value.item()) if name in counts else value.item()
+        for name, value in stats.items()
+        if name not in HOUSE_STATS
+    }
 
 
 def mixture_numbers(loader: TokenLoader | None) -> dict:

@@ -101,9 +101,9 @@ TENSORBOARD_TAGS = {
 
 
 def _tag(key: str) -> str:
-    """train/KEY; a preference run's evaluated metrics (val_rewards/chosen) as eval/rewards/chosen, the names TRL's
-    trainer logs them under."""
-    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") and "/" in key else f"train/{key}"
+    """train/KEY; a kind's evaluated metrics (val_rewards/chosen, val_nll_loss) as eval/rewards/chosen, eval/nll_loss,
+    the names TRL's trainers log them under."""
+    return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
 
 
 def scalars(record: dict) -> dict[str, float]:

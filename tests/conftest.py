@@ -73,3 +73,26 @@ def pairs(tiny_data, tmp_path_factory):
         (root / "pairs.jsonl").write_text("".join(f.readlines()[:600]))
     prepare_pairs(tiny_data, root, [root / "pairs.jsonl"])
     return root
+
+
+@pytest.fixture(scope="module")
+def trl_setup(tmp_path_factory):
+    """A tokenizer, a policy and a different reference (transformers Llamas from one config), and TRL's batch."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from fsdp_trainer.hf import model_config_from_hf
+    from tests.test_real_models import save_hf_tokenizer
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    tokenizer = save_hf_tokenizer(tmp / "tokenizer", "llama")
+    tokenizer.pad_token = tokenizer.eos_token
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    policy = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(1)
+    reference = transformers.LlamaForCausalLM(config)
+    return tmp, tokenizer, policy, reference, model_config_from_hf(config.to_dict(), "test")

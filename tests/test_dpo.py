@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_trainer.hf import model_config_from_hf
 from fsdp_trainer.loss import IGNORE, PreferenceLoss, SequenceLogProbs
 from fsdp_trainer.model import Transformer
 from tests.test_real_models import save_hf_tokenizer
@@ -24,23 +23,6 @@ PAIRS = [
     {"prompt": "To be, or not", "chosen": " to be, that is the question", "rejected": " hmm"},
     {"prompt": "Now is the winter", "chosen": " of our discontent", "rejected": " of our discontent, made glorious"},
 ]
-
-
-@pytest.fixture(scope="module")
-def trl_setup(tmp_path_factory):
-    """A tokenizer, a policy and a different reference (transformers Llamas from one config), and TRL's batch."""
-    tmp = tmp_path_factory.mktemp("dpo")
-    tokenizer = save_hf_tokenizer(tmp / "tokenizer", "llama")
-    tokenizer.pad_token = tokenizer.eos_token
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    policy = transformers.LlamaForCausalLM(config)
-    torch.manual_seed(1)
-    reference = transformers.LlamaForCausalLM(config)
-    return tmp, tokenizer, policy, reference, model_config_from_hf(config.to_dict(), "test")
 
 
 def _trl_loss_and_metrics(trl_setup, kind: str, beta: float, label_smoothing: float):

@@ -100,6 +100,12 @@ class Step(Kind):
     """A training kind's step: the losses of one optimizer step's micro-batches for train.train_step, with backward,
     and the same numbers without gradient for evaluation."""
 
+    weights: tuple[float, ...] = (1.0,)
+    """The loss is a weighted sum of means, each over its own units (a pair loss over the pairs, an NLL term over the
+    chosen answers' tokens): one weight per term; `units`, `batch_units` and `sums` give a count and a sum per term."""
+    terms: tuple[str, ...] = ()
+    """The names under which the means of the terms after the first are logged, unweighted (e.g. nll_loss)."""
+
     def __init__(self) -> None:
         self.starts: list[Start] = []
         """The frozen models this step holds that take the weights the run started from."""
@@ -107,16 +113,17 @@ class Step(Kind):
     # --- one micro-batch, and the global batch ------------------------------------------------------------------------
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
-        """What the global batch's mean is over (its targets, its pairs): every rank's, the same on all."""
+        """What the global batch's means are over (its targets, its pairs; one count per term), every rank's, the same
+        on all: the first is what the metrics are means over."""
         raise NotImplementedError
 
     def batch_units(self, batch: MicroBatch) -> torch.Tensor | int:
-        """How many units one micro-batch holds (its targets, its pairs)."""
+        """How many units one micro-batch holds (its targets, its pairs; one count per term)."""
         raise NotImplementedError
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the micro-batch's loss summed over its units, with gradient where enabled; the sums over its units of
-        `metrics`, a 1-d tensor)."""
+        """(the micro-batch's loss terms, each summed over its units, with gradient where enabled; the sums of
+        `metrics` over its units of the first term, a 1-d tensor)."""
         raise NotImplementedError
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
@@ -137,22 +144,34 @@ class Step(Kind):
         totals = None
         for i, batch in enumerate(micro_batches):
             set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            loss, metrics = self.sums(model, batch)
-            backward(share_of_global_mean(loss, units, world))
-            row = torch.cat([loss.detach()[None], metrics])
+            terms, metrics = self.sums(model, batch)
+            backward(self._weighted(share_of_global_mean(terms.reshape(-1), units, world)))
+            row = torch.cat([terms.detach().reshape(-1), metrics])
             totals = row if totals is None else totals + row
-        totals = sum_over_ranks(totals) / units  # the loss and the metrics: one all-reduce
-        return totals[0], {**self.extra(micro_batches, units), **dict(zip(self.metrics, totals[1:], strict=True))}
+        totals = sum_over_ranks(totals)  # the loss terms and the metrics: one all-reduce
+        k = len(self.weights)
+        means, metrics = totals[:k] / units, totals[k:] / (units if k == 1 else units[0])
+        numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
+        return self._weighted(means), {**self.extra(micro_batches, units), **numbers}
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
         """The mean loss and metrics over the units of every rank's micro-batches (one all-reduce)."""
         totals = None
         for batch in micro_batches:
-            loss, metrics = self.sums(model, batch)
-            units = torch.as_tensor(self.batch_units(batch), dtype=loss.dtype, device=loss.device)
-            row = torch.cat([loss[None], metrics, units[None]])
+            terms, metrics = self.sums(model, batch)
+            units = torch.as_tensor(self.batch_units(batch), dtype=terms.dtype, device=terms.device)
+            row = torch.cat([terms.reshape(-1), metrics, units.reshape(-1)])
             totals = row if totals is None else totals + row
         reshard(model)
         totals = sum_over_ranks(totals)
-        return dict(zip(("loss", *self.metrics), totals[:-1] / totals[-1], strict=True))
+        k = len(self.weights)
+        means, metrics = totals[:k] / totals[-k:], totals[k:-k] / totals[-k]
+        named = zip(("loss", *self.metrics, *self.terms), (self._weighted(means), *metrics, *means[1:]), strict=True)
+        return dict(named)
+
+    def _weighted(self, means: torch.Tensor) -> torch.Tensor:
+        """The loss from its terms' means (k,): their weighted sum."""
+        if len(self.weights) == 1:
+            return means[0]
+        return sum(weight * mean for weight, mean in zip(self.weights, means.unbind(), strict=True))

@@ -31,11 +31,52 @@ def answer_logps(model: nn.Module, batch: MicroBatch, chunks: int = 1) -> tuple[
     return model(batch.inputs, batch.documents, loss=objective), objective.count()
 
 
+REWARD_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""What every pair kind reports, under TRL's names (means over the global batch's pairs): DPO's logps are each
+answer's summed log-probability and its rewards beta x the log-ratio to the reference; a reference-free kind's (SimPO,
+ORPO) logps are averaged over each answer's tokens, and its rewards beta x those."""
+
+
+def length_normalized(logps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each chosen answer's log-probability averaged over its tokens, each rejected one's), (pairs,) each."""
+    average = logps / lengths.clamp(min=1)
+    return average[0::2], average[1::2]
+
+
+def length_normalized_rewards(beta: float, chosen: torch.Tensor, rejected: torch.Tensor) -> list[torch.Tensor]:
+    """The sums over a micro-batch's pairs of REWARD_METRICS, from its answers' averaged
+    log-probabilities."""
+    chosen_reward, rejected_reward = beta * chosen.detach(), beta * rejected.detach()
+    per_pair = (
+        chosen_reward,
+        rejected_reward,
+        (chosen_reward > rejected_reward).float(),
+        chosen_reward - rejected_reward,
+        chosen.detach(),
+        rejected.detach(),
+    )
+    return [values.sum() for values in per_pair]
+
+
 class PairStep(Step):
-    """A kind that trains on preference pairs: its units are the global batch's pairs."""
+    """A kind that trains on preference pairs: its units are the global batch's pairs, and, when the loss adds the
+    chosen answers' negative log-likelihood (`nll_weight`), their tokens, over which that term is a mean (TRL's: the
+    mean over the batch's chosen tokens, not of each answer's mean)."""
 
     trains_on = "pairs"
     prepared_with = "tools/prepare_data.py --format preference"
+
+    def __init__(self, nll_weight: float = 0.0):
+        super().__init__()
+        if nll_weight:
+            self.weights, self.terms = (1.0, nll_weight), ("nll_loss",)
 
     @classmethod
     def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
@@ -52,12 +93,24 @@ class PairStep(Step):
         return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, rows)
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor:
-        """The pairs of the global batch, on the device (one all-reduce)."""
-        pairs = float(sum(self.batch_units(batch) for batch in micro_batches))
-        return sum_over_ranks(torch.tensor(pairs, device=micro_batches[0].inputs.device))
+        """The pairs of the global batch (and its chosen answers' tokens), on the device (one all-reduce)."""
+        if len(self.weights) == 1:
+            pairs = float(sum(self.batch_units(batch) for batch in micro_batches))
+            return sum_over_ranks(torch.tensor(pairs, device=micro_batches[0].inputs.device))
+        return sum_over_ranks(sum(self.batch_units(batch) for batch in micro_batches))
 
-    def batch_units(self, batch: MicroBatch) -> int:
-        return batch.pairs
+    def batch_units(self, batch: MicroBatch) -> torch.Tensor | int:
+        if len(self.weights) == 1:
+            return batch.pairs
+        chosen_tokens = answers_objective(batch).count()[0::2].sum()
+        return torch.stack([torch.tensor(float(batch.pairs), device=chosen_tokens.device), chosen_tokens.float()])
+
+    def loss_terms(self, pair_losses: torch.Tensor, chosen_logps: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss terms from each pair's loss and each chosen answer's summed log-probability: the
+        pairs' summed loss, and with an NLL term the chosen answers' summed negative log-likelihood."""
+        if len(self.weights) == 1:
+            return pair_losses.sum()
+        return torch.stack([pair_losses.sum(), -chosen_logps.sum()])
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
-        return {"pairs": units}
+        return {"pairs": units if len(self.weights) == 1 else units[0]}

@@ -19,19 +19,11 @@ from fsdp_trainer.config import PreferenceConfig, Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import parallelize, reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
-from fsdp_trainer.loss import PreferenceLoss
+from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.steps.pairs import PairStep, answer_logps, answers_objective
+from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective
 
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-"""What a preference step reports beside its loss, under TRL's names (means over the global batch's pairs)."""
+METRICS = REWARD_METRICS
 
 
 def frozen_copy(recipe: Recipe, mesh: DeviceMesh, flex_attention: bool = False) -> Transformer:
@@ -81,7 +73,7 @@ class PreferenceStep(PairStep):
     shown = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
 
     def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
-        super().__init__()
+        super().__init__(cfg.nll_weight)
         self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
         self.reference, self.chunks = reference, chunks
         if reference.frozen is not None:  # the frozen copy holds the weights the run started from
@@ -89,7 +81,7 @@ class PreferenceStep(PairStep):
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
-        return recipe.preference.loss is not None
+        return recipe.preference.loss in PREFERENCE_LOSSES
 
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> PreferenceStep:
@@ -126,11 +118,11 @@ class PreferenceStep(PairStep):
         )
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's loss summed over its pairs and its sums of METRICS: the reference's log-probabilities of
-        its answers (no gradient), then the policy's (with gradient, where enabled)."""
+        """The micro-batch's loss terms (pairs.PairStep.loss_terms) and its sums of METRICS: the reference's
+        log-probabilities of its answers (no gradient), then the policy's (with gradient, where enabled)."""
         reference = self.reference.logps(batch, self.chunks)
         policy, lengths = answer_logps(model, batch, self.chunks)
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
         rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
-        return losses.sum(), torch.stack([rewards[name].sum() for name in METRICS])
+        return self.loss_terms(losses, chosen), torch.stack([rewards[name].sum() for name in METRICS])
