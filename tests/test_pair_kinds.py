@@ -70,7 +70,8 @@ def trl_old_style(trainer_class, config_class, trl_setup, **options):
 
 
 def assert_equal_to_trl(ours: dict, trl_loss: float, trl_metrics: dict, names: list[str]) -> None:
-    print({name: (ours[name].item(), trl_metrics[name]) for name in names})  # pytest -s shows the gaps
+    gaps = {name: (ours[name].item(), trl_metrics[name]) for name in names}
+    print({"loss": (ours["loss"].item(), trl_loss), **gaps})  # pytest -s shows the gaps
     assert ours["loss"].item() == pytest.approx(trl_loss, rel=1e-5)
     for name in names:
         assert ours[name].item() == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-7), name
