@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, NoReturn
 
+from fsdp_trainer.errors import say
 from fsdp_trainer.files import CONFIG_FILE, write_atomic
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -578,9 +579,8 @@ def write_config(recipe: Recipe) -> None:
 
 def fail(error: object) -> NoReturn:
     """Exit 1 with one `error: ...` line. Under torchrun every rank of a node fails the same way before any process
-    group exists, so only the first process of each node prints it."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print("error: " + " ".join(str(error).split()), file=sys.stderr, flush=True)
+    group exists, so the line is said once per node (errors.say)."""
+    say("error: " + " ".join(str(error).split()), everyone=True)
     sys.exit(1)
 
 

@@ -8,9 +8,11 @@ opens the token files and checks the output directory, so bad input is one `erro
 spawned. The workers are then started through torch.distributed.run's own API (the rendezvous, restarts and
 environment are torchrun's), and what torchrun would print as a stack of tracebacks becomes:
 
-- a worker that fails: its own `error:` line (the worker prints it) and its exit code, without torchrun's
-  ChildFailedError summary; a worker killed by a signal (the OOM killer's SIGKILL, say): one line naming it, and
-  exit 128 + the signal's number, as a shell reports it;
+- a worker that fails: the cause first, once the workers have stopped: a worker killed by a signal (the OOM
+  killer's SIGKILL, say) or gone without a word, named, else the first worker's own `error:` line (the workers report
+  their lines to the launcher, errors.py) and its traceback; then one line for each worker that failed only because
+  of it ("rank 0 stopped because rank 1 failed"); without torchrun's ChildFailedError summary; exit 128 + the
+  signal's number for a signal, as a shell reports it, else the worker's code;
 - SIGTERM (preemption: Slurm, Kubernetes): forwarded to the workers, which save a checkpoint and exit 0, and so does
   the launcher; a second SIGTERM, or SIGINT, stops the workers at once as torchrun does (exit 128 + the signal).
 
@@ -19,12 +21,16 @@ Plain `torchrun -m fsdp_trainer.train` keeps working; it prints torchrun's own s
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from fsdp_trainer.config import fail, one_line_errors, parse_recipe
+from fsdp_trainer.errors import REPORTS_ENV
 
 TRAINER_MODULE = "fsdp_trainer.train"
 
@@ -113,6 +119,50 @@ def failure_line(rank: int, pid: int, exitcode: int) -> str | None:
     return f"error: rank {rank} (pid {pid}) was killed by {name}{hint}"
 
 
+def read_reports(reports_dir: str) -> dict[int, dict]:
+    """The workers' failure reports (errors.say), by rank."""
+    reports = {}
+    for name in os.listdir(reports_dir):
+        if name.startswith("rank_") and name.endswith(".json"):
+            with open(os.path.join(reports_dir, name)) as f:
+                report = json.load(f)
+            reports[report["rank"]] = report
+    return reports
+
+
+def failure_lines(failures: dict, reports: dict[int, dict]) -> tuple[list[str], int]:
+    """(what to print, the cause first; the exit code) from torchrun's failed workers ({rank: ProcessFailure}) and
+    their reports. A cause is a rank that died by a signal (not the SIGTERM torchrun stops the others with) or
+    exited without a report, or one that reported an error of its own (an error every rank found, once); a rank whose
+    collective failed because of another's failure is folded into one line after it."""
+    causes: list[tuple[int, int, list[str], int]] = []  # (order, rank, lines, exit code)
+    for rank, failure in sorted(failures.items()):
+        if rank in reports:
+            continue
+        if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM:
+            causes.append(
+                (0, rank, [failure_line(rank, failure.pid, failure.exitcode)], exit_code_of(failure.exitcode))
+            )
+        elif failure.exitcode > 0:
+            line = (f"error: rank {rank} (pid {failure.pid}) exited with code {failure.exitcode} without an error "
+                    "line: its output above says why")  # fmt: skip
+            causes.append((0, rank, [line], failure.exitcode))
+    own = sorted((r for r in reports.values() if not r["consequential"]), key=lambda r: (r["time"], r["rank"]))
+    everyone = [r for r in own if r["everyone"]]
+    own = [r for r in own if not r["everyone"]] + ([min(everyone, key=lambda r: r["rank"])] if everyone else [])
+    for order, report in enumerate(own, start=1):
+        details = report["details"].rstrip().splitlines() if report["details"] else []
+        causes.append((order, report["rank"], [report["line"], *details], 1))
+    followers = sorted((r for r in reports.values() if r["consequential"]), key=lambda r: (r["time"], r["rank"]))
+    if not causes:  # every report follows another rank's failure (a hung rank, say): each said as it came
+        return [r["line"] for r in followers], 1
+    causes.sort(key=lambda cause: cause[:2])
+    first = causes[0][1]
+    lines = [line for cause in causes for line in cause[2]]
+    lines += [f"rank {r['rank']} stopped because rank {first} failed" for r in followers]
+    return lines, causes[0][3]
+
+
 def quiet_torchrun() -> None:
     """torchrun's agent logs every rendezvous, restart and shutdown, and a failure as a page; the launcher reports
     what matters itself. LOGLEVEL (torchrun's own setting) brings them back. Each of its modules sets its logger's
@@ -150,19 +200,20 @@ def main(argv: list[str] | None = None) -> None:
         name for name in handled if name.strip() != "SIGTERM"
     )
     signal.signal(signal.SIGTERM, ForwardSigterm())
+    reports = os.environ[REPORTS_ENV] = tempfile.mkdtemp(prefix="fsdp_train_reports_")  # the workers' error lines
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        line = failure_line(rank, failure.pid, failure.exitcode)
-        if line is not None:
-            print(line, file=sys.stderr, flush=True)
-        sys.exit(exit_code_of(failure.exitcode))
+        lines, code = failure_lines(e.failures, read_reports(reports))
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        sys.exit(code)
     except SignalException as e:
         print(f"stopped by {e.sigval.name}: the workers were terminated", file=sys.stderr, flush=True)
         sys.exit(128 + int(e.sigval))
     except Exception as e:  # the rendezvous failed (a node never came, a port taken): torchrun's own errors
         fail(f"launch failed: {type(e).__name__}: {e}")
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ from fsdp_trainer.distributed.runtime import (
     resolve_precision,
     silent_ranks,
 )
+from fsdp_trainer.errors import follows_a_peer, say
 from fsdp_trainer.files import RunDirInUse
 from fsdp_trainer.metrics import Metrics
 from fsdp_trainer.optim import build_loss_scaler, build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -266,18 +268,24 @@ def main(argv: list[str] | None = None) -> None:
     try:
         lock = lock_out_dir(recipe.train.out_dir, env)  # before anything is written there
         train(recipe, env, train_file, val_file)
-    except (CheckpointError, NonFiniteError, RunDirInUse) as e:  # every rank finds it: the node's first rank says it
-        if env.local_rank == 0:
-            print(f"error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+    except (CheckpointError, NonFiniteError, RunDirInUse) as e:  # every rank finds it: said once per node
+        say(f"error: rank {env.rank}: {e}", everyone=True)
         sys.exit(1)
     except Exception as e:
-        # Typically a collective that failed because a peer died or hung: say which peers went silent. The traceback
-        # follows, and torchrun's summary names the rank that failed first.
-        silent = silent_ranks(env.rank, env.world_size)
+        # Often a collective that failed because a peer died or hung: say which peers went silent. The traceback
+        # follows (under plain torchrun, whose summary names the rank that failed first).
+        peer = follows_a_peer(e)  # else the error is this rank's own: no peer to wait for
+        silent = silent_ranks(env.rank, env.world_size, wait_s=5.0 if peer else 0.0)
         who = ", ".join(map(str, silent))
-        hint = f"; rank {who} reported no failure of its own: it exited or hangs, look there first" if silent else ""
+        hint = (
+            f"; rank {who} reported no failure of its own: it exited or hangs, look there first"
+            if peer and silent
+            else ""
+        )
         cause = str(e).splitlines()[0] if str(e) else ""
-        print(f"error: rank {env.rank}: {type(e).__name__}: {cause}{hint}", file=sys.stderr, flush=True)
+        line = f"error: rank {env.rank}: {type(e).__name__}: {cause}{hint}"
+        if say(line, consequential=peer, details=traceback.format_exc()):
+            sys.exit(1)  # fsdp-train prints the line and the traceback, the cause's first
         raise
     finally:
         if lock is not None:

@@ -89,8 +89,40 @@ def test_a_worker_killed_by_a_signal_is_one_line_and_the_shells_exit_code(tiny_d
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGKILL)  # as the OOM killer would
     assert proc.wait(timeout=120) == 128 + signal.SIGKILL
-    (line,) = log.with_suffix(".err").read_text().strip().splitlines()
-    assert line.startswith("error: rank ") and f"(pid {max(workers)}) was killed by SIGKILL" in line
+    line, *after = log.with_suffix(".err").read_text().strip().splitlines()
+    assert line.startswith("error: rank 1 ") and f"(pid {max(workers)}) was killed by SIGKILL" in line
+    assert after in ([], ["rank 0 stopped because rank 1 failed"]), after  # not the survivor's gloo error
+
+
+INJECT = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "inject"), "INJECT_RANK": "1", "INJECT_STEP": "3"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "code", "first"),
+    [
+        ("raise", 1, "error: rank 1: RuntimeError: injected failure"),
+        ("exit", 3, "error: rank 1 (pid "),
+    ],
+)
+def test_the_first_line_names_the_rank_that_failed_and_why(tiny_data, tmp_path, how, code, first):
+    """Rank 1 raises (its own line first, its traceback after, rank 0's broken collective folded into one line) or
+    exits with 3 saying nothing (named, with its code, and the launcher exits with it)."""
+    log = tmp_path / "log.txt"
+    proc = subprocess.Popen(
+        [*LAUNCHER, "--nproc_per_node", "2", *run_args(tiny_data, tmp_path / "run", 20)],
+        stdout=open(log, "w"),
+        stderr=open(log.with_suffix(".err"), "w"),
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **INJECT, "INJECT_FAIL": how},
+    )
+    assert proc.wait(timeout=120) == code
+    lines = log.with_suffix(".err").read_text().strip().splitlines()
+    assert lines[0].startswith(first), lines
+    if how == "exit":
+        assert "exited with code 3 without an error line" in lines[0]
+    assert [line for line in lines if line.startswith("error:")] == lines[:1], lines
+    assert lines[-1] == "rank 0 stopped because rank 1 failed" or how == "exit" or lines[-1].startswith("RuntimeError")
 
 
 @pytest.mark.slow

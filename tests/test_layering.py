@@ -13,7 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_trainer"
 
 FLOORS = [
-    {"__init__", "files", "loss", "muon"},
+    {"__init__", "errors", "files", "loss", "muon"},
     {"config", "tokenizer"},
     {"model", "optim", "hf", "data", "reference"},
     {"distributed"},  # runtime, parallelize
