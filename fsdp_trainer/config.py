@@ -73,8 +73,9 @@ class RopeScaling:
 class ModelConfig:
     """Shape of the decoder-only Transformer (Llama 3 / Qwen3 vocabulary)."""
 
-    family: Literal["llama", "qwen3"] = "llama"
-    """Architecture: `llama` (Llama 3) or `qwen3` (Llama plus RMSNorm on each head's queries and keys)."""
+    family: Literal["llama", "qwen3", "mistral"] = "llama"
+    """Architecture: `llama` (Llama 3), `qwen3` (Llama plus RMSNorm on each head's queries and keys) or `mistral`
+    (Llama's block, with `sliding_window`)."""
     dim: int = 256
     """Width of the residual stream (HF hidden_size)."""
     n_layers: int = 4
@@ -102,6 +103,8 @@ class ModelConfig:
     """Share one matrix between the token embedding and the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal init of embeddings and projections (see Transformer.init_weights)."""
+    sliding_window: int | None = None
+    """mistral: a query attends to at most this many positions, itself included (HF's sliding_window); null: all."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -118,6 +121,10 @@ class ModelConfig:
         else:
             _require(self.head_dim > 0, f"model.head_dim={self.head_dim} must be positive")
         _require(self.resolved_head_dim % 2 == 0, f"model.head_dim={self.resolved_head_dim} must be even for RoPE")
+        _require(
+            self.sliding_window is None or (self.family == "mistral" and self.sliding_window > 0),
+            f"model.sliding_window={self.sliding_window}: a positive window, for the mistral family only",
+        )
 
     def check_vocab(self, what: str, n_ids: int) -> None:
         """Refuse token ids the model could not embed: `what` (a token file, a tokenizer) holds ids up to n_ids."""

@@ -22,12 +22,13 @@ from safetensors.torch import save_file
 from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for LlamaForCausalLM / Qwen3ForCausalLM. Every field HF would otherwise default is spelled out:
-    a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error and gives wrong logits."""
+    """config.json for LlamaForCausalLM / Qwen3ForCausalLM / MistralForCausalLM. Every field HF would otherwise
+    default is spelled out: a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error
+    and gives wrong logits."""
     scaling = {"rope_type": "llama3", **asdict(cfg.rope_scaling)} if cfg.rope_scaling else {}
     config = {
         "architectures": [ARCHITECTURES[cfg.family]],
@@ -56,6 +57,8 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
     }
     if cfg.family == "qwen3":
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.family == "mistral":
+        config["sliding_window"] = cfg.sliding_window
     if bos_id is not None:
         config["bos_token_id"] = bos_id
     if eos_id is not None:
@@ -64,7 +67,8 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
 
 
 def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
-    """ModelConfig for an HF Llama / Qwen3 config.json; refuses (ValueError naming the field) what our model lacks."""
+    """ModelConfig for an HF Llama / Qwen3 / Mistral config.json; refuses (ValueError naming the field) what our model
+    lacks."""
     family = config.get("model_type")
     if family not in ARCHITECTURES:
         raise ValueError(f"{source}: model_type {family!r} is not supported (only {sorted(ARCHITECTURES)})")
@@ -103,6 +107,7 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         rope_scaling=scaling,
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=config.get("sliding_window") if family == "mistral" else None,
     )
 
 

@@ -152,12 +152,15 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
 
-def block_causal(documents: torch.Tensor, flex: bool = False) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
+def block_causal(
+    documents: torch.Tensor, flex: bool = False, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor | BlockMask]:
     """For windows packed with several examples: `documents` (B, T) numbers the example of each position (equal for
     the consecutive positions of one example). Returns each position's place in its own example (B, T), which the
     rotary angles use, and the attention mask: a position sees the earlier positions of its own example and nothing
-    else, so each example gets the logits it would get alone. A boolean (B, 1, T, T), or with `flex` the same as a
-    flex_attention BlockMask (blocks of 128 x 128 positions, those it empties skipped)."""
+    else, so each example gets the logits it would get alone; with a sliding `window` (Mistral), only the last
+    `window` of them, itself included. A boolean (B, 1, T, T), or with `flex` the same as a flex_attention BlockMask
+    (blocks of 128 x 128 positions, those it empties skipped)."""
     B, T = documents.shape
     index = torch.arange(T, device=documents.device)
     starts = torch.ones_like(documents, dtype=torch.bool)
@@ -166,15 +169,31 @@ def block_causal(documents: torch.Tensor, flex: bool = False) -> tuple[torch.Ten
     if flex:
 
         def same_example_causal(b, h, q, k):
-            return (documents[b, q] == documents[b, k]) & (q >= k)
+            visible = (documents[b, q] == documents[b, k]) & (q >= k)
+            return visible & (q - k < window) if window else visible
 
         return positions, create_block_mask(same_example_causal, B, None, T, T, device=documents.device)
     same_document = documents[:, :, None] == documents[:, None, :]
-    return positions, (same_document & (index[:, None] >= index[None, :]))[:, None]
+    return positions, (same_document & causal(T, window, documents.device))[:, None]
+
+
+def causal(T: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """(T, T): query i sees key j <= i, and with a sliding `window` only j > i - window (transformers' sliding
+    window: the window counts the query itself)."""
+    index = torch.arange(T, device=device)
+    distance = index[:, None] - index[None, :]
+    return (distance >= 0) & (distance < window) if window else distance >= 0
+
+
+def sliding_causal(T: int, window: int, device: torch.device, flex: bool) -> torch.Tensor | BlockMask:
+    """The mask of one unpacked sequence whose `window` is shorter than it, boolean (1, 1, T, T) or a BlockMask."""
+    if flex:
+        return create_block_mask(lambda b, h, q, k: (q >= k) & (q - k < window), None, None, T, T, device=device)
+    return causal(T, window, device)[None, None]
 
 
 class Transformer(nn.Module):
-    """Llama 3 / Qwen3 causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
+    """Llama 3 / Qwen3 / Mistral causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
 
     def __init__(self, cfg: ModelConfig, flex_attention: bool = False):
         super().__init__()
@@ -201,11 +220,13 @@ class Transformer(nn.Module):
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0 (see block_causal)."""
-        T = tokens.shape[1]
+        T, window = tokens.shape[1], self.cfg.sliding_window
         if documents is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
+            if window and window < T:  # else plain causal attention is the same
+                mask = sliding_causal(T, window, tokens.device, self.flex_attention)
         else:
-            positions, mask = block_causal(documents, self.flex_attention)
+            positions, mask = block_causal(documents, self.flex_attention, window)
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, head_dim)
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for block in self.model.layers.values():

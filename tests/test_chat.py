@@ -6,6 +6,7 @@ at a time), a single-process run."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -149,6 +150,23 @@ def test_a_window_of_two_examples_gives_each_the_logits_it_would_get_alone():
     for chunks in (1, 3):  # chunked the same
         objective = NextTokenLoss(targets, chunks)
         assert torch.allclose(model(packed, documents, loss=objective) / objective.count(), expected, rtol=1e-5)
+
+
+def test_a_sliding_window_holds_within_each_packed_example():
+    """Mistral's window (4 positions here, the query included) in a window packed with two examples: each gets the
+    logits it gets alone with the window, which differ from those without it."""
+    cfg = ModelConfig(family="mistral", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=16, sliding_window=4)  # fmt: skip
+    model, unwindowed = Transformer(cfg), Transformer(replace(cfg, sliding_window=None))
+    model.init_weights(seed=0)
+    unwindowed.load_state_dict(model.state_dict())
+    a, b = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        alone = torch.cat([model(a), model(b)], dim=1)
+        packed = model(torch.cat([a, b], dim=1), documents=torch.tensor([[0] * 7 + [1] * 9]))
+        full = unwindowed(b)
+    assert (packed - alone).abs().max() <= 1e-5
+    assert (alone[:, 7:] - full).abs().max() > 1e-2  # b is longer than the window: it matters
 
 
 def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags, input_file=None):

@@ -1,7 +1,8 @@
 """Published checkpoints with their own tokenizers, in their real layout, built here (no downloads): an HF Llama 3.1 /
-3.2 (rope scaling, tied or not) or Qwen3 (explicit head_dim, qk-norm) saved sharded by save_pretrained, and a
-byte-level BPE tokenizer trained with `tokenizers` on the bundled corpus and saved by transformers. The README's
-walk-through: import -> prepare data with the model's tokenizer -> train -> consolidate -> transformers."""
+3.2 (rope scaling, tied or not), Qwen3 (explicit head_dim, qk-norm) or Mistral (a sliding window) saved sharded by
+save_pretrained, and a byte-level BPE tokenizer trained with `tokenizers` on the bundled corpus and saved by
+transformers. The README's walk-through: import -> prepare data with the model's tokenizer -> train -> consolidate
+-> transformers."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{
 SPECIALS = {  # (BOS or None, EOS, other added tokens), as the published tokenizers have them
     "llama": ("<|begin_of_text|>", "<|end_of_text|>", ["<|eot_id|>"]),
     "qwen3": (None, "<|endoftext|>", ["<|im_start|>", "<|im_end|>"]),
+    "mistral": ("<s>", "</s>", ["[INST]", "[/INST]"]),
 }
 VARIANTS = {
     "llama3.1": dict(family="llama", rope_scaling=LLAMA3_SCALING["llama3.1"], tie_word_embeddings=False, bf16=True),
     "llama3.2": dict(family="llama", rope_scaling=LLAMA3_SCALING["llama3.2"], tie_word_embeddings=True),
     "qwen3": dict(family="qwen3", rope_scaling=None, tie_word_embeddings=True),
+    # A sliding window shorter than the training windows (32) and the export check (64): it changes the logits.
+    "mistral": dict(family="mistral", rope_scaling=None, tie_word_embeddings=False, sliding_window=8),
 }
 
 
@@ -79,7 +83,11 @@ def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
     )
     if v["rope_scaling"]:
         config["rope_scaling"] = dict(v["rope_scaling"])
-    config_cls = transformers.Qwen3Config if v["family"] == "qwen3" else transformers.LlamaConfig
+    if v["family"] == "mistral":
+        config["sliding_window"] = v["sliding_window"]
+    config_cls = {"qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}.get(
+        v["family"], transformers.LlamaConfig
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
     if v.get("bf16"):  # published in bf16, as Llama 3 is
@@ -150,7 +158,7 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
     assert list(train[:1000]) == original_tokenizer(text[:60_000]).input_ids[:1000]
     documents = 1 + len(paragraphs)
     assert ids.count(original_tokenizer.eos_token_id) == documents
-    assert ids.count(original_tokenizer.bos_token_id) == (documents if family == "llama" else 0)
+    assert ids.count(original_tokenizer.bos_token_id) == (documents if SPECIALS[family][0] else 0)
 
     run = tmp_path / "run"
     launch = [
