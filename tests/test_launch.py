@@ -231,3 +231,37 @@ def test_where_the_kernel_sends_no_parent_death_signal_a_watchdog_ends_the_worke
     proc.kill()
     proc.wait()
     _wait_gone([child_pid])
+
+
+def test_the_cause_comes_first_whatever_order_the_reports_came_in():
+    """failure_lines on torchrun's failures and the workers' reports, without processes: a death by a signal before
+    any report; an error every rank found once, from the lowest rank; a hang (only consequential reports) as said."""
+    from types import SimpleNamespace
+
+    from fsdp_trainer.launch import failure_lines
+
+    def failure(pid, code):
+        return SimpleNamespace(pid=pid, exitcode=code)
+
+    def report(rank, time, line, consequential=False, everyone=False):
+        return {"rank": rank, "time": time, "line": line, "consequential": consequential, "everyone": everyone,
+                "details": ""}  # fmt: skip
+
+    gloo = "error: rank 0: DistBackendError: Connection closed by peer"
+    lines, code = failure_lines(
+        {0: failure(10, 1), 1: failure(11, -signal.SIGKILL), 2: failure(12, -signal.SIGTERM)},
+        {0: report(0, 1.0, gloo, consequential=True)},
+    )
+    assert lines[0].startswith("error: rank 1 (pid 11) was killed by SIGKILL") and code == 128 + signal.SIGKILL
+    assert lines[1:] == ["rank 0 stopped because rank 1 failed"]  # rank 2, stopped by torchrun, says nothing
+
+    shape = "error: rank {}: checkpoint of another shape"
+    lines, code = failure_lines(
+        {0: failure(10, 1), 1: failure(11, 1)},
+        {1: report(1, 1.0, shape.format(1), everyone=True), 0: report(0, 2.0, shape.format(0), everyone=True)},
+    )
+    assert (lines, code) == ([shape.format(0)], 1)
+
+    hung = [report(1, 2.0, "error: rank 1: timed out", True), report(0, 1.0, "error: rank 0: timed out", True)]
+    lines, code = failure_lines({0: failure(10, 1), 1: failure(11, 1)}, {r["rank"]: r for r in hung})
+    assert (lines, code) == (["error: rank 0: timed out", "error: rank 1: timed out"], 1)
