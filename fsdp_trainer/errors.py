@@ -20,7 +20,7 @@ import time
 REPORTS_ENV = "FSDP_TRAIN_REPORTS"
 """The directory fsdp-train gives its workers for their failure reports."""
 
-PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out")
+PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out")  # Timed, timed
 """What a collective says when it fails because another rank died or hangs (gloo and NCCL)."""
 
 
@@ -33,9 +33,9 @@ def follows_a_peer(error: BaseException) -> bool:
 
 def say(line: str, everyone: bool = False, consequential: bool = False, details: str = "") -> bool:
     """Say a worker's `error:` line: to the launcher's reports under fsdp-train (returns True: the launcher prints
-    it, and `details`, a traceback, after it), else printed once per node. `everyone`: every rank finds this error (a
-    bad recipe, a checkpoint of another shape): one line for all; `consequential`: it only follows another rank's
-    failure."""
+    it, and `details`, a traceback, after it), else printed. `everyone`: every rank finds this error (a bad recipe, a
+    checkpoint of another shape): one line for all, printed once per node; `consequential`: it only follows another
+    rank's failure."""
     reports = os.environ.get(REPORTS_ENV)
     rank = int(os.environ.get("RANK", "0"))
     if reports and "LOCAL_RANK" in os.environ and os.path.isdir(reports):  # a worker of fsdp-train
