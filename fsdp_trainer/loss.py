@@ -120,6 +120,35 @@ class SequenceLogProbs:
         return self._per_sequence((self.targets != IGNORE).long())
 
 
+def label_smoothed(logits: torch.Tensor, e: float) -> torch.Tensor:
+    """-log sigmoid(logits) when labels are flipped with probability e: -(1 - e) log sigmoid(x) - e log sigmoid(-x)
+    (conservative DPO, and CPO / SimPO with label smoothing)."""
+    return (1 - e) * -F.logsigmoid(logits) + e * -F.logsigmoid(-logits)
+
+
+def pair_rewards(
+    beta: float,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | float = 0.0,
+    ref_rejected: torch.Tensor | float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """The implicit rewards beta * (policy - reference log-probability) of each pair (P,) (with no reference, as in
+    SimPO and ORPO, beta * the log-probability), and what TRL logs of them: rewards/chosen, rewards/rejected,
+    rewards/accuracies (chosen above rejected), rewards/margins, logps/chosen, logps/rejected, per pair, to be
+    averaged over the pairs of a batch."""
+    chosen_reward = beta * (chosen - ref_chosen).detach()
+    rejected_reward = beta * (rejected - ref_rejected).detach()
+    return {
+        "rewards/chosen": chosen_reward,
+        "rewards/rejected": rejected_reward,
+        "rewards/accuracies": (chosen_reward > rejected_reward).float(),
+        "rewards/margins": chosen_reward - rejected_reward,
+        "logps/chosen": chosen.detach(),
+        "logps/rejected": rejected.detach(),
+    }
+
+
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "robust")
 
 
@@ -163,23 +192,12 @@ class PreferenceLoss:
             delta = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
             return (delta - 1 / (2 * self.beta)) ** 2
         logits = self.beta * (chosen_ratio - rejected_ratio)
-        agree, flipped = -F.logsigmoid(logits), -F.logsigmoid(-logits)
         e = self.label_smoothing
         if self.kind == "robust":
+            agree, flipped = -F.logsigmoid(logits), -F.logsigmoid(-logits)
             return ((1 - e) * agree - e * flipped) / (1 - 2 * e)
-        return (1 - e) * agree + e * flipped
+        return label_smoothed(logits, e)
 
     def rewards(self, chosen, rejected, ref_chosen, ref_rejected) -> dict[str, torch.Tensor]:
-        """The implicit rewards beta * (policy - reference log-ratio) of each pair (P,), and what TRL logs of them:
-        rewards/chosen, rewards/rejected, rewards/accuracies (chosen above rejected), rewards/margins, logps/chosen,
-        logps/rejected, per pair, to be averaged over the pairs of a batch."""
-        chosen_reward = self.beta * (chosen - ref_chosen).detach()
-        rejected_reward = self.beta * (rejected - ref_rejected).detach()
-        return {
-            "rewards/chosen": chosen_reward,
-            "rewards/rejected": rejected_reward,
-            "rewards/accuracies": (chosen_reward > rejected_reward).float(),
-            "rewards/margins": chosen_reward - rejected_reward,
-            "logps/chosen": chosen.detach(),
-            "logps/rejected": rejected.detach(),
-        }
+        """pair_rewards with this loss's beta."""
+        return pair_rewards(self.beta, chosen, rejected, ref_chosen, ref_rejected)

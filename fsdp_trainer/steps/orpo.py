@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.runtime import DistEnv
+from fsdp_trainer.loss import pair_rewards
 from fsdp_trainer.steps.pairs import (
     REWARD_METRICS,
     PairStep,
     answer_logps,
     length_normalized,
-    length_normalized_rewards,
+    reward_sums,
 )
 
 
@@ -57,9 +58,6 @@ class ORPOStep(PairStep):
         chosen, rejected = length_normalized(logps, lengths)
         log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
         ratio = F.logsigmoid(log_odds)
-        metrics = [
-            *length_normalized_rewards(self.beta, chosen, rejected),
-            ratio.detach().sum(),
-            log_odds.detach().sum(),
-        ]
-        return self.loss_terms(-self.beta * ratio, logps[0::2]), torch.stack(metrics)
+        odds = torch.stack([ratio.detach().sum(), log_odds.detach().sum()])
+        metrics = torch.cat([reward_sums(pair_rewards(self.beta, chosen, rejected)), odds])
+        return self.loss_terms(-self.beta * ratio, logps[0::2]), metrics

@@ -50,19 +50,9 @@ def length_normalized(logps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch
     return average[0::2], average[1::2]
 
 
-def length_normalized_rewards(beta: float, chosen: torch.Tensor, rejected: torch.Tensor) -> list[torch.Tensor]:
-    """The sums over a micro-batch's pairs of REWARD_METRICS, from its answers' averaged
-    log-probabilities."""
-    chosen_reward, rejected_reward = beta * chosen.detach(), beta * rejected.detach()
-    per_pair = (
-        chosen_reward,
-        rejected_reward,
-        (chosen_reward > rejected_reward).float(),
-        chosen_reward - rejected_reward,
-        chosen.detach(),
-        rejected.detach(),
-    )
-    return [values.sum() for values in per_pair]
+def reward_sums(rewards: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sums over a micro-batch's pairs of REWARD_METRICS, from their values per pair (loss.pair_rewards)."""
+    return torch.stack([rewards[name].sum() for name in REWARD_METRICS])
 
 
 class PairStep(Step):

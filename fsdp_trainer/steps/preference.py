@@ -21,7 +21,7 @@ from fsdp_trainer.distributed.parallelize import parallelize, reshard, uses_flex
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective
+from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective, reward_sums
 
 METRICS = REWARD_METRICS
 
@@ -125,4 +125,4 @@ class PreferenceStep(PairStep):
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
         rewards = self.loss.rewards(chosen, rejected, ref_chosen, ref_rejected)
-        return self.loss_terms(losses, chosen), torch.stack([rewards[name].sum() for name in METRICS])
+        return self.loss_terms(losses, chosen), reward_sums(rewards)

@@ -10,16 +10,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.runtime import DistEnv
+from fsdp_trainer.loss import label_smoothed, pair_rewards
 from fsdp_trainer.steps.pairs import (
     REWARD_METRICS,
     PairStep,
     answer_logps,
     length_normalized,
-    length_normalized_rewards,
+    reward_sums,
 )
 
 
@@ -46,12 +46,10 @@ class SimPOStep(PairStep):
 
     def pair_losses(self, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
         """Each pair's loss from its answers' averaged log-probabilities (pairs,)."""
-        logits = self.beta * (chosen - rejected) - self.gamma
-        e = self.label_smoothing
-        return -(1 - e) * F.logsigmoid(logits) - e * F.logsigmoid(-logits)
+        return label_smoothed(self.beta * (chosen - rejected) - self.gamma, self.label_smoothing)
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logps, lengths = answer_logps(model, batch, self.chunks)
         chosen, rejected = length_normalized(logps, lengths)
-        metrics = length_normalized_rewards(self.beta, chosen, rejected)
-        return self.loss_terms(self.pair_losses(chosen, rejected), logps[0::2]), torch.stack(metrics)
+        metrics = reward_sums(pair_rewards(self.beta, chosen, rejected))
+        return self.loss_terms(self.pair_losses(chosen, rejected), logps[0::2]), metrics
