@@ -7,6 +7,7 @@ A new sink is a class here, added in Metrics.__init__.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -62,7 +63,8 @@ class LogLine:
 
 class JsonlFile:
     """OUT_DIR/metrics.jsonl, a JSON object per line. On resume, the records the interrupted attempt wrote after the
-    checkpoint are dropped first, so each step appears once."""
+    checkpoint are dropped first, so each step appears once. A full disk does not stop the run: what it refuses is
+    held in memory (a warning says so, once) and written, in order, as soon as there is room."""
 
     def __init__(self, path: str, start_step: int):
         if start_step and os.path.exists(path):
@@ -70,16 +72,34 @@ class JsonlFile:
                 # A line cut short by a kill has no newline and no value.
                 kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= start_step]
             write_atomic(path, "".join(kept))
-        self.file = open(path, "a" if start_step else "w")
+        self.path, self.held, self.warned = path, b"", False
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if start_step else os.O_TRUNC), 0o644)
 
     def write(self, record: dict) -> None:
         # NaN and inf are not JSON; null keeps the file readable by strict parsers (jq, JavaScript).
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        self.held += (json.dumps(record) + "\n").encode()
+        self._write_held()
+
+    def _write_held(self) -> bool:
+        """Write what is held; False (and a warning the first time) when the disk is full."""
+        try:
+            while self.held:
+                self.held = self.held[os.write(self.fd, self.held) :]
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            if not self.warned:
+                logger.warning(f"{self.path}: {e.strerror}; its records are held in memory until there is room")
+                self.warned = True
+            return False
+        self.warned = False
+        return True
 
     def close(self) -> None:
-        self.file.close()
+        if not self._write_held():
+            logger.warning(f"{self.path}: {len(self.held):,} bytes of records were lost: the disk stayed full")
+        os.close(self.fd)
 
 
 # TensorBoard groups scalars by the part before the slash.

@@ -197,3 +197,48 @@ def test_only_rank_0_opens_the_run_files(tmp_path):
     main.write({"step": 2, "val_loss": 1.5})
     main.close()
     assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2, "val_loss": 1.5}]
+
+
+def test_metrics_jsonl_holds_what_a_full_disk_refuses_and_writes_it_in_order_once_there_is_room(
+    tmp_path, monkeypatch, caplog
+):
+    """A disk that fills while an async checkpoint is written (or a log grows) must not stop training: the records it
+    refuses, a line cut in half included, wait in memory behind one warning and land in order once space is back."""
+    import errno
+
+    from fsdp_trainer import sinks
+
+    real_write, room = os.write, {"bytes": None}  # None: no limit
+
+    def write(fd, data):
+        if room["bytes"] is None:
+            return real_write(fd, data)
+        if room["bytes"] == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = real_write(fd, data[: room["bytes"]])
+        room["bytes"] -= n
+        return n
+
+    monkeypatch.setattr(sinks.os, "write", write)
+    path = tmp_path / METRICS_FILE
+    jsonl = sinks.JsonlFile(str(path), start_step=0)
+    jsonl.write({"step": 1, "loss": 2.0})
+    room["bytes"] = 5  # the next line is cut after 5 bytes
+    with caplog.at_level("WARNING", logger="fsdp_trainer"):
+        for step in (2, 3, 4):
+            jsonl.write({"step": step, "loss": 2.0})
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: No space left on device; its records are held in memory until there is room"
+    ]
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"ste'
+    room["bytes"] = None
+    jsonl.write({"step": 5, "val_loss": 1.0})
+    jsonl.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+
+    jsonl, room["bytes"] = sinks.JsonlFile(str(path), start_step=5), 0
+    jsonl.write({"step": 6, "loss": 2.0})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fsdp_trainer"):
+        jsonl.close()
+    assert caplog.records[-1].getMessage() == f"{path}: 25 bytes of records were lost: the disk stayed full"
