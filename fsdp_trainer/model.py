@@ -70,10 +70,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+Remember = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""A layer's KV cache: keys and values (B, kv_heads, T, head_dim) of new positions in, those of every position out."""
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head. Given a
     `mask`, a query attends only to the keys it marks (packed examples: block-causal): a boolean (B, 1, T, T) through
-    scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks the mask empties."""
+    scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks the mask empties. Given
+    `remember` (a KVCache's layer, when generating), the queries attend to the keys and values it returns: the
+    earlier positions' followed by these."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -91,7 +97,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        remember: Remember | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
@@ -101,6 +112,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if remember is not None:
+            k, v = remember(k, v)
         # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
         gqa = self.n_kv_heads != self.n_heads
         if isinstance(mask, BlockMask):
@@ -135,9 +148,14 @@ class Block(nn.Module):
         self.mlp = FeedForward(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        remember: Remember | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, remember)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,11 +195,10 @@ def block_causal(
     return positions, (same_document & causal(T, window, documents.device))[:, None]
 
 
-def causal(T: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """(T, T): query i sees key j <= i, and with a sliding `window` only j > i - window (transformers' sliding
-    window: the window counts the query itself)."""
-    index = torch.arange(T, device=device)
-    distance = index[:, None] - index[None, :]
+def causal(T: int, window: int | None, device: torch.device, start: int = 0) -> torch.Tensor:
+    """(T, start + T): query i, at position start + i, sees key j <= start + i, and with a sliding `window` only
+    j > start + i - window (transformers' sliding window: the window counts the query itself)."""
+    distance = torch.arange(start, start + T, device=device)[:, None] - torch.arange(start + T, device=device)
     return (distance >= 0) & (distance < window) if window else distance >= 0
 
 
@@ -190,6 +207,32 @@ def sliding_causal(T: int, window: int, device: torch.device, flex: bool) -> tor
     if flex:
         return create_block_mask(lambda b, h, q, k: (q >= k) & (q - k < window), None, None, T, T, device=device)
     return causal(T, window, device)[None, None]
+
+
+class KVCache:
+    """The keys and values of the positions a generation has read, per layer, so each new token attends to them
+    without computing them again: (B, kv_heads, max_len, head_dim) each, the first `length` positions filled."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def layer(self, i: int) -> Remember:
+        """Layer i's cache: stores the new positions' keys and values after the earlier ones, returns them all."""
+
+        def remember(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            end = self.length + k.shape[2]
+            self.keys[i][:, :, self.length : end] = k
+            self.values[i][:, :, self.length : end] = v
+            return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+
+        return remember
 
 
 class Transformer(nn.Module):
@@ -215,13 +258,18 @@ class Transformer(nn.Module):
         tokens: torch.Tensor,
         documents: torch.Tensor | None = None,
         loss: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size); or, given a `loss` (an objective of loss.py), what it computes from the final
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
-        position 0 (see block_causal)."""
+        position 0 (see block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
         T, window = tokens.shape[1], self.cfg.sliding_window
-        if documents is None:
+        if cache is not None:
+            start = cache.length
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+            mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left
+        elif documents is None:
             cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
             if window and window < T:  # else plain causal attention is the same
                 mask = sliding_causal(T, window, tokens.device, self.flex_attention)
@@ -229,8 +277,10 @@ class Transformer(nn.Module):
             positions, mask = block_causal(documents, self.flex_attention, window)
             cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, head_dim)
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
-        for block in self.model.layers.values():
-            x = block(x, cos, sin, mask)
+        for i, block in enumerate(self.model.layers.values()):
+            x = block(x, cos, sin, mask, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.length += T
         x = self.model.norm(x)
         if loss is None:
             return self.lm_head(x)  # (B, T, vocab_size)
@@ -308,20 +358,32 @@ def generate(
     generator: torch.Generator | None = None,
     stop_id: int | None = None,
 ) -> torch.Tensor:
-    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy. No KV cache: each new token
-    re-reads the last max_seq_len tokens, which is plenty fast for the models one samples from a laptop."""
-    tokens = prompt.clone()
+    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy. The prompt is read once into a
+    KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables end at) each
+    token re-reads the last max_seq_len tokens without one."""
+    tokens, max_len = prompt.clone(), model.cfg.max_seq_len
+    param = next(model.parameters())
+    cache = KVCache(model.cfg, 1, min(max_len, len(prompt) + max_new_tokens), param.dtype, param.device)
+    new = tokens[-max_len:]
     for _ in range(max_new_tokens):
-        logits = model(tokens[-model.cfg.max_seq_len :][None])[0, -1].float()  # (vocab_size,)
-        if temperature == 0:
-            next_id = logits.argmax()
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        if cache is not None and cache.length + len(new) > cache.max_len:
+            cache, new = None, tokens[-max_len:]
+        logits = model(new[None], cache=cache)[0, -1].float()  # (vocab_size,)
+        next_id = sample(logits, temperature, top_k, generator)
         tokens = torch.cat([tokens, next_id.view(1)])
+        new = next_id.view(1) if cache is not None else tokens[-max_len:]
         if stop_id is not None and next_id.item() == stop_id:
             break
     return tokens
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):
+    """A token id from `logits` (vocab_size,): the most likely at temperature 0, else drawn from the softmax of
+    logits / temperature over the `top_k` most likely."""
+    if temperature == 0:
+        return logits.argmax()
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
 from fsdp_trainer.loss import NextTokenLoss
-from fsdp_trainer.model import Transformer, rope_tables
+from fsdp_trainer.model import KVCache, Transformer, rope_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -208,3 +208,21 @@ def test_chunked_loss_never_keeps_the_whole_logits_for_backward():
         saved[chunks] = sum(sizes)
     logits_bytes = 4 * 64 * 2000 * 4  # tokens x vocab x fp32
     assert saved[1] - saved[8] > 0.9 * logits_bytes, saved
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(family):
+    """Reading a prompt into a KVCache and then a token at a time gives each position the logits the whole sequence
+    gives it (QK-norm and RoPE at the cached offsets; a sliding window shorter than the sequence, Mistral's)."""
+    window = {"mistral": {"sliding_window": 5}}.get(family, {})
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, **window)
+    model = Transformer(cfg)
+    model.init_weights(seed=3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
+    whole = model(tokens)
+    cache = KVCache(cfg, batch=2, max_len=16, dtype=torch.float32, device=torch.device("cpu"))
+    pieces = [model(tokens[:, :6], cache=cache)]
+    pieces += [model(tokens[:, t : t + 1], cache=cache) for t in range(6, 10)]
+    pieces.append(model(tokens[:, 10:], cache=cache))
+    assert cache.length == 14
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
