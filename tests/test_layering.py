@@ -20,7 +20,7 @@ FLOORS = [
     {"adapters"},  # applied to the model between construction and parallelize
     {"checkpoint", "sinks"},
     {"metrics", "convert"},
-    {"steps"},  # one room per training kind
+    {"steps", "evaluation"},  # one room per training kind; benchmark tasks through lm-eval
     {"build"},  # the pieces of a run, from its recipe
     {"train"},
     {"launch", "__main__", "planner"},  # the planner reads the trainer; nothing reads it

@@ -1,0 +1,93 @@
+"""The benchmark tasks a run is scored on, through lm-evaluation-harness: any task of lm-eval's registry (its
+datasets come from the Hugging Face Hub, or from a local copy, README's "Evaluation" says how), a task of the user's
+own (a YAML file in a directory given as `include_path`), or one this package ships, which needs no download.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from lm_eval.api.model import LM
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def next_line_task() -> dict:
+    """shakespeare_next_line: four lines of a held-out play as the context, the line that follows them among four
+    (assets/make_shakespeare_next_line.py): 500 items, chance 0.25; `acc` by summed log-probability, `acc_norm` by
+    log-probability per byte of the choice."""
+    return {
+        "task": "shakespeare_next_line",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(ASSETS / "shakespeare_next_line.jsonl.gz")}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{label}}",
+        "target_delimiter": "\n",
+        "metric_list": [
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+        ],
+        "metadata": {"version": 1.0},
+    }
+
+
+SHIPPED = {"shakespeare_next_line": next_line_task}
+"""The tasks this package ships, by name."""
+
+
+def evaluate(
+    lm: LM,
+    tasks: list[str],
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    apply_chat_template: bool = False,
+    include_path: str | None = None,
+    seed: int = 0,
+) -> dict | None:
+    """lm-eval's results (its JSON) for `tasks` scored by `lm`, on rank 0 (None on the others): `limit` items of
+    each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines: a few per request type and task
+    manager = TaskManager(include_path=include_path)
+    unknown = [name for name in tasks if name not in SHIPPED and not manager.match_tasks([name])]
+    if unknown:
+        raise ValueError(
+            f"--tasks: no task named {', '.join(unknown)} in lm-eval's registry, in --include_path or among ours "
+            f"({', '.join(SHIPPED)}); `lm-eval ls tasks` lists lm-eval's"
+        )
+    return simple_evaluate(
+        model=lm,
+        tasks=[SHIPPED[name]() if name in SHIPPED else name for name in tasks],
+        num_fewshot=num_fewshot,
+        limit=limit,
+        apply_chat_template=apply_chat_template,
+        task_manager=manager,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=False,
+    )
+
+
+def result_lines(results: dict) -> list[str]:
+    """A line per task: each metric with its standard error, as `task: acc 0.412 (+-0.022), acc_norm ...`."""
+    lines = []
+    for task, numbers in results["results"].items():
+        shown = []
+        for key, value in numbers.items():
+            metric, comma, kept = key.partition(",")  # "acc,none": a metric and lm-eval's filter
+            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            error = numbers.get(f"{metric}_stderr,{kept}")
+            spread = f" (+-{error:.3f})" if isinstance(error, float) and math.isfinite(error) else ""
+            shown.append(f"{metric} {value:.4f}{spread}")
+        lines.append(f"{task}: " + ", ".join(shown))
+    return lines

@@ -1,0 +1,63 @@
+"""Score a model on benchmark tasks with lm-evaluation-harness: a run directory or checkpoint of ours (any world size,
+LoRA merged on the fly) or an HF model directory, without exporting first.
+
+python tools/evaluate.py runs/debug --tasks shakespeare_next_line
+python tools/evaluate.py runs/sft_qwen3_0.6b --tasks hellaswag,arc_easy --num_fewshot 0 --output_path scores.json
+torchrun --nproc_per_node 4 tools/evaluate.py runs/sft --tasks gsm8k --apply_chat_template   # the requests split 4 ways
+
+Each process holds the model whole and scores its share of each task's requests; rank 0 prints a line per task and
+writes lm-eval's JSON to --output_path. Needs the `eval` extra (pip install -e ".[eval]").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jsonargparse import ArgumentParser
+
+from fsdp_trainer.config import ParallelConfig, one_line_errors
+from fsdp_trainer.convert import load_model
+from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="tools/evaluate.py", description=__doc__.split("\n\n")[0], exit_on_error=False)
+    parser.add_argument("path", help="run directory, checkpoint directory, or HF model directory")
+    parser.add_argument("--tasks", type=str, required=True, help="comma-separated names (shakespeare_next_line, ...)")
+    parser.add_argument("--num_fewshot", type=int | None, default=None, help="examples before each (the task's own)")
+    parser.add_argument("--limit", type=float | None, default=None, help="items per task (a fraction when below 1)")
+    parser.add_argument("--batch_size", type=int, default=8, help="requests per forward pass")
+    parser.add_argument("--max_gen_toks", type=int, default=256, help="most tokens generated, if a task sets none")
+    parser.add_argument("--apply_chat_template", type=bool, nargs="?", const=True, default=False,
+                        help="render each request with the tokenizer's chat template (a chat model)")  # fmt: skip
+    parser.add_argument("--include_path", type=str | None, default=None, help="a directory of task YAML files")
+    parser.add_argument("--output_path", type=str | None, default=None, help="where to write lm-eval's results JSON")
+    parser.add_argument("--seed", type=int, default=0)
+    with one_line_errors():
+        args = parser.parse_args(argv)
+        try:
+            from fsdp_trainer.evaluation.lm import ModelLM
+            from fsdp_trainer.evaluation.tasks import evaluate, result_lines
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(f"tools/evaluate.py needs lm-eval ({e}): pip install -e '.[eval]'") from None
+        env = init_distributed(ParallelConfig())
+        try:
+            model, tokenizer = load_model(args.path)
+            lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks)
+            limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+            tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+            results = evaluate(lm, tasks, args.num_fewshot, limit, args.apply_chat_template, args.include_path,
+                               args.seed)  # fmt: skip
+        finally:
+            close_distributed()
+    if results is None:  # not rank 0
+        return
+    for line in result_lines(results):
+        print(line)
+    if args.output_path:
+        Path(args.output_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
