@@ -69,15 +69,41 @@ def test_every_request_type_scores_as_lm_evals_hf_model(published):
     assert all(generated) and len(generated[2]) < 10
 
 
-def test_a_task_scores_as_through_lm_evals_hf_model(published):
-    """The shipped next-line task, 3-shot, through lm-eval's evaluator: the same accuracies item by item."""
+ARC_RECORDS = [
+    {"question": "Which is a play?", "choices": {"text": ["Hamlet", "a river", "salt"], "label": ["A", "B", "C"]},
+     "answerKey": "A"},
+    {"question": "Who loves Romeo?", "choices": {"text": ["Juliet", "Lear"], "label": ["1", "2"]}, "answerKey": "1"},
+    {"question": "What is Yorick?", "choices": {"text": ["a jester", "a king", "a ghost", "a horse"],
+     "label": ["A", "B", "C", "D"]}, "answerKey": "A"},
+]  # fmt: skip
+ARC_LOCAL = """task: arc_easy_local
+dataset_path: json
+dataset_kwargs: {data_files: {train: %(data)s, test: %(data)s}}
+training_split: train
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_target: "{{choices.label.index(answerKey)}}"
+doc_to_choice: "{{choices.text}}"
+metric_list: [{metric: acc, aggregation: mean, higher_is_better: true}]
+"""
+
+
+def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
+    """The shipped next-line task (3-shot) and a user's task on local files, README's YAML (`--include_path`),
+    through lm-eval's evaluator: the same scores as HFLM's."""
     out, hf = published
     model, tokenizer = load_model(out)
-    scores = [
-        evaluate(lm, ["shakespeare_next_line"], num_fewshot=3, limit=12)["results"]["shakespeare_next_line"]
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "arc.jsonl").write_text("".join(json.dumps(record) + "\n" for record in ARC_RECORDS))
+    (tmp_path / "tasks" / "arc_easy_local.yaml").write_text(ARC_LOCAL % {"data": tmp_path / "arc.jsonl"})
+    tasks, include = ["shakespeare_next_line", "arc_easy_local"], str(tmp_path / "tasks")
+    ours, theirs = (
+        evaluate(lm, tasks, num_fewshot=1, limit=12, include_path=include)["results"]
         for lm in (ModelLM(model, tokenizer, batch_size=5), hf)
-    ]
-    assert scores[0] == scores[1] and 0 <= scores[0]["acc,none"] <= 1
+    )
+    assert ours == theirs and set(ours) == set(tasks)
+    assert ours["arc_easy_local"]["sample_len"] == 3 and 0 <= ours["shakespeare_next_line"]["acc,none"] <= 1
 
 
 @pytest.mark.slow

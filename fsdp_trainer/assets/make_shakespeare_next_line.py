@@ -3,9 +3,10 @@
     python fsdp_trainer/assets/make_shakespeare_next_line.py
 
 A multiple-choice task for the CPU walk-through's evaluation (fsdp_trainer/evaluation/tasks.py): the four lines
-before a line of verse as the context, and that line among four choices, the other three lines drawn from elsewhere
-in the same plays. Drawn from the corpus' last 5% of lines, which `make demo`'s validation split holds (so the demo
-model never trains on them): a model that knows nothing scores 0.25, and the score rises as it learns the plays.
+before a line of verse as the context, and that line among four choices, the other three the same words in another
+order. Drawn from the corpus' last 5% of lines, which `make demo`'s validation split holds (so the demo model never
+trains on them). The score rises as a model learns how English verse runs: the debug recipe's untrained model scores
+0.44 (above the 0.25 of a blind guess, since a shuffled line tends to take more tokens), `make demo`'s 0.95.
 """
 
 import gzip
@@ -22,11 +23,22 @@ def is_verse(line: str) -> bool:
     words = line.split()
     return (
         len(line) >= 24
+        and len(set(line.split())) >= 5  # enough words for three other orders
         and "[" not in line
         and "]" not in line
         and not words[0].isupper()  # DUKE., SCENE 3., ACT I.
         and any(c.islower() for c in line)
     )
+
+
+def shufflings(line: str, n: int, rng: random.Random) -> list[str]:
+    """`n` different orders of the line's words, none the line's own."""
+    words, found = line.split(), set()
+    while len(found) < n:
+        rng.shuffle(words)
+        if " ".join(words) != line:
+            found.add(" ".join(words))
+    return sorted(found)
 
 
 def main(seed: int = 0) -> None:
@@ -38,8 +50,7 @@ def main(seed: int = 0) -> None:
     with gzip.GzipFile(HERE / "shakespeare_next_line.jsonl.gz", "wb", mtime=0) as f:
         for i in sorted(rng.sample(verse, ITEMS)):
             target = held_out[i]
-            others = [held_out[j] for j in rng.sample(verse, 2 * CHOICES) if held_out[j] != target][: CHOICES - 1]
-            choices = [*others, target]
+            choices = [target, *shufflings(target, CHOICES - 1, rng)]
             rng.shuffle(choices)
             item = {
                 "context": "\n".join(held_out[i - CONTEXT_LINES : i]),

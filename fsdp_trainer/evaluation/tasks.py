@@ -15,9 +15,9 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 def next_line_task() -> dict:
-    """shakespeare_next_line: four lines of a held-out play as the context, the line that follows them among four
-    (assets/make_shakespeare_next_line.py): 500 items, chance 0.25; `acc` by summed log-probability, `acc_norm` by
-    log-probability per byte of the choice."""
+    """shakespeare_next_line: four lines of a held-out play as the context, and the line that follows them among
+    four, the other three its words in another order (assets/make_shakespeare_next_line.py): 500 items;
+    `acc` by summed log-probability, `acc_norm` by log-probability per byte of the choice."""
     return {
         "task": "shakespeare_next_line",
         "dataset_path": "json",
