@@ -11,7 +11,7 @@ from fsdp_trainer.config import SECTIONS, parse_recipe, recipe_to_yaml
 from fsdp_trainer.reference import recipe_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config.py"
+CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config" / "sections.py"
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "recipe_reference.md"
 
 
@@ -104,8 +104,8 @@ def _attribute_docstrings() -> dict[str, dict[str, str]]:
 
 
 def test_the_recipe_reference_is_the_help_text_of_every_key():
-    """docs/recipe_reference.md is what tools/recipe_reference.py makes from config.py, a row per key whose meaning is
-    the key's --help text, and README points to it: checked here, so they cannot drift."""
+    """docs/recipe_reference.md is what tools/recipe_reference.py makes from config/sections.py, a row per key whose
+    meaning is the key's --help text, and README points to it: checked here, so they cannot drift."""
     text = REFERENCE.read_text()
     assert text == recipe_reference(), "docs/recipe_reference.md is stale: run python tools/recipe_reference.py"
     rows = {}

@@ -1,4 +1,4 @@
-"""Write docs/recipe_reference.md: every recipe key, its default and its --help text, from fsdp_trainer/config.py.
+"""Write docs/recipe_reference.md: every recipe key, its default and its --help text, from fsdp_trainer/config/.
 
 python tools/recipe_reference.py [OUT]        # default: docs/recipe_reference.md beside this folder
 """

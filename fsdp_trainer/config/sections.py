@@ -1,20 +1,11 @@
-"""Typed recipe sections. jsonargparse turns them into the CLI and their attribute docstrings into `--help`.
-
-A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, train,
-checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check that can fail
-does so here, with one `error: ...` line naming the key, before any process group exists.
-"""
+"""The recipe's typed sections: a dataclass per section, whose attribute docstrings are `--help` and
+docs/recipe_reference.md. Every check of a key fails in its section's __post_init__ (or Recipe's, for keys of
+several sections), naming the key, before any process group exists."""
 
 from __future__ import annotations
 
-import os
-import sys
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
-from typing import Literal, NoReturn
-
-from fsdp_trainer.errors import say
-from fsdp_trainer.files import CONFIG_FILE, write_atomic
+from dataclasses import dataclass, field, fields
+from typing import Literal
 
 Precision = Literal["bf16", "fp16", "fp32"]
 COMPUTE_DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -489,112 +480,3 @@ class Recipe:
 
 # `from __future__ import annotations` makes field types strings; resolve them once here.
 SECTIONS = {f.name: globals()[f.type] for f in fields(Recipe)}
-
-
-class RecipeError(ValueError):
-    """A recipe that does not parse or validate; the message names the key (or file) and what is wrong."""
-
-
-def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = None):
-    """The one parser of recipes: `--recipe FILE` (repeatable, later files and flags override earlier ones) and a
-    `--section.key value` flag for every key. Tools add their own arguments to it, so every tool reads a recipe the
-    way the trainer does."""
-    from jsonargparse import ArgumentParser, set_parsing_settings
-
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(
-        prog=prog,
-        description=description
-        or "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
-        print_config="--print_config",
-        exit_on_error=False,
-    )
-    parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
-    for name, cls in SECTIONS.items():
-        parser.add_class_arguments(cls, nested_key=name)
-    return parser
-
-
-def _parse_sections(parser, argv: list[str] | None):
-    """(section dataclasses by name, the whole namespace); raises RecipeError."""
-    from jsonargparse import ArgumentError
-
-    try:
-        namespace = parser.instantiate(parser.parse_args(argv))  # runs each section's __post_init__
-    except (ArgumentError, ValueError, TypeError) as e:
-        raise RecipeError(" ".join(str(e).split())) from e
-    return {name: namespace[name] for name in SECTIONS}, namespace
-
-
-def read_recipe(parser, argv: list[str] | None = None):
-    """(Recipe, namespace with the tool's own arguments) from a command line; raises RecipeError."""
-    sections, namespace = _parse_sections(parser, argv)
-    try:
-        return Recipe(**sections), namespace
-    except ValueError as e:
-        raise RecipeError(str(e)) from e
-
-
-def parse_args(parser, argv: list[str] | None = None):
-    """read_recipe for a command line: any error exits 1 with one `error: ...` line (see fail)."""
-    try:
-        return read_recipe(parser, argv)
-    except RecipeError as e:
-        fail(e)
-
-
-def parse_recipe(argv: list[str] | None = None) -> Recipe:
-    """Parse `--recipe FILE` and `--section.key value` flags into a validated Recipe.
-
-    Any error (unknown key, wrong type, bad choice, impossible combination) exits with status 1 and exactly one
-    `error: ...` line on stderr. `--help` and `--print_config` print and exit 0.
-    """
-    return parse_args(recipe_parser(), argv)[0]
-
-
-def load_sections(path: str | os.PathLike) -> dict:
-    """The sections of a recipe file ({name: dataclass}; a run's config.yaml, a checkpoint's recipe.yaml, an imported
-    model.yaml), read as `--recipe path` is but without the checks that involve several sections, so a model section
-    alone reads too; raises RecipeError."""
-    return _parse_sections(recipe_parser(), ["--recipe", str(path)])[0]
-
-
-def sections_to_yaml(sections: dict) -> str:
-    """Recipe sections ({name: dataclass}) as YAML that `--recipe` reads back."""
-    import yaml
-
-    def plain(x):
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [plain(v) for v in x]
-        return x
-
-    return yaml.safe_dump({name: plain(asdict(section)) for name, section in sections.items()}, sort_keys=False)
-
-
-def recipe_to_yaml(recipe: Recipe) -> str:
-    """The fully resolved recipe as YAML that `--recipe` reads back."""
-    return sections_to_yaml({name: getattr(recipe, name) for name in SECTIONS})
-
-
-def write_config(recipe: Recipe) -> None:
-    """Write the resolved recipe to train.out_dir/config.yaml, which `--recipe` reads back to reproduce the run."""
-    os.makedirs(recipe.train.out_dir, exist_ok=True)
-    write_atomic(os.path.join(recipe.train.out_dir, CONFIG_FILE), recipe_to_yaml(recipe))
-
-
-def fail(error: object) -> NoReturn:
-    """Exit 1 with one `error: ...` line. Under torchrun every rank of a node fails the same way before any process
-    group exists, so the line is said once per node (errors.say)."""
-    say("error: " + " ".join(str(error).split()), everyone=True)
-    sys.exit(1)
-
-
-@contextmanager
-def one_line_errors():
-    """The error boundary of a command-line tool: whatever goes wrong ends it with one `error:` line and exit 1."""
-    try:
-        yield
-    except Exception as e:
-        fail(e)

@@ -1,0 +1,75 @@
+"""Recipes: typed sections (sections.py), which jsonargparse turns into the CLI and their attribute docstrings into
+`--help`, and the one parser every tool reads them with (parse.py).
+
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, train,
+checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check that can fail
+does so here, with one `error: ...` line naming the key, before any process group exists.
+"""
+
+from fsdp_trainer.config.parse import (
+    RecipeError,
+    fail,
+    load_sections,
+    one_line_errors,
+    parse_args,
+    parse_recipe,
+    read_recipe,
+    recipe_parser,
+    recipe_to_yaml,
+    sections_to_yaml,
+    write_config,
+)
+from fsdp_trainer.config.sections import (
+    AUTO,
+    COMPUTE_DTYPES,
+    LORA_PROJECTIONS,
+    LORA_TARGETS,
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    LoraConfig,
+    MixtureSource,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    Precision,
+    PreferenceConfig,
+    Recipe,
+    RopeScaling,
+    TrainConfig,
+    WandbConfig,
+    compute_dtype,
+)
+
+__all__ = [
+    "AUTO",
+    "COMPUTE_DTYPES",
+    "CheckpointConfig",
+    "DataConfig",
+    "LORA_PROJECTIONS",
+    "LORA_TARGETS",
+    "LoraConfig",
+    "MixtureSource",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "Precision",
+    "PreferenceConfig",
+    "Recipe",
+    "RecipeError",
+    "RopeScaling",
+    "SECTIONS",
+    "TrainConfig",
+    "WandbConfig",
+    "compute_dtype",
+    "fail",
+    "load_sections",
+    "one_line_errors",
+    "parse_args",
+    "parse_recipe",
+    "read_recipe",
+    "recipe_parser",
+    "recipe_to_yaml",
+    "sections_to_yaml",
+    "write_config",
+]
