@@ -32,6 +32,7 @@ from fsdp_trainer.distributed.parallelize import (
     uses_flex_attention,
 )
 from fsdp_trainer.distributed.runtime import DistEnv, process_group_backend
+from fsdp_trainer.evaluation.tasks import check_tasks
 from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
@@ -63,6 +64,15 @@ def build_step(recipe: Recipe, env: DistEnv, model: Transformer) -> Step:
     for start in step.starts:
         materialize(start.model, env.device, recipe.train.seed, recipe.parallel.cpu_offload)
     return step
+
+
+def build_scores(recipe: Recipe, env: DistEnv):
+    """The eval section's tasks, scored on the model as it trains (evaluation/during.py); None without any."""
+    if not recipe.eval.tasks:
+        return None
+    from fsdp_trainer.evaluation.during import TrainingScores  # lm-eval, an optional extra, imported only here
+
+    return TrainingScores(recipe.eval, recipe.data.tokenizer_path, env)
 
 
 def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> TokenLoader:
@@ -159,10 +169,10 @@ def check_start(recipe: Recipe) -> None:
 
 def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Everything about a run that can be wrong before any process group exists: the token files against the
-    tokenizer, the model and the training kind, the W&B package, the output directory (its room, and no live run
-    holding it), the checkpoint it starts from, the adapters, the backend. Returns the opened token files; raises
-    ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any worker, and every
-    worker again."""
+    tokenizer, the model and the training kind, the W&B package, the eval tasks, the output directory (its room, and
+    no live run holding it), the checkpoint it starts from, the adapters, the backend. Returns the opened token
+    files; raises ValueError / FileNotFoundError naming what to fix. fsdp-train calls it before it starts any worker,
+    and every worker again."""
     # null: the tokenizer that travels with the checkpoint the run starts from, recorded resolved in config.yaml.
     data, resume = recipe.data, recipe.checkpoint.resume
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
@@ -175,5 +185,10 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
         check_disk_room(recipe)
     check_start(recipe)
     check_adapters(recipe.model, recipe.lora, recipe.parallel)
+    if recipe.eval.tasks:
+        try:
+            check_tasks(recipe.eval.tasks, recipe.eval.include_path)
+        except (ModuleNotFoundError, ValueError) as e:
+            raise ValueError(f"eval.tasks: {e}") from None
     process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files

@@ -339,5 +339,11 @@ class Metrics:
         self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
         self.restart_clock(step)
 
+    def log_scores(self, step: int, scores: dict[str, float] | None) -> None:
+        """One record of benchmark scores ({eval/TASK/METRIC: value}; None off rank 0), whose time is no step's."""
+        if scores is not None:
+            self.sinks.write({"step": step, **scores, "elapsed_s": self.clock() - self.start})
+        self.restart_clock(step)
+
     def close(self) -> None:
         self.sinks.close()

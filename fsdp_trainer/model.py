@@ -211,22 +211,22 @@ def sliding_causal(T: int, window: int, device: torch.device, flex: bool) -> tor
 
 class KVCache:
     """The keys and values of the positions a generation has read, per layer, so each new token attends to them
-    without computing them again: (B, kv_heads, max_len, head_dim) each, the first `length` positions filled."""
+    without computing them again: (B, kv_heads, max_len, head_dim) each, in the dtype attention computes in, the first
+    `length` positions filled."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.resolved_head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.keys[0].shape[2]
+    def __init__(self, cfg: ModelConfig, max_len: int):
+        self.max_len, self.length = max_len, 0
+        self.keys: list[torch.Tensor | None] = [None] * cfg.n_layers
+        self.values: list[torch.Tensor | None] = [None] * cfg.n_layers
 
     def layer(self, i: int) -> Remember:
         """Layer i's cache: stores the new positions' keys and values after the earlier ones, returns them all."""
 
         def remember(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.keys[i] is None:
+                B, heads, _, head_dim = k.shape
+                self.keys[i] = k.new_zeros(B, heads, self.max_len, head_dim)
+                self.values[i] = v.new_zeros(B, heads, self.max_len, head_dim)
             end = self.length + k.shape[2]
             self.keys[i][:, :, self.length : end] = k
             self.values[i][:, :, self.length : end] = v
@@ -364,8 +364,7 @@ def generate(
     once into a KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables end
     at) each token re-reads the last max_seq_len tokens without one."""
     tokens, max_len = prompt.clone(), model.cfg.max_seq_len
-    param = next(model.parameters())
-    cache = KVCache(model.cfg, 1, min(max_len, len(prompt) + max_new_tokens), param.dtype, param.device)
+    cache = KVCache(model.cfg, min(max_len, len(prompt) + max_new_tokens))
     new = tokens[-max_len:]
     for _ in range(max_new_tokens):
         if cache is not None and cache.length + len(new) > cache.max_len:

@@ -53,6 +53,8 @@ class LogLine:
             )
         elif "val_loss" in record:
             logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}" + self._shown(record, "val_"))
+        elif any(key.startswith("eval/") for key in record):
+            logger.info(f"step {record['step']:>6} | " + " | ".join(score_lines(record)))
         elif "state_gb" in record:
             parts = ", ".join(f"{k.removesuffix('_gb')} {record[k]:.3f}" for k in STATE_KEYS)
             logger.info(f"training state per rank: {record['state_gb']:.3f} GB ({parts})")
@@ -122,8 +124,23 @@ TENSORBOARD_TAGS = {
 
 def _tag(key: str) -> str:
     """train/KEY; a kind's evaluated metrics (val_rewards/chosen, val_nll_loss) as eval/rewards/chosen, eval/nll_loss,
-    the names TRL's trainers log them under."""
+    the names TRL's trainers log them under; benchmark scores (eval/TASK/METRIC) as they are."""
+    if key.startswith("eval/"):
+        return key
     return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
+
+
+def score_lines(record: dict) -> list[str]:
+    """A record's benchmark scores (eval/TASK/METRIC[,FILTER]), as `TASK METRIC value (+-stderr), ...` per task."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in record.items():
+        if not key.startswith("eval/") or "_stderr" in key or value is None:
+            continue
+        _, task, metric = key.split("/", 2)
+        name, comma, kept = metric.partition(",")
+        error = record.get(f"eval/{task}/{name}_stderr{comma}{kept}")
+        tasks.setdefault(task, []).append(f"{metric} {value:.4f}" + (f" (+-{error:.3f})" if error else ""))
+    return [f"{task} " + ", ".join(shown) for task, shown in tasks.items()]
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -24,6 +24,7 @@ from fsdp_trainer.build import (
     build_checkpointer,
     build_loader,
     build_model,
+    build_scores,
     build_step,
     check_run,
     lock_out_dir,
@@ -219,6 +220,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         recipe, env, model, optimizer, loader, start_step=state.step, resumed_from=ckpt.resumed_from, shown=step.shown
     )
     ckpt.attachments.update(metrics.sinks.attachments())  # the W&B run id goes with every checkpoint
+    scores = build_scores(recipe, env)  # the eval section's benchmark tasks, or None
 
     first_step = state.step + 1  # logged whatever log_every says: the first sign of life (and of the loss)
     if recipe.parallel.compile and env.is_main:
@@ -237,6 +239,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
                 metrics.log(state.step, stats, lr, state.settle(), state.loss_scaling())
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
                 metrics.log_eval(state.step, evaluate(model, step, val_file, recipe, env))
+            if scores is not None and scores.due(state.step, last):
+                metrics.log_scores(state.step, scores.score(model))
             ckpt.save_if_due(state.step)
             if ckpt.preempted:
                 break

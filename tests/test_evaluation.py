@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_trainer.convert import load_model
-from tests.helpers import REPO, run_args, torchrun_command, train_cli
+from tests.helpers import REPO, read_metrics, run_args, run_distributed, torchrun_command, train_cli
 from tests.test_real_models import corpus, save_hf_checkpoint, save_hf_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -67,6 +67,51 @@ def test_every_request_type_scores_as_lm_evals_hf_model(published):
     generated = ours.generate_until(requests("generate_until", prompts))
     assert generated == hf.generate_until(requests("generate_until", prompts))
     assert all(generated) and len(generated[2]) < 10
+
+
+def _sharded_equals_whole(rank, world_size, hf_dir):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_trainer.config import ParallelConfig
+    from fsdp_trainer.distributed.parallelize import parallelize
+    from fsdp_trainer.model import Transformer
+
+    whole, tokenizer = load_model(hf_dir)
+    with torch.device("meta"):
+        sharded = Transformer(whole.cfg)
+    parallelize(sharded, ParallelConfig(mixed_precision="fp32"), init_device_mesh("cpu", (world_size,)))
+    sharded.to_empty(device="cpu")
+    set_model_state_dict(sharded, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+    sharded.rope_cos.copy_(whole.rope_cos), sharded.rope_sin.copy_(whole.rope_sin)
+    text = corpus(6_000)
+    # Each rank its own work, unequal in every way: requests, batches, windows, tokens generated.
+    n_pairs, n_texts = (5, 1) if rank == 0 else (2, 2)
+    pairs = [(text[900 * i + rank : 900 * i + 120], text[900 * i + 120 : 900 * i + 160]) for i in range(n_pairs)]
+    texts = [(text[3000 + i * 500 : 3000 + i * 500 + (1_000 if rank == 0 else 200)],) for i in range(n_texts)]
+    prompts = [(text[i * 300 : i * 300 + 60], {"until": ["\n\n"], "max_gen_toks": 12}) for i in range(3)]
+    if rank == 1:
+        prompts = [(text[4000:4060], {"until": ["is"], "max_gen_toks": 4})]
+    answers = []
+    for model in (ModelLM(sharded, tokenizer, batch_size=2, lockstep=True), ModelLM(whole, tokenizer, batch_size=2)):
+        answers.append(
+            (
+                model.loglikelihood(requests("loglikelihood", pairs)),
+                model.loglikelihood_rolling(requests("loglikelihood_rolling", texts)),
+                model.generate_until(requests("generate_until", prompts)),
+            )
+        )
+    (ll, rolling, generated), (ll_whole, rolling_whole, generated_whole) = answers
+    torch.testing.assert_close([s for s, _ in ll], [s for s, _ in ll_whole], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in ll] == [g for _, g in ll_whole]
+    torch.testing.assert_close(rolling, rolling_whole, rtol=1e-5, atol=1e-3)
+    assert generated == generated_whole and len(generated) == (3 if rank == 0 else 1)
+
+
+def test_a_sharded_model_scores_as_the_whole_one_however_unequal_the_ranks_work(published):
+    """In training the model is sharded, so every rank's forward passes are collective: with a different number of
+    requests, batches, rolling windows and generated tokens on each of 2 ranks, every score equals the whole model's."""
+    run_distributed(_sharded_equals_whole, str(published[0]))
 
 
 ARC_RECORDS = [
@@ -128,3 +173,35 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
                           capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks: no task named shakespeare_nxt_line in")
+
+
+@pytest.mark.slow
+def test_scores_during_training_are_the_tools_on_each_checkpoint_and_a_resume_scores_no_step_twice(tiny_data, tmp_path):
+    """eval.tasks on 2 ranks (FSDP): a record of eval/TASK/METRIC numbers every eval.every steps and after the last,
+    equal to tools/evaluate.py on that step's checkpoint; resumed to a later last step, each step is scored once."""
+    out = tmp_path / "run"
+    scored = {"tasks": '["shakespeare_next_line"]', "limit": 16, "every": 2, "batch_size": 4}
+    args = run_args(tiny_data, out, 4, eval=scored, checkpoint={"every": 2, "keep_last": 0})
+    first = train_cli(args, nproc=2)
+    assert "| shakespeare_next_line acc " in first.stdout + first.stderr
+    train_cli([*args, "--train.steps", "6"], nproc=2)
+    records = [r for r in read_metrics(out) if "eval/shakespeare_next_line/acc" in r]
+    assert [r["step"] for r in records] == [2, 4, 6]
+    assert all(0 <= r["eval/shakespeare_next_line/acc"] <= 1 and "eval/shakespeare_next_line/acc_stderr" in r
+               for r in records)  # fmt: skip
+    tool = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--tasks", "shakespeare_next_line", "--limit", "16"]
+    step_2 = [str(out / "checkpoints" / "step_00000002"), "--output_path", str(tmp_path / "s.json")]
+    proc = subprocess.run([*tool, *step_2], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads((tmp_path / "s.json").read_text())["results"]["shakespeare_next_line"]
+    assert records[0]["eval/shakespeare_next_line/acc"] == theirs["acc,none"]
+    assert records[0]["eval/shakespeare_next_line/acc_norm"] == theirs["acc_norm,none"]
+
+
+def test_an_unknown_eval_task_is_one_line_before_training(tiny_data, tmp_path):
+    proc = train_cli(run_args(tiny_data, tmp_path / "run", 2, eval={"tasks": '["shakespeare_nxt_line"]'}), check=False)
+    assert proc.returncode == 1 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert proc.stderr.strip().splitlines() == [
+        "error: eval.tasks: no task named shakespeare_nxt_line in lm-eval's registry, in the include path or among "
+        "ours (shakespeare_next_line); `lm-eval ls tasks` lists lm-eval's"
+    ]

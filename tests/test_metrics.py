@@ -242,3 +242,20 @@ def test_metrics_jsonl_holds_what_a_full_disk_refuses_and_writes_it_in_order_onc
     with caplog.at_level("WARNING", logger="fsdp_trainer"):
         jsonl.close()
     assert caplog.records[-1].getMessage() == f"{path}: 25 bytes of records were lost: the disk stayed full"
+
+
+def test_benchmark_scores_keep_their_names_in_tensorboard_and_wandb_and_one_log_line():
+    from fsdp_trainer.sinks import scalars, score_lines
+
+    record = {"step": 4, "eval/arc_easy/acc": 0.5, "eval/arc_easy/acc_stderr": 0.1, "val_loss": 2.0,
+              "val_rewards/chosen": 0.25, "eval/gsm8k/exact_match,strict-match": 0.125,
+              "eval/gsm8k/exact_match_stderr,strict-match": 0.05}  # fmt: skip
+    assert scalars(record) == {
+        "eval/arc_easy/acc": 0.5,
+        "eval/arc_easy/acc_stderr": 0.1,
+        "loss/val": 2.0,
+        "eval/rewards/chosen": 0.25,
+        "eval/gsm8k/exact_match,strict-match": 0.125,
+        "eval/gsm8k/exact_match_stderr,strict-match": 0.05,
+    }
+    assert score_lines(record) == ["arc_easy acc 0.5000 (+-0.100)", "gsm8k exact_match,strict-match 0.1250 (+-0.050)"]

@@ -220,7 +220,7 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(family):
     model.init_weights(seed=3)
     tokens = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
     whole = model(tokens)
-    cache = KVCache(cfg, batch=2, max_len=16, dtype=torch.float32, device=torch.device("cpu"))
+    cache = KVCache(cfg, max_len=16)
     pieces = [model(tokens[:, :6], cache=cache)]
     pieces += [model(tokens[:, t : t + 1], cache=cache) for t in range(6, 10)]
     pieces.append(model(tokens[:, 10:], cache=cache))

@@ -38,15 +38,19 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         try:
             from fsdp_trainer.evaluation.lm import ModelLM
-            from fsdp_trainer.evaluation.tasks import evaluate, result_lines
+            from fsdp_trainer.evaluation.tasks import check_tasks, evaluate, result_lines
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(f"tools/evaluate.py needs lm-eval ({e}): pip install -e '.[eval]'") from None
+        tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+        try:
+            check_tasks(tasks, args.include_path)
+        except ValueError as e:
+            raise ValueError(f"--tasks: {e}") from None
         env = init_distributed(ParallelConfig())
         try:
             model, tokenizer = load_model(args.path)
             lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks)
             limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-            tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
             results = evaluate(lm, tasks, args.num_fewshot, limit, args.apply_chat_template, args.include_path,
                                args.seed)  # fmt: skip
         finally:

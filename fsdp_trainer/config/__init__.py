@@ -1,7 +1,7 @@
 """Recipes: typed sections (sections.py), which jsonargparse turns into the CLI and their attribute docstrings into
 `--help`, and the one parser every tool reads them with (parse.py).
 
-A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, train,
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, train, eval,
 checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check that can fail
 does so here, with one `error: ...` line naming the key, before any process group exists.
 """
@@ -27,6 +27,7 @@ from fsdp_trainer.config.sections import (
     SECTIONS,
     CheckpointConfig,
     DataConfig,
+    EvalConfig,
     LoraConfig,
     MixtureSource,
     ModelConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "COMPUTE_DTYPES",
     "CheckpointConfig",
     "DataConfig",
+    "EvalConfig",
     "LORA_PROJECTIONS",
     "LORA_TARGETS",
     "LoraConfig",

@@ -393,6 +393,36 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Benchmark tasks scored during training with lm-evaluation-harness (`pip install -e ".[eval]"`), on the sharded
+    model as it trains; their scores go to metrics.jsonl, TensorBoard and W&B as eval/TASK/METRIC. tools/evaluate.py
+    scores a checkpoint the same way afterwards."""
+
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (its registry, a YAML in include_path, or shakespeare_next_line); empty: none."""
+    every: int = 0
+    """Score the tasks every this many steps, and after the last step (0: after the last step only)."""
+    num_fewshot: int | None = None
+    """Examples before each item (null: each task's own number)."""
+    limit: float | None = None
+    """Items of each task scored (a fraction of them when below 1; null: all), the same items every time."""
+    batch_size: int = 8
+    """Requests per forward pass."""
+    max_gen_toks: int = 256
+    """The most tokens a generative task's answer may take, where the task sets no number."""
+    apply_chat_template: bool = False
+    """Render each request with the tokenizer's chat template (a chat model's run)."""
+    include_path: str | None = None
+    """A directory of task YAML files of your own (README: Evaluation)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, f"eval.every={self.every} must be >= 0")
+        _require(self.limit is None or self.limit > 0, f"eval.limit={self.limit} must be > 0")
+        _require(self.batch_size >= 1, f"eval.batch_size={self.batch_size} must be >= 1")
+        _require(self.max_gen_toks >= 1, f"eval.max_gen_toks={self.max_gen_toks} must be >= 1")
+
+
+@dataclass
 class CheckpointConfig:
     """Sharded checkpoints (torch.distributed.checkpoint) under train.out_dir/checkpoints/."""
 
@@ -449,6 +479,7 @@ class Recipe:
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

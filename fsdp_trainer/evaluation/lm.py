@@ -2,8 +2,10 @@
 of a whole text in windows (perplexity tasks), and generation until a stop sequence (with a KV cache), computed as
 lm-eval's own Hugging Face model (`HFLM`) computes them, so a task scores the same through either.
 
-Each process holds the model whole and takes its share of the requests (lm-eval splits them by `rank`); the results
-are gathered on rank 0, through the process group the tool started (gloo on CPUs, NCCL on GPUs).
+Each process takes its share of the requests (lm-eval splits them by `rank`), and the results are gathered on rank 0.
+The model is either whole on each process (tools/evaluate.py), or sharded as it trains (`lockstep`): then every
+forward pass gathers weights from every rank, so all ranks make the same number of them, those with no work left
+running a one-token pass whose answer they drop, and agree after each pass whether any rank has more to do.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from fsdp_trainer.data.chat import ChatEncoder
-from fsdp_trainer.model import Transformer, generate
+from fsdp_trainer.model import KVCache, Transformer, sample
 from fsdp_trainer.tokenizer import Tokenizer
 
 Request = tuple[object, list[int], list[int]]
@@ -41,15 +43,37 @@ class ContinuationScores:
 
 
 class ModelLM(TemplateLM):
-    """`model` (eval mode, whole on this process) and its tokenizer as lm-eval's LM; `batch_size` requests a forward."""
+    """`model` (eval mode) and its tokenizer as lm-eval's LM; `batch_size` requests a forward. `lockstep`: the model
+    is sharded over the ranks, which make their forward passes together."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int = 8, max_gen_toks: int = 256):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        batch_size: int = 8,
+        max_gen_toks: int = 256,
+        lockstep: bool = False,
+        device: torch.device | None = None,
+    ):
         super().__init__()
         self.model, self.tok, self.batch_size, self.max_gen_toks = model, tokenizer, batch_size, max_gen_toks
         self.max_length = model.cfg.max_seq_len
-        self._device = next(model.parameters()).device
+        self._device = device or next(model.parameters()).device
         if dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self.lockstep = lockstep and self._world_size > 1
+
+    def _more(self, mine: bool) -> bool:
+        """Whether this rank (or, in lockstep, any rank) has another forward pass to make."""
+        if not self.lockstep:
+            return mine
+        flag = torch.tensor([float(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _idle_pass(self) -> None:
+        """A forward pass with nothing to compute, for a rank whose work is done while others' is not."""
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
     # --- tokens --------------------------------------------------------------------------------------------------
 
@@ -93,13 +117,19 @@ class ModelLM(TemplateLM):
         """(each continuation's log-probability, whether it is the greedy one), the longest requests first in batches
         of `batch_size`, each cut on the left to max_length tokens as HFLM does."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        batches = [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start : start + self.batch_size]
+        done = 0
+        while self._more(done < len(batches)):
+            if done == len(batches):
+                self._idle_pass()
+                continue
+            batch, done = batches[done], done + 1
             scores = self._score([requests[i][1] for i in batch], [requests[i][2] for i in batch])
             for i, score in zip(batch, scores, strict=True):
                 results[i] = score
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
         return results
 
     def _score(self, contexts: list[list[int]], continuations: list[list[int]]) -> list[tuple[float, bool]]:
@@ -123,42 +153,66 @@ class ModelLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Each text's log-probability, in windows of max_length tokens that each predict their own tokens given the
         previous ones (lm-eval's rolling windows, as HFLM cuts them)."""
-        out = []
-        for (string,) in [request.args for request in requests]:
-            windows = lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string),
-                prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length,
-                context_len=1,
+        pieces, owners = [], []
+        strings = [request.args[0] for request in requests]
+        for i, string in enumerate(strings):
+            windows = list(
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
             )
-            pieces = [(None, *lm_utils.make_disjoint_window(window)) for window in windows]
-            total = sum(logp for logp, _ in self._loglikelihood_tokens(pieces))
+            pieces += [(None, *lm_utils.make_disjoint_window(window)) for window in windows]
+            owners += [i] * len(windows)
+        totals = [0.0] * len(strings)
+        for owner, (logp, _) in zip(owners, self._loglikelihood_tokens(pieces), strict=True):
+            totals[owner] += logp
+        for string, total in zip(strings, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
-            out.append(total)
-        return out
+        return totals
 
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each context continued (greedy unless the task samples) until a stop sequence, the end-of-text token or
         max_gen_toks tokens, through a KV cache; the context cut on the left to leave room for the new tokens; the
         text before the first stop sequence returned, as HFLM returns it."""
-        out = []
-        for context, gen_kwargs in [request.args for request in requests]:
+        args, out = [request.args for request in requests], []
+        while self._more(len(out) < len(args)):
+            if len(out) == len(args):  # another rank still generates: keep step with it
+                self._continue(None, 0, 0.0, [])
+                continue
+            context, gen_kwargs = args[len(out)]
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
             max_new = kwargs.pop("max_gen_toks")
             ids = self.tok_encode(context)[-(self.max_length - max_new) :]
-            prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
-
-            def stopped(new: torch.Tensor, until: list[str] = until) -> bool:
-                return any(stop and stop in self.tok.decode(new.tolist()) for stop in until)
-
             temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
-            tokens = generate(self.model, prompt, max_new, temperature, stop_id=self.eot_token_id, until=stopped)
-            text = postprocess_generated_text(self.tok.decode(tokens[len(ids) :].tolist()), until, None)
+            new = self._continue(torch.tensor(ids, dtype=torch.long, device=self.device), max_new, temperature, until)
+            text = postprocess_generated_text(self.tok.decode(new), until, None)
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             out.append(text)
         return out
+
+    def _continue(self, prompt: torch.Tensor | None, max_new: int, temperature: float, until: list[str]) -> list[int]:
+        """The tokens that continue `prompt` (None: none, keeping step with the ranks that generate), a forward pass
+        each, the prompt's read once into a KV cache."""
+        new: list[int] = []
+        cache = None if prompt is None else KVCache(self.model.cfg, len(prompt) + max_new)
+        step_in = prompt
+        while self._more(prompt is not None and len(new) < max_new):
+            if prompt is None or len(new) == max_new:
+                self._idle_pass()
+                continue
+            logits = self.model(step_in[None], cache=cache)[0, -1].float()
+            token = int(sample(logits, temperature, None, None))
+            new.append(token)
+            step_in = torch.tensor([token], device=self.device)
+            text = self.tok.decode(new)
+            if token == self.eot_token_id or any(stop and stop in text for stop in until):
+                max_new = len(new)  # done
+        return new
 
     # --- several processes ---------------------------------------------------------------------------------------
 

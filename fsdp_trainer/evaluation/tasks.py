@@ -5,11 +5,14 @@ own (a YAML file in a directory given as `include_path`), or one this package sh
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from lm_eval.api.model import LM
+if TYPE_CHECKING:  # lm-eval is an optional extra: imported where a task is scored
+    from lm_eval.api.model import LM
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -40,6 +43,39 @@ SHIPPED = {"shakespeare_next_line": next_line_task}
 """The tasks this package ships, by name."""
 
 
+@functools.cache
+def registry(include_path: str | None = None):
+    """lm-eval's TaskManager over its registry and `include_path`: indexing its thousands of task files takes seconds,
+    so a process does it once."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def require_lm_eval() -> None:
+    """ModuleNotFoundError saying how to install lm-eval, where it is not."""
+    try:
+        import lm_eval  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"scoring tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
+
+
+def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
+    """Every name in `tasks` is shipped here or known to lm-eval (its registry, `include_path`): else ValueError
+    naming the unknown ones (ModuleNotFoundError without lm-eval)."""
+    require_lm_eval()
+    if all(name in SHIPPED for name in tasks):
+        return
+    manager = registry(include_path)
+    unknown = [name for name in tasks if name not in SHIPPED and not manager.match_tasks([name])]
+    if unknown:
+        raise ValueError(
+            f"no task named {', '.join(unknown)} in lm-eval's registry, in the include path or among ours "
+            f"({', '.join(SHIPPED)}); `lm-eval ls tasks` lists lm-eval's"
+        )
+
+
 def evaluate(
     lm: LM,
     tasks: list[str],
@@ -52,23 +88,15 @@ def evaluate(
     """lm-eval's results (its JSON) for `tasks` scored by `lm`, on rank 0 (None on the others): `limit` items of
     each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None)."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines: a few per request type and task
-    manager = TaskManager(include_path=include_path)
-    unknown = [name for name in tasks if name not in SHIPPED and not manager.match_tasks([name])]
-    if unknown:
-        raise ValueError(
-            f"--tasks: no task named {', '.join(unknown)} in lm-eval's registry, in --include_path or among ours "
-            f"({', '.join(SHIPPED)}); `lm-eval ls tasks` lists lm-eval's"
-        )
     return simple_evaluate(
         model=lm,
         tasks=[SHIPPED[name]() if name in SHIPPED else name for name in tasks],
         num_fewshot=num_fewshot,
         limit=limit,
         apply_chat_template=apply_chat_template,
-        task_manager=manager,
+        task_manager=registry(include_path),
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
