@@ -149,6 +149,16 @@ def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
     )
     assert ours == theirs and set(ours) == set(tasks)
     assert ours["arc_easy_local"]["sample_len"] == 3 and 0 <= ours["shakespeare_next_line"]["acc,none"] <= 1
+    # --apply_chat_template: the few-shot examples as turns of a conversation, rendered by the tokenizer's template
+    chats = [ModelLM(model, tokenizer), hf]
+    history = [{"role": "user", "content": "Who's there?"}, {"role": "assistant", "content": "Nay, answer me."}]
+    for prompt in (True, False):
+        assert chats[0].apply_chat_template(history, prompt) == chats[1].apply_chat_template(history, prompt)
+    ours, theirs = (
+        evaluate(lm, ["arc_easy_local"], num_fewshot=1, include_path=include, apply_chat_template=True)["results"]
+        for lm in chats
+    )
+    assert ours == theirs
 
 
 @pytest.mark.slow
