@@ -178,6 +178,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, resume, recipe.train.out_dir)
     files = open_data(recipe)
     check_data(recipe, files[0])
+    training_kind(recipe).check(recipe)  # what the kind needs beside its data (a teacher that can teach the model)
     require_wandb(recipe)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     check_run_dir_free(recipe.train.out_dir)

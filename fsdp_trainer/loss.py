@@ -11,6 +11,7 @@ the same however the batch is split over ranks and micro-batches.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -201,3 +202,62 @@ class PreferenceLoss:
     def rewards(self, chosen, rejected, ref_chosen, ref_rejected) -> dict[str, torch.Tensor]:
         """pair_rewards with this loss's beta."""
         return pair_rewards(self.beta, chosen, rejected, ref_chosen, ref_rejected)
+
+
+# --- distillation -----------------------------------------------------------------------------------------------------
+
+
+def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float, temperature: float):
+    """The generalized Jensen-Shannon divergence of each row's distributions (N,) at `temperature`, as TRL's GKD
+    defines it: beta 0 is KL(teacher || student), beta 1 KL(student || teacher), between them the divergence of each
+    from their mixture, weighted beta (teacher) and 1 - beta (student)."""
+    student = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        return F.kl_div(student, teacher, reduction="none", log_target=True).sum(-1)
+    if beta == 1:
+        return F.kl_div(teacher, student, reduction="none", log_target=True).sum(-1)
+    mixture = torch.logsumexp(torch.stack([student + math.log1p(-beta), teacher + math.log(beta)]), dim=0)
+    to_teacher = F.kl_div(mixture, teacher, reduction="none", log_target=True).sum(-1)
+    to_student = F.kl_div(mixture, student, reduction="none", log_target=True).sum(-1)
+    return beta * to_teacher + (1 - beta) * to_student
+
+
+def _distillation_sums(hidden, output, teacher_hidden, teacher_output, targets, beta, temperature, alpha):
+    """(the weighted loss, the divergence, the cross-entropy), each summed over the targets that are not IGNORE."""
+    logits = output(hidden).float()
+    with torch.no_grad():
+        teacher_logits = teacher_output(teacher_hidden).float()
+    kept = (targets != IGNORE).float()
+    kd = (divergence(logits, teacher_logits, beta, temperature) * kept).sum()
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    return torch.stack([alpha * kd + (1 - alpha) * ce, kd.detach(), ce.detach()])
+
+
+@dataclass
+class DistillationLoss:
+    """The objective of a distillation step's forward: at each target that is not IGNORE, alpha x the divergence of
+    the model's next-token distribution from the teacher's (divergence) + (1 - alpha) x the cross-entropy, summed;
+    with the divergence's and the cross-entropy's sums beside it (3,). The teacher's logits come from its final hidden
+    states (B, T, teacher dim) through its output layer (gathered: the caller holds it unsharded), in `chunks` slices
+    of the tokens, each slice's two logits made, reduced and freed, and made again in backward, as NextTokenLoss does:
+    neither model's whole (tokens x vocab) logits exist at once."""
+
+    targets: torch.Tensor
+    teacher_hidden: torch.Tensor
+    teacher_output: nn.Module
+    beta: float
+    temperature: float = 1.0
+    alpha: float = 1.0
+    chunks: int = 1
+
+    def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+        hidden, teacher, targets = hidden.flatten(0, 1), self.teacher_hidden.flatten(0, 1), self.targets.flatten()
+        settings = (self.beta, self.temperature, self.alpha)
+        if self.chunks == 1:
+            return _distillation_sums(hidden, output, teacher, self.teacher_output, targets, *settings)
+        pieces = zip(hidden.chunk(self.chunks), teacher.chunk(self.chunks), targets.chunk(self.chunks), strict=True)
+        return sum(
+            checkpoint(_distillation_sums, h, output, t, self.teacher_output, y, *settings, use_reentrant=False)
+            for h, t, y in pieces
+        )

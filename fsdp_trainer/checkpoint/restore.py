@@ -99,6 +99,11 @@ def reload_starts(path: Path, starts: list[Start], attachments: dict[str, bytes]
     not its latest), checked against the checkpoint the command names (`started_from`), and the record goes on."""
     for start in starts:
         recorded = recorded_start(path, start.record, start.what)
+        if start.source is not None and recorded != start.source.resolve():
+            raise CheckpointError(
+                f"this run's {start.what} {recorded}, not {start.source}; name that one again, or start a new run in "
+                "another train.out_dir"
+            )
         if started_from is not None and start.source is None and recorded != started_from.resolve():
             raise CheckpointError(
                 f"this run's {start.what} {recorded}, not {started_from}; resume with --checkpoint.resume "

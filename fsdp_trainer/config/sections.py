@@ -353,6 +353,32 @@ class PreferenceConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation: the model learns the next-token distributions of a frozen teacher, which is sharded as
+    the model is and runs forward only. Off unless a teacher is named."""
+
+    teacher: str | None = None
+    """The teacher's weights: a checkpoint, or a run directory (its latest), of any world size; an HF model after
+    tools/import_hf.py. Its tokenizer and vocabulary must be the model's; its size and family may differ."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """The divergence per target, of the distributions at `temperature`: forward_kl KL(teacher || model) (TRL's
+    generalized JSD at beta 0), reverse_kl KL(model || teacher) (beta 1), jsd the generalized Jensen-Shannon divergence
+    at `beta` (GKD)."""
+    beta: float = 0.5
+    """jsd: the teacher's weight in the mixture the two are compared with (TRL / GKD's beta)."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence (not before the cross-entropy)."""
+    alpha: float = 1.0
+    """The divergence's weight in the loss; the cross-entropy on the targets weighs 1 - alpha. Both are means over
+    the same targets (a chat run's supervised tokens), logged as kd_loss and ce_loss."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.beta < 1 or self.loss != "jsd", f"distill.beta={self.beta}: jsd needs 0 < beta < 1")
+        _require(self.temperature > 0, f"distill.temperature={self.temperature} must be > 0")
+        _require(0 <= self.alpha <= 1, f"distill.alpha={self.alpha} must be in [0, 1]")
+
+
+@dataclass
 class TrainConfig:
     """Length of the run, logging and evaluation."""
 
@@ -478,6 +504,7 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_trainer.steps.base import DATA_KINDS, Step, data_kind
+from fsdp_trainer.steps.distill import DistillStep
 from fsdp_trainer.steps.next_token import NextTokenStep
 from fsdp_trainer.steps.orpo import ORPOStep
 from fsdp_trainer.steps.preference import PreferenceStep
 from fsdp_trainer.steps.simpo import SimPOStep
 
-KINDS: tuple[type[Step], ...] = (PreferenceStep, SimPOStep, ORPOStep, NextTokenStep)
+KINDS: tuple[type[Step], ...] = (PreferenceStep, SimPOStep, ORPOStep, DistillStep, NextTokenStep)
 """The kinds, asked in this order whether a recipe wants them; next-token prediction, the last, when no other is."""
 
 

@@ -27,12 +27,15 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_trainer.checkpoint.starts import Start
+from fsdp_trainer.config import ModelConfig, ParallelConfig, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, set_gradient_sync
+from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, reshard, set_gradient_sync
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.loss import share_of_global_mean
+from fsdp_trainer.model import Transformer
 
 DataKind = Literal["tokens", "pairs"]
 """What a token file holds: token windows or packed examples, or packed preference pairs."""
@@ -65,6 +68,11 @@ class Kind:
     def wanted(cls, recipe: Any) -> bool:
         """Whether `recipe` (a Recipe, or a checkpoint's recipe sections as attributes) trains this kind."""
         raise NotImplementedError
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """What this kind needs that can be checked before any process group exists (a teacher that can teach the
+        model): ValueError / FileNotFoundError naming what to fix."""
 
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> Step:
@@ -146,6 +154,7 @@ class Step(Kind):
             set_gradient_sync(model, plan, i == len(micro_batches) - 1)
             terms, metrics = self.sums(model, batch)
             backward(self._weighted(share_of_global_mean(terms.reshape(-1), units, world)))
+            self.after_backward()
             row = torch.cat([terms.detach().reshape(-1), metrics])
             totals = row if totals is None else totals + row
         totals = sum_over_ranks(totals)  # the loss terms and the metrics: one all-reduce
@@ -153,6 +162,10 @@ class Step(Kind):
         means, metrics = totals[:k] / units, totals[k:] / (units if k == 1 else units[0])
         numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
         return self._weighted(means), {**self.extra(micro_batches, units), **numbers}
+
+    def after_backward(self) -> None:
+        """Free what a micro-batch's forward kept for its backward beside the model (a teacher's gathered output
+        layer)."""
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
@@ -175,3 +188,18 @@ class Step(Kind):
         if len(self.weights) == 1:
             return means[0]
         return sum(weight * mean for weight, mean in zip(self.weights, means.unbind(), strict=True))
+
+
+def frozen_copy(
+    cfg: ModelConfig, parallel: ParallelConfig, mesh: DeviceMesh, flex_attention: bool = False
+) -> Transformer:
+    """A model a kind holds frozen beside the policy (a reference, a teacher) on the meta device, parallelized as the
+    policy is, to be materialized: every parameter frozen and held in the compute dtype (what FSDP gathers anyway, so
+    a copy of the policy computes its forward bitwise); the buffers (RoPE's tables) stay fp32."""
+    with torch.device("meta"):
+        frozen = Transformer(cfg, flex_attention=flex_attention)
+    frozen.requires_grad_(False)
+    for param in frozen.parameters():
+        param.data = param.data.to(compute_dtype(parallel.mixed_precision))
+    parallelize(frozen, parallel, mesh)
+    return frozen

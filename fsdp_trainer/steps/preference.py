@@ -10,33 +10,19 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_trainer.adapters import has_adapters
 from fsdp_trainer.adapters.lora import adapters_disabled
 from fsdp_trainer.checkpoint.starts import Start
-from fsdp_trainer.config import PreferenceConfig, Recipe, compute_dtype
+from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import parallelize, reshard, uses_flex_attention
+from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.steps.base import frozen_copy
 from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective, reward_sums
 
 METRICS = REWARD_METRICS
-
-
-def frozen_copy(recipe: Recipe, mesh: DeviceMesh, flex_attention: bool = False) -> Transformer:
-    """A full fine-tuning run's reference on the meta device, parallelized as the policy is, to be materialized: every
-    parameter frozen and held in the compute dtype (what FSDP gathers anyway, so its forward is the policy's at step 0,
-    bitwise); the buffers (RoPE's tables) stay as the policy's."""
-    with torch.device("meta"):
-        frozen = Transformer(recipe.model, flex_attention=flex_attention)
-    frozen.requires_grad_(False)
-    for param in frozen.parameters():
-        param.data = param.data.to(compute_dtype(recipe.parallel.mixed_precision))
-    parallelize(frozen, recipe.parallel, mesh)
-    return frozen
 
 
 class Reference:
@@ -91,7 +77,9 @@ class PreferenceStep(PairStep):
         weights the run started from into it."""
         frozen = None
         if not has_adapters(policy):  # on meta: build.build_step materializes it
-            frozen = frozen_copy(recipe, env.mesh, uses_flex_attention(recipe.parallel, env.device))
+            frozen = frozen_copy(
+                recipe.model, recipe.parallel, env.mesh, uses_flex_attention(recipe.parallel, env.device)
+            )
         return cls(recipe.preference, Reference(policy, frozen), recipe.train.loss_chunks)
 
     @classmethod

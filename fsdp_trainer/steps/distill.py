@@ -1,0 +1,137 @@
+"""Knowledge distillation: the model learns a frozen teacher's next-token distributions (loss.DistillationLoss), on
+the same token windows or packed examples as next-token prediction, over the same targets.
+
+The teacher is a model of its own size and family, read from a checkpoint (any world size) and sharded over the
+same mesh as the model: frozen, in the compute dtype, forward only, no gradients and no optimizer state. Each
+micro-batch it runs forward to its final hidden states; its output layer, which the student's objective calls slice
+by slice, stays gathered until the student's backward has recomputed those slices, then is freed
+(`after_backward`). It is one of the run's starts: recorded with its fingerprint in every checkpoint, loaded again
+on resume, and a changed teacher refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_trainer.checkpoint.starts import Start
+from fsdp_trainer.checkpoint.storage import checkpoint_recipe, checkpoint_tokenizer, resolve_checkpoint
+from fsdp_trainer.config import DistillConfig, ModelConfig, load_sections
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
+from fsdp_trainer.distributed.runtime import DistEnv
+from fsdp_trainer.loss import DistillationLoss
+from fsdp_trainer.model import count_params
+from fsdp_trainer.steps.base import frozen_copy
+from fsdp_trainer.steps.next_token import NextTokenStep
+from fsdp_trainer.tokenizer import load_tokenizer
+
+TEACHER_FILE = "teacher.json"
+"""In a distillation run's step directory: where its teacher's weights came from (checkpoint/starts.py)."""
+
+BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0}
+"""distill.loss as the generalized JSD's beta; jsd takes distill.beta."""
+
+
+def teacher_sections(recipe: Any) -> tuple[Path, dict]:
+    """(the teacher's step directory, the recipe sections it was saved with), read without its weights."""
+    path = resolve_checkpoint(recipe.distill.teacher)
+    return path, load_sections(checkpoint_recipe(path))
+
+
+def final_hidden(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+    """An objective for the teacher's forward: its final hidden states, not its logits."""
+    return hidden
+
+
+class DistillStep(NextTokenStep):
+    """The teacher's forward (no gradient), then the model's forward and backward with DistillationLoss, micro-batch
+    by micro-batch; the loss and kd_loss / ce_loss are means over the global batch's targets."""
+
+    name = "distillation"
+    chosen_by = "set distill.teacher to a checkpoint"
+    metrics = ("kd_loss", "ce_loss")
+    shown = {"kd_loss": "kd"}
+
+    def __init__(self, cfg: DistillConfig, teacher: nn.Module, source: Path, chunks: int = 1):
+        super().__init__(chunks)
+        self.cfg, self.teacher = cfg, teacher
+        self.beta = BETAS.get(cfg.loss, cfg.beta)
+        self.starts.append(Start(TEACHER_FILE, teacher, "teacher is", source=source))
+
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        return getattr(recipe, "distill", None) is not None and recipe.distill.teacher is not None
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        """The teacher exists, is complete, and speaks the model's tokens: ValueError naming what differs."""
+        path, sections = teacher_sections(recipe)
+        vocab_size = sections["model"].vocab_size
+        if vocab_size != recipe.model.vocab_size:
+            raise ValueError(
+                f"distill.teacher {path} has a vocabulary of {vocab_size} and this model {recipe.model.vocab_size}: a "
+                "teacher must predict the same tokens"
+            )
+        tokenizer = checkpoint_tokenizer(path, sections["data"].tokenizer_path)
+        if tokenizer is None:
+            raise ValueError(f"distill.teacher {path} carries no tokenizer to check against data.tokenizer_path")
+        if load_tokenizer(tokenizer).fingerprint() != load_tokenizer(recipe.data.tokenizer_path).fingerprint():
+            raise ValueError(
+                f"distill.teacher {path} was trained with the tokenizer {tokenizer}, not this run's "
+                f"{recipe.data.tokenizer_path} (their files differ): a teacher must use the model's tokenizer"
+            )
+
+    @classmethod
+    def teacher_config(cls, recipe: Any) -> ModelConfig:
+        return teacher_sections(recipe)[1]["model"]
+
+    @classmethod
+    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> DistillStep:
+        """The step with its teacher built on the meta device from its checkpoint's model section, parallelized as
+        the policy is (build.build_step materializes it; the checkpointer loads its weights)."""
+        source = resolve_checkpoint(recipe.distill.teacher)
+        flex = uses_flex_attention(recipe.parallel, env.device)
+        teacher = frozen_copy(cls.teacher_config(recipe), recipe.parallel, env.mesh, flex)
+        return cls(recipe.distill, teacher, source, recipe.train.loss_chunks)
+
+    @classmethod
+    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        return count_params(cls.teacher_config(recipe))
+
+    @classmethod
+    def forward_params(cls, recipe: Any, n_params: int) -> int:
+        return count_params(cls.teacher_config(recipe))
+
+    @classmethod
+    def plan_note(cls, recipe: Any, estimates: list) -> str:
+        return (
+            f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute "
+            "dtype and sharded as the model (`reference`); its forward each micro-step gathers its weights again (in "
+            "`sent`), and its output layer and embedding stay gathered from its forward to the model's backward"
+        )
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha x the divergence + (1 - alpha) x the cross-entropy, summed over the targets; the sums of kd_loss and
+        ce_loss)."""
+        with torch.no_grad():
+            teacher_hidden = self.teacher(batch.inputs, batch.documents, loss=final_hidden)
+        self.teacher.unshard()  # its root (output layer, embedding) stays gathered until after_backward
+        cfg = self.cfg
+        objective = DistillationLoss(
+            batch.targets, teacher_hidden, self.teacher.lm_head, self.beta, cfg.temperature, cfg.alpha, self.chunks
+        )
+        sums = model(batch.inputs, batch.documents, loss=objective)
+        return sums[0], sums[1:].detach()
+
+    def after_backward(self) -> None:
+        reshard(self.teacher)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
+        numbers = super().evaluate(model, micro_batches)
+        reshard(self.teacher)
+        return numbers

@@ -1,0 +1,135 @@
+"""Knowledge distillation: the divergence against TRL's GKD definition (its generalized_jsd_loss), chunked as the
+whole; a run distilling a teacher of another size from its checkpoint, 2 ranks equal to 1 process, exact on resume,
+its teacher recorded and a changed one refused; a teacher that cannot teach this model refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_trainer.loss import IGNORE, DistillationLoss
+from tests.helpers import read_metrics, run_args, train_cli
+
+trl = pytest.importorskip("trl")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_the_loss_is_trls_generalized_jsd_and_chunks_change_nothing(beta, temperature):
+    """A student (dim 16) and a teacher (dim 24) output layer over a vocabulary of 50: the divergence is TRL's
+    generalized_jsd_loss (summed over the targets, `batchmean` x their count), the cross-entropy F.cross_entropy's,
+    and 3 chunks give the loss and gradients of 1."""
+    from trl.experimental.gkd import GKDTrainer
+
+    generator = torch.Generator().manual_seed(0)
+    student_head, teacher_head = nn.Linear(16, 50, bias=False), nn.Linear(24, 50, bias=False)
+    hidden = torch.randn(2, 9, 16, generator=generator)
+    teacher_hidden = torch.randn(2, 9, 24, generator=generator)
+    targets = torch.randint(0, 50, (2, 9), generator=generator)
+    targets[0, :4] = IGNORE  # a prompt
+    n = (targets != IGNORE).sum()
+    theirs = (
+        GKDTrainer.generalized_jsd_loss(
+            student_head(hidden), teacher_head(teacher_hidden), targets, beta=beta, temperature=temperature
+        )
+        * n
+    )
+    ce = nn.functional.cross_entropy(student_head(hidden).flatten(0, 1), targets.flatten(), reduction="sum")
+    grads = []
+    for chunks in (1, 3):
+        student_head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        sums = DistillationLoss(targets, teacher_hidden, teacher_head, beta, temperature, alpha=0.75, chunks=chunks)(
+            h, student_head
+        )
+        torch.testing.assert_close(sums[1], theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sums[2], ce, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sums[0], 0.75 * theirs + 0.25 * ce, rtol=1e-5, atol=1e-6)
+        sums[0].backward()
+        grads.append((h.grad, student_head.weight.grad.clone()))
+        assert teacher_head.weight.grad is None  # the teacher learns nothing
+    for ours, whole in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-7)
+
+
+BIGGER = {"dim": 96, "n_layers": 3, "ffn_dim": 192}  # the teacher: another size of the tiny model
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_data, tmp_path_factory):
+    """A run of a bigger model on the tiny data, 2 ranks: its directory (`latest` names its step 6)."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    train_cli(run_args(tiny_data, out, 6, model=BIGGER, checkpoint={"every": 6}), nproc=2)
+    return out
+
+
+@pytest.mark.slow
+def test_distillation_two_ranks_equal_one_process_resume_bitwise_and_its_teacher_is_recorded(
+    tiny_data, teacher, tmp_path
+):
+    """The student (the tiny model) learns from the bigger teacher's checkpoint, reverse KL at temperature 2 with a
+    quarter of cross-entropy: 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 6 steps (loss, kd_loss,
+    ce_loss, validation); the divergence falls; every checkpoint records the teacher; a resume from step 3 is bitwise;
+    a teacher changed since, or another one named, is refused in one line."""
+    distill = {"teacher": str(teacher), "loss": "reverse_kl", "temperature": 2.0, "alpha": 0.75}
+    every = {"every": 3, "keep_last": 0}
+    train = {"eval_every": 3}
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(tiny_data, two, 6, distill=distill, checkpoint=every, train=train), nproc=2)
+    one_args = run_args(
+        tiny_data, one, 6, distill=distill, data={"grad_accum_steps": 2}, train={**train, "eval_steps": 4}
+    )
+    train_cli(one_args)
+    records_two, records_one = read_metrics(two), read_metrics(one)
+    for a, b in zip(records_two, records_one, strict=True):
+        for key in {"loss", "kd_loss", "ce_loss", "val_loss", "val_kd_loss"} & set(a):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    steps = {r["step"]: r for r in records_two if "kd_loss" in r}
+    assert steps[6]["kd_loss"] < steps[1]["kd_loss"]
+    assert steps[1]["loss"] == pytest.approx(0.75 * steps[1]["kd_loss"] + 0.25 * steps[1]["ce_loss"], rel=1e-6)
+    record = json.loads((two / "checkpoints" / "step_00000003" / "teacher.json").read_text())
+    assert record["path"] == str((teacher / "checkpoints" / "step_00000006").resolve())
+
+    moved = tmp_path / "moved"
+    shutil.copytree(two, moved)
+    shutil.rmtree(moved / "checkpoints" / "step_00000006")
+    (moved / "checkpoints" / "latest").write_text("step_00000003\n")
+    resume = run_args(tiny_data, moved, 6, distill=distill, checkpoint=every, train=train)
+    train_cli(resume, nproc=2)
+    resumed = {r["step"]: r for r in read_metrics(moved) if "kd_loss" in r}
+    for step in (4, 5, 6):
+        assert (resumed[step]["loss"], resumed[step]["kd_loss"]) == (steps[step]["loss"], steps[step]["kd_loss"])
+
+    (moved / "checkpoints" / "latest").write_text("step_00000003\n")
+    other = run_args(tiny_data, moved, 6, distill={**distill, "teacher": str(two)}, checkpoint=every)
+    proc = train_cli(other, check=False)
+    assert proc.returncode == 1
+    assert f"this run's teacher is {record['path']}, not " in proc.stderr.strip().splitlines()[-1]
+
+    manifest = Path(record["path"]) / "checksums.json"
+    original = manifest.read_bytes()
+    try:
+        manifest.write_bytes(original + b" ")  # a teacher rewritten since
+        proc = train_cli(resume, check=False)
+    finally:
+        manifest.write_bytes(original)
+    assert proc.returncode == 1
+    assert "its weights have changed since" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, tmp_path):
+    """Another vocabulary, or no such checkpoint: one line before training, naming the teacher."""
+    proc = train_cli(run_args(tiny_data, tmp_path / "a", 2, distill={"teacher": str(teacher)},
+                              model={"vocab_size": 640}), check=False)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"error: distill.teacher {teacher / 'checkpoints' / 'step_00000006'} has a vocabulary of 512 and this model "
+        "640: a teacher must predict the same tokens"
+    ]
+    proc = train_cli(run_args(tiny_data, tmp_path / "b", 2, distill={"teacher": str(tmp_path / "none")}), check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: checkpoint ")
