@@ -224,24 +224,26 @@ def divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta:
 
 
 def _distillation_sums(hidden, output, teacher_hidden, teacher_output, targets, beta, temperature, alpha):
-    """(the weighted loss, the divergence, the cross-entropy), each summed over the targets that are not IGNORE."""
+    """(the weighted loss, the divergence, the cross-entropy, the teacher's cross-entropy), each summed over the
+    targets that are not IGNORE."""
     logits = output(hidden).float()
     with torch.no_grad():
         teacher_logits = teacher_output(teacher_hidden).float()
+        teacher_ce = F.cross_entropy(teacher_logits, targets, ignore_index=IGNORE, reduction="sum")
     kept = (targets != IGNORE).float()
     kd = (divergence(logits, teacher_logits, beta, temperature) * kept).sum()
     ce = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
-    return torch.stack([alpha * kd + (1 - alpha) * ce, kd.detach(), ce.detach()])
+    return torch.stack([alpha * kd + (1 - alpha) * ce, kd.detach(), ce.detach(), teacher_ce])
 
 
 @dataclass
 class DistillationLoss:
     """The objective of a distillation step's forward: at each target that is not IGNORE, alpha x the divergence of
     the model's next-token distribution from the teacher's (divergence) + (1 - alpha) x the cross-entropy, summed;
-    with the divergence's and the cross-entropy's sums beside it (3,). The teacher's logits come from its final hidden
-    states (B, T, teacher dim) through its output layer (gathered: the caller holds it unsharded), in `chunks` slices
-    of the tokens, each slice's two logits made, reduced and freed, and made again in backward, as NextTokenLoss does:
-    neither model's whole (tokens x vocab) logits exist at once."""
+    with the sums of the divergence, the cross-entropy and the teacher's own cross-entropy beside it (4,). The
+    teacher's logits come from its final hidden states (B, T, teacher dim) through its output layer (gathered: the
+    caller holds it unsharded), in `chunks` slices of the tokens, each slice's two logits made, reduced and freed, and
+    made again in backward, as NextTokenLoss does: neither model's whole (tokens x vocab) logits exist at once."""
 
     targets: torch.Tensor
     teacher_hidden: torch.Tensor

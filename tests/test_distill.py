@@ -50,6 +50,9 @@ def test_the_loss_is_trls_generalized_jsd_and_chunks_change_nothing(beta, temper
         torch.testing.assert_close(sums[1], theirs, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sums[2], ce, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sums[0], 0.75 * theirs + 0.25 * ce, rtol=1e-5, atol=1e-6)
+        teacher_ce = nn.functional.cross_entropy(teacher_head(teacher_hidden).flatten(0, 1), targets.flatten(),
+                                                 reduction="sum")  # fmt: skip
+        torch.testing.assert_close(sums[3], teacher_ce, rtol=1e-5, atol=1e-6)
         sums[0].backward()
         grads.append((h.grad, student_head.weight.grad.clone()))
         assert teacher_head.weight.grad is None  # the teacher learns nothing

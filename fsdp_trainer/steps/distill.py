@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from fsdp_trainer.checkpoint.starts import Start
 from fsdp_trainer.checkpoint.storage import checkpoint_recipe, checkpoint_tokenizer, resolve_checkpoint
-from fsdp_trainer.config import DistillConfig, ModelConfig, load_sections
+from fsdp_trainer.config import DistillConfig, ModelConfig, compute_dtype, load_sections
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
@@ -53,7 +53,9 @@ class DistillStep(NextTokenStep):
 
     name = "distillation"
     chosen_by = "set distill.teacher to a checkpoint"
-    metrics = ("kd_loss", "ce_loss")
+    metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")
+    """The divergence and the cross-entropy (their means), and the teacher's cross-entropy on the same targets: the
+    floor the student's approaches."""
     shown = {"kd_loss": "kd"}
 
     def __init__(self, cfg: DistillConfig, teacher: nn.Module, source: Path, chunks: int = 1):
@@ -108,15 +110,19 @@ class DistillStep(NextTokenStep):
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
+        teacher = cls.teacher_config(recipe)
+        root = teacher.vocab_size * teacher.dim * (1 if teacher.tie_embeddings else 2)  # embedding and output layer
+        root_gb = root * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
         return (
-            f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute "
-            "dtype and sharded as the model (`reference`); its forward each micro-step gathers its weights again (in "
-            "`sent`), and its output layer and embedding stay gathered from its forward to the model's backward"
+            f"distill.teacher: {count_params(teacher):,} parameters, frozen in the compute dtype and sharded as the "
+            "model (`reference`); its forward each micro-step gathers its weights again (in `sent`), and its "
+            f"embedding and output layer ({root_gb:.2f} GB gathered) stay gathered from its forward to the model's "
+            "backward, which the table's peak does not count"
         )
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(alpha x the divergence + (1 - alpha) x the cross-entropy, summed over the targets; the sums of kd_loss and
-        ce_loss)."""
+        """(alpha x the divergence + (1 - alpha) x the cross-entropy, summed over the targets; the sums of kd_loss,
+        ce_loss and teacher_ce_loss)."""
         with torch.no_grad():
             teacher_hidden = self.teacher(batch.inputs, batch.documents, loss=final_hidden)
         self.teacher.unshard()  # its root (output layer, embedding) stays gathered until after_backward
