@@ -136,3 +136,61 @@ def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, t
     ]
     proc = train_cli(run_args(tiny_data, tmp_path / "b", 2, distill={"teacher": str(tmp_path / "none")}), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: checkpoint ")
+
+
+@pytest.mark.slow
+def test_imported_models_distil_with_the_divergence_of_transformers_logits(tmp_path):
+    """A teacher wider and deeper than the student, both transformers Llamas built from configs, saved sharded with
+    one tokenizer and imported: the run's held-out kd_loss (JSD at beta 0.5, temperature 2) and teacher_ce_loss equal
+    TRL's divergence and the cross-entropy of transformers' own logits of both on the same windows (fp32, 1e-5)."""
+    import transformers
+    from trl.experimental.gkd import GKDTrainer
+
+    from fsdp_trainer.data.format import TokenFile
+    from tests.test_hf import tool
+    from tests.test_real_models import corpus, recipe_for, save_hf_tokenizer
+
+    models = {}
+    for name, width, layers in (("teacher", 64, 3), ("student", 32, 2)):
+        tokenizer = save_hf_tokenizer(tmp_path / f"{name}_hf", "llama")
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(len(name))
+        models[name] = transformers.LlamaForCausalLM(config).eval()
+        models[name].save_pretrained(tmp_path / f"{name}_hf", max_shard_size="100KB")
+        tool("import_hf.py", tmp_path / f"{name}_hf", tmp_path / name)
+    (tmp_path / "plays.txt").write_text(corpus(60_000))
+    recipe = recipe_for(tmp_path)
+    student = ["--recipe", recipe, "--recipe", str(tmp_path / "student" / "model.yaml")]
+    tool("prepare_data.py", *student, "--data.tokenizer_path", tmp_path / "student", "--input", tmp_path / "plays.txt",
+         "--val_fraction", "0.1")  # fmt: skip
+    distill = ["--distill.teacher", str(tmp_path / "teacher"), "--distill.loss", "jsd", "--distill.temperature", "2"]
+    train_cli([*student, "--data.tokenizer_path", str(tmp_path / "student"), "--checkpoint.resume",
+               str(tmp_path / "student"), "--train.out_dir", str(tmp_path / "run"), *distill])  # fmt: skip
+    held_out = next(r for r in read_metrics(tmp_path / "run") if "val_kd_loss" in r)
+
+    tokens = torch.from_numpy(TokenFile(tmp_path / "data" / "val.bin").tokens[: 4 * 32 + 1].astype("int64"))
+    windows = torch.stack([tokens[k * 32 : k * 32 + 33] for k in range(4)])  # eval_steps 2 x micro-batches of 2
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    with torch.no_grad():
+        student_logits, teacher_logits = (models[name](inputs).logits for name in ("student", "teacher"))
+    kd = GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, targets, beta=0.5, temperature=2.0)
+    teacher_ce = nn.functional.cross_entropy(teacher_logits.flatten(0, 1), targets.flatten())
+    assert held_out["val_kd_loss"] == pytest.approx(kd.item(), rel=1e-5)
+    assert held_out["val_teacher_ce_loss"] == pytest.approx(teacher_ce.item(), rel=1e-5)
+
+
+def test_a_lora_student_saves_its_adapters_and_exports_merged(tiny_data, teacher, tmp_path):
+    """LoRA on the student: its checkpoints hold the adapters alone beside the teacher's record; the export merges."""
+    out = tmp_path / "run"
+    train_cli(run_args(tiny_data, out, 2, distill={"teacher": str(teacher)}, lora={"rank": 4},
+                       checkpoint={"every": 2}))  # fmt: skip
+    step = out / "checkpoints" / "step_00000002"
+    assert (step / "lora_base.json").is_file() and (step / "teacher.json").is_file()
+    assert all(r["kd_loss"] > 0 for r in read_metrics(out) if "kd_loss" in r)
+    from tests.test_hf import tool
+
+    tool("consolidate.py", out, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file()
