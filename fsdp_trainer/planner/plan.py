@@ -250,6 +250,8 @@ def estimate(
         sent += again
         internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
     reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
+    # What it keeps gathered through the policy's forward and backward (a teacher's output layer): the other shards.
+    reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.

@@ -94,6 +94,12 @@ class Kind:
         return 0
 
     @classmethod
+    def held_gathered_params(cls, recipe: Any) -> int:
+        """The parameters of its frozen models it keeps gathered through the policy's forward and backward (a
+        teacher's output layer), beyond their shards."""
+        return 0
+
+    @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str | None:
         """A line for the planner's table (planner.plan.Estimate rows) on what this kind's frozen models cost."""
         return None

@@ -109,15 +109,18 @@ class DistillStep(NextTokenStep):
         return count_params(cls.teacher_config(recipe))
 
     @classmethod
+    def held_gathered_params(cls, recipe: Any) -> int:
+        teacher = cls.teacher_config(recipe)  # its FSDP root: the embedding and the output layer
+        return teacher.vocab_size * teacher.dim * (1 if teacher.tie_embeddings else 2)
+
+    @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
-        teacher = cls.teacher_config(recipe)
-        root = teacher.vocab_size * teacher.dim * (1 if teacher.tie_embeddings else 2)  # embedding and output layer
-        root_gb = root * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
+        root_gb = cls.held_gathered_params(recipe) * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
         return (
-            f"distill.teacher: {count_params(teacher):,} parameters, frozen in the compute dtype and sharded as the "
-            "model (`reference`); its forward each micro-step gathers its weights again (in `sent`), and its "
-            f"embedding and output layer ({root_gb:.2f} GB gathered) stay gathered from its forward to the model's "
-            "backward, which the table's peak does not count"
+            f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute dtype "
+            "and sharded as the model; its forward each micro-step gathers its weights again (in `sent`), and its "
+            f"embedding and output layer ({root_gb:.2f} GB) stay gathered from its forward to the model's backward "
+            "(both in `reference`)"
         )
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
