@@ -163,22 +163,26 @@ def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
 
 @pytest.mark.slow
 def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_data, tmp_path):
-    """tools/evaluate.py on a LoRA run's checkpoint (adapters merged on the fly): the same scores from one process
-    and from two that split the requests; an unknown task is one line naming it."""
+    """tools/evaluate.py on a LoRA run's checkpoint (adapters merged on the fly): the same scores from one process,
+    from two that split the requests, and from two that also shard the model (--shard); an unknown task is one line
+    naming it."""
     train_cli(run_args(tiny_data, tmp_path / "run", 2, lora={"rank": 4}, checkpoint={"every": 2}))
     tool = str(REPO / "tools" / "evaluate.py")
     flags = [str(tmp_path / "run"), "--tasks", "shakespeare_next_line", "--limit", "30", "--batch_size", "4"]
     results = []
-    for nproc in (1, 2):
-        path = tmp_path / f"scores_{nproc}.json"
-        command = torchrun_command([tool, *flags, "--output_path", str(path)], nproc=nproc)
+    for nproc, shard in ((1, []), (2, []), (2, ["--shard"])):
+        path = tmp_path / f"scores_{nproc}{''.join(shard)}.json"
+        command = torchrun_command([tool, *flags, *shard, "--output_path", str(path)], nproc=nproc)
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
         results.append(json.loads(path.read_text())["results"])
-    one, two = (r["shakespeare_next_line"] for r in results)
-    assert {k: v for k, v in one.items() if "stderr" not in k} == {k: v for k, v in two.items() if "stderr" not in k}
-    assert two["acc_norm_stderr,none"] == pytest.approx(one["acc_norm_stderr,none"], rel=1e-12)  # a sum's order
+    one, *two = (r["shakespeare_next_line"] for r in results)
+    for split in two:  # whole on each process, or sharded over them
+        assert {k: v for k, v in one.items() if "stderr" not in k} == {
+            k: v for k, v in split.items() if "stderr" not in k
+        }
+        assert split["acc_norm_stderr,none"] == pytest.approx(one["acc_norm_stderr,none"], rel=1e-12)  # a sum's order
     proc = subprocess.run([sys.executable, tool, str(tmp_path / "run"), "--tasks", "shakespeare_nxt_line"],
                           capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert proc.returncode == 1

@@ -5,8 +5,9 @@ python tools/evaluate.py runs/debug --tasks shakespeare_next_line
 python tools/evaluate.py runs/sft_qwen3_0.6b --tasks hellaswag,arc_easy --num_fewshot 0 --output_path scores.json
 torchrun --nproc_per_node 4 tools/evaluate.py runs/sft --tasks gsm8k --apply_chat_template   # the requests split 4 ways
 
-Each process holds the model whole and scores its share of each task's requests; rank 0 prints a line per task and
-writes lm-eval's JSON to --output_path. Needs the `eval` extra (pip install -e ".[eval]").
+Each process holds the model whole (or, with --shard, its shard of it) and scores its share of each task's requests;
+rank 0 prints a line per task and writes lm-eval's JSON to --output_path. Needs the `eval` extra:
+pip install -e ".[eval]".
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from jsonargparse import ArgumentParser
 
 from fsdp_trainer.config import ParallelConfig, one_line_errors
-from fsdp_trainer.convert import load_model
+from fsdp_trainer.convert import is_hf_dir, load_model
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 
 
@@ -34,10 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--include_path", type=str | None, default=None, help="a directory of task YAML files")
     parser.add_argument("--output_path", type=str | None, default=None, help="where to write lm-eval's results JSON")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard", type=bool, nargs="?", const=True, default=False,
+                        help="shard the model over the processes (FSDP2) instead of one whole copy each: for a model "
+                        "that does not fit one device; our checkpoints only")  # fmt: skip
     with one_line_errors():
         args = parser.parse_args(argv)
         try:
-            from fsdp_trainer.evaluation.lm import ModelLM
+            from fsdp_trainer.evaluation.lm import ModelLM, load_sharded
             from fsdp_trainer.evaluation.tasks import check_tasks, evaluate, result_lines
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(f"tools/evaluate.py needs lm-eval ({e}): pip install -e '.[eval]'") from None
@@ -48,8 +52,13 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--tasks: {e}") from None
         env = init_distributed(ParallelConfig())
         try:
-            model, tokenizer = load_model(args.path)
-            lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks)
+            if args.shard:
+                if is_hf_dir(args.path):
+                    raise ValueError(f"--shard reads our checkpoints; import {args.path} first (tools/import_hf.py)")
+                model, tokenizer = load_sharded(args.path, env)
+            else:
+                model, tokenizer = load_model(args.path)
+            lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks, lockstep=args.shard)
             limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
             results = evaluate(lm, tasks, args.num_fewshot, limit, args.apply_chat_template, args.include_path,
                                args.seed)  # fmt: skip

@@ -17,9 +17,14 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from fsdp_trainer.checkpoint.restore import load_weights
+from fsdp_trainer.checkpoint.weights import read_saved_model
+from fsdp_trainer.config import ParallelConfig
 from fsdp_trainer.data.chat import ChatEncoder
+from fsdp_trainer.distributed.parallelize import materialize, parallelize
+from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.model import KVCache, Transformer, sample
-from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
 Request = tuple[object, list[int], list[int]]
 """What lm-eval's TemplateLM hands _loglikelihood_tokens: (its cache key, the context's ids, the continuation's)."""
@@ -229,3 +234,18 @@ class ModelLM(TemplateLM):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def load_sharded(path: str, env: DistEnv) -> tuple[Transformer, Tokenizer]:
+    """A checkpoint's model (any world size; a LoRA run's adapters merged) sharded over this run's ranks by FSDP2 in
+    fp32, frozen, and its tokenizer: for a model that does not fit one device whole (ModelLM with `lockstep`)."""
+    saved = read_saved_model(path)
+    if saved.tokenizer is None:
+        raise FileNotFoundError(f"{saved.path} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
+    with torch.device("meta"):
+        model = Transformer(saved.model)
+    model.requires_grad_(False)
+    parallelize(model, ParallelConfig(mixed_precision="fp32"), env.mesh)
+    materialize(model, env.device, seed=0)
+    load_weights(saved.path, model)
+    return model.eval(), load_tokenizer(saved.tokenizer)
