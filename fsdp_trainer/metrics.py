@@ -288,10 +288,6 @@ class Metrics:
         if env.is_main:
             logger.info(run_banner(recipe, env))
 
-    def restart_clock(self, step: int) -> None:
-        """Start the throughput window at `step` (after start-up, a resume, a log step or an evaluation)."""
-        self.window.restart(step)
-
     def step_done(self, step: int) -> None:
         """After every step: times it, moves the progress bar (no sync); after this process's first step, while the
         gradients are alive (train_step frees them at its start), records the training state each rank holds."""
@@ -332,18 +328,14 @@ class Metrics:
         self.sinks.write(record)
         return record
 
-    def log_eval(self, step: int, results: dict[str, torch.Tensor]) -> None:
-        """One record of an evaluation (`loss` and the kind's metrics, as `val_` + name), whose time is no step's."""
-        values = torch.stack(list(results.values())).tolist()  # one host sync
-        record = {f"val_{name}": value for name, value in zip(results, values, strict=True)}
-        self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
-        self.restart_clock(step)
-
-    def log_scores(self, step: int, scores: dict[str, float] | None) -> None:
-        """One record of benchmark scores ({eval/TASK/METRIC: value}; None off rank 0), whose time is no step's."""
-        if scores is not None:
-            self.sinks.write({"step": step, **scores, "elapsed_s": self.clock() - self.start})
-        self.restart_clock(step)
+    def log_eval(self, step: int, results: dict[str, torch.Tensor] | None, prefix: str = "val_") -> None:
+        """One record of an evaluation, whose time is no step's: the kind's loss and metrics on the validation data
+        (as `val_` + name), or with no prefix benchmark scores (eval/TASK/METRIC; None off rank 0)."""
+        if results:
+            values = torch.stack([torch.as_tensor(v) for v in results.values()]).tolist()  # one host sync
+            record = {f"{prefix}{name}": value for name, value in zip(results, values, strict=True)}
+            self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
+        self.window.restart(step)
 
     def close(self) -> None:
         self.sinks.close()

@@ -264,23 +264,12 @@ class Transformer(nn.Module):
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0 (see block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
-        T, window = tokens.shape[1], self.cfg.sliding_window
-        if cache is not None:
-            start = cache.length
-            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-            mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left
-        elif documents is None:
-            cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None
-            if window and window < T:  # else plain causal attention is the same
-                mask = sliding_causal(T, window, tokens.device, self.flex_attention)
-        else:
-            positions, mask = block_causal(documents, self.flex_attention, window)
-            cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]  # (B, 1, T, head_dim)
+        cos, sin, mask = attention_inputs(self, tokens, documents, cache)
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         for i, block in enumerate(self.model.layers.values()):
             x = block(x, cos, sin, mask, None if cache is None else cache.layer(i))
         if cache is not None:
-            cache.length += T
+            cache.length += tokens.shape[1]
         x = self.model.norm(x)
         if loss is None:
             return self.lm_head(x)  # (B, T, vocab_size)
@@ -321,6 +310,23 @@ class Transformer(nn.Module):
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+
+
+def attention_inputs(model: Transformer, tokens: torch.Tensor, documents: torch.Tensor | None, cache: KVCache | None):
+    """(cos, sin, mask) for the blocks of `model`: each position's rotary angles and what it attends to (see
+    Transformer.forward)."""
+    T, window = tokens.shape[1], model.cfg.sliding_window
+    if cache is not None:
+        start = cache.length
+        mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left
+        return model.rope_cos[start : start + T], model.rope_sin[start : start + T], mask
+    if documents is None:
+        mask = None  # plain causal attention, unless a sliding window is shorter than the sequence
+        if window and window < T:
+            mask = sliding_causal(T, window, tokens.device, model.flex_attention)
+        return model.rope_cos[:T], model.rope_sin[:T], mask
+    positions, mask = block_causal(documents, model.flex_attention, window)
+    return model.rope_cos[positions][:, None], model.rope_sin[positions][:, None], mask  # (B, 1, T, head_dim)
 
 
 def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:

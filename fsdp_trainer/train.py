@@ -240,7 +240,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
             if val_file is not None and (state.step % cfg.eval_every == 0 or last):
                 metrics.log_eval(state.step, evaluate(model, step, val_file, recipe, env))
             if scores is not None and scores.due(state.step, last):
-                metrics.log_scores(state.step, scores.score(model))
+                metrics.log_eval(state.step, scores.score(model), prefix="")
             ckpt.save_if_due(state.step)
             if ckpt.preempted:
                 break

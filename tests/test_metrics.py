@@ -59,7 +59,7 @@ def test_a_log_record_carries_the_median_and_largest_step_time_of_its_window(tmp
         model = torch.nn.Linear(4, 4)
         metrics = Metrics(recipe, env, model, torch.optim.SGD(model.parameters()), clock=clock)
         clock.now += 0.5  # an evaluation, after which the trainer restarts the clock: no step's time
-        metrics.restart_clock(0)
+        metrics.window.restart(0)
         for step, pause in enumerate((1 / 64, 1 / 4, 1 / 64), start=1):  # exact in binary: no rounding below
             clock.now += pause
             metrics.step_done(step)

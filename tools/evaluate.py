@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors():
         args = parser.parse_args(argv)
         try:
-            from fsdp_trainer.evaluation.lm import ModelLM, load_sharded
+            from fsdp_trainer.evaluation.lm import ModelLM
+            from fsdp_trainer.evaluation.passes import load_sharded
             from fsdp_trainer.evaluation.tasks import check_tasks, evaluate, result_lines
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(f"tools/evaluate.py needs lm-eval ({e}): pip install -e '.[eval]'") from None

@@ -159,7 +159,7 @@ class Step(Kind):
         for i, batch in enumerate(micro_batches):
             set_gradient_sync(model, plan, i == len(micro_batches) - 1)
             terms, metrics = self.sums(model, batch)
-            backward(self._weighted(share_of_global_mean(terms.reshape(-1), units, world)))
+            backward(weighted(self.weights, share_of_global_mean(terms.reshape(-1), units, world)))
             self.after_backward()
             row = torch.cat([terms.detach().reshape(-1), metrics])
             totals = row if totals is None else totals + row
@@ -167,7 +167,7 @@ class Step(Kind):
         k = len(self.weights)
         means, metrics = totals[:k] / units, totals[k:] / (units if k == 1 else units[0])
         numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
-        return self._weighted(means), {**self.extra(micro_batches, units), **numbers}
+        return weighted(self.weights, means), {**self.extra(micro_batches, units), **numbers}
 
     def after_backward(self) -> None:
         """Free what a micro-batch's forward kept for its backward beside the model (a teacher's gathered output
@@ -186,14 +186,15 @@ class Step(Kind):
         totals = sum_over_ranks(totals)
         k = len(self.weights)
         means, metrics = totals[:k] / totals[-k:], totals[k:-k] / totals[-k]
-        named = zip(("loss", *self.metrics, *self.terms), (self._weighted(means), *metrics, *means[1:]), strict=True)
-        return dict(named)
+        values = (weighted(self.weights, means), *metrics, *means[1:])
+        return dict(zip(("loss", *self.metrics, *self.terms), values, strict=True))
 
-    def _weighted(self, means: torch.Tensor) -> torch.Tensor:
-        """The loss from its terms' means (k,): their weighted sum."""
-        if len(self.weights) == 1:
-            return means[0]
-        return sum(weight * mean for weight, mean in zip(self.weights, means.unbind(), strict=True))
+
+def weighted(weights: tuple[float, ...], means: torch.Tensor) -> torch.Tensor:
+    """A loss from its terms' means (k,): their weighted sum."""
+    if len(weights) == 1:
+        return means[0]
+    return sum(weight * mean for weight, mean in zip(weights, means.unbind(), strict=True))
 
 
 def frozen_copy(

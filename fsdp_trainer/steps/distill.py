@@ -42,6 +42,25 @@ def teacher_sections(recipe: Any) -> tuple[Path, dict]:
     return path, load_sections(checkpoint_recipe(path))
 
 
+def check_teacher(recipe: Any) -> None:
+    """The teacher exists, is complete, and speaks the model's tokens: ValueError naming what differs."""
+    path, sections = teacher_sections(recipe)
+    vocab_size = sections["model"].vocab_size
+    if vocab_size != recipe.model.vocab_size:
+        raise ValueError(
+            f"distill.teacher {path} has a vocabulary of {vocab_size} and this model {recipe.model.vocab_size}: a "
+            "teacher must predict the same tokens"
+        )
+    tokenizer = checkpoint_tokenizer(path, sections["data"].tokenizer_path)
+    if tokenizer is None:
+        raise ValueError(f"distill.teacher {path} carries no tokenizer to check against data.tokenizer_path")
+    if load_tokenizer(tokenizer).fingerprint() != load_tokenizer(recipe.data.tokenizer_path).fingerprint():
+        raise ValueError(
+            f"distill.teacher {path} was trained with the tokenizer {tokenizer}, not this run's "
+            f"{recipe.data.tokenizer_path} (their files differ): a teacher must use the model's tokenizer"
+        )
+
+
 def final_hidden(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
     """An objective for the teacher's forward: its final hidden states, not its logits."""
     return hidden
@@ -53,9 +72,7 @@ class DistillStep(NextTokenStep):
 
     name = "distillation"
     chosen_by = "set distill.teacher to a checkpoint"
-    metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")
-    """The divergence and the cross-entropy (their means), and the teacher's cross-entropy on the same targets: the
-    floor the student's approaches."""
+    metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")  # the last the teacher's own, on the same targets: the floor
     shown = {"kd_loss": "kd"}
 
     def __init__(self, cfg: DistillConfig, teacher: nn.Module, source: Path, chunks: int = 1):
@@ -70,22 +87,7 @@ class DistillStep(NextTokenStep):
 
     @classmethod
     def check(cls, recipe: Any) -> None:
-        """The teacher exists, is complete, and speaks the model's tokens: ValueError naming what differs."""
-        path, sections = teacher_sections(recipe)
-        vocab_size = sections["model"].vocab_size
-        if vocab_size != recipe.model.vocab_size:
-            raise ValueError(
-                f"distill.teacher {path} has a vocabulary of {vocab_size} and this model {recipe.model.vocab_size}: a "
-                "teacher must predict the same tokens"
-            )
-        tokenizer = checkpoint_tokenizer(path, sections["data"].tokenizer_path)
-        if tokenizer is None:
-            raise ValueError(f"distill.teacher {path} carries no tokenizer to check against data.tokenizer_path")
-        if load_tokenizer(tokenizer).fingerprint() != load_tokenizer(recipe.data.tokenizer_path).fingerprint():
-            raise ValueError(
-                f"distill.teacher {path} was trained with the tokenizer {tokenizer}, not this run's "
-                f"{recipe.data.tokenizer_path} (their files differ): a teacher must use the model's tokenizer"
-            )
+        check_teacher(recipe)
 
     @classmethod
     def teacher_config(cls, recipe: Any) -> ModelConfig:
