@@ -77,16 +77,15 @@ def test_distillation_two_ranks_equal_one_process_resume_bitwise_and_its_teacher
 ):
     """The student (the tiny model) learns from the bigger teacher's checkpoint, reverse KL at temperature 2 with a
     quarter of cross-entropy: 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 6 steps (loss, kd_loss,
-    ce_loss, validation); the divergence falls; every checkpoint records the teacher; a resume from step 3 is bitwise;
-    a teacher changed since, or another one named, is refused in one line."""
+    ce_loss, validation); the divergence falls; every checkpoint records the teacher; a resume from step 3 is bitwise,
+    and onto 1 process equal to float order; a teacher changed since, or another one named, is refused in one line."""
     distill = {"teacher": str(teacher), "loss": "reverse_kl", "temperature": 2.0, "alpha": 0.75}
     every = {"every": 3, "keep_last": 0}
     train = {"eval_every": 3}
     two, one = tmp_path / "two", tmp_path / "one"
     train_cli(run_args(tiny_data, two, 6, distill=distill, checkpoint=every, train=train), nproc=2)
-    one_args = run_args(
-        tiny_data, one, 6, distill=distill, data={"grad_accum_steps": 2}, train={**train, "eval_steps": 4}
-    )
+    accumulated = {"data": {"grad_accum_steps": 2}, "train": {**train, "eval_steps": 4}}
+    one_args = run_args(tiny_data, one, 6, distill=distill, **accumulated)
     train_cli(one_args)
     records_two, records_one = read_metrics(two), read_metrics(one)
     for a, b in zip(records_two, records_one, strict=True):
@@ -107,6 +106,14 @@ def test_distillation_two_ranks_equal_one_process_resume_bitwise_and_its_teacher
     resumed = {r["step"]: r for r in read_metrics(moved) if "kd_loss" in r}
     for step in (4, 5, 6):
         assert (resumed[step]["loss"], resumed[step]["kd_loss"]) == (steps[step]["loss"], steps[step]["kd_loss"])
+    onto_one = tmp_path / "onto_one"  # the 2-rank checkpoint of step 3 resumed by 1 process, accumulating 2
+    shutil.copytree(moved, onto_one)
+    shutil.rmtree(onto_one / "checkpoints" / "step_00000006")
+    (onto_one / "checkpoints" / "latest").write_text("step_00000003\n")
+    train_cli(run_args(tiny_data, onto_one, 6, distill=distill, checkpoint=every, **accumulated))
+    resumed = {r["step"]: r for r in read_metrics(onto_one) if "kd_loss" in r}
+    for step in (4, 5, 6):
+        assert resumed[step]["kd_loss"] == pytest.approx(steps[step]["kd_loss"], rel=1e-5), step
 
     (moved / "checkpoints" / "latest").write_text("step_00000003\n")
     other = run_args(tiny_data, moved, 6, distill={**distill, "teacher": str(two)}, checkpoint=every)
