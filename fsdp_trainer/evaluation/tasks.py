@@ -44,13 +44,13 @@ SHIPPED = {"shakespeare_next_line": next_line_task}
 
 
 @functools.cache
-def registry(include_path: str | None = None):
-    """lm-eval's TaskManager over its registry and `include_path`: indexing its thousands of task files takes seconds,
-    so a process does it once."""
+def registry(include_path: str | None = None, defaults: bool = True):
+    """lm-eval's TaskManager over `include_path` and, with `defaults`, its own registry: indexing its thousands of task
+    files takes seconds, so a process does it once, and not at all for our tasks alone."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, include_defaults=defaults)
 
 
 def require_lm_eval() -> None:
@@ -96,7 +96,7 @@ def evaluate(
         num_fewshot=num_fewshot,
         limit=limit,
         apply_chat_template=apply_chat_template,
-        task_manager=registry(include_path),
+        task_manager=registry(include_path, defaults=not all(name in SHIPPED for name in tasks)),
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
