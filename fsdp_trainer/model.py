@@ -363,12 +363,10 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     stop_id: int | None = None,
-    until: Callable[[torch.Tensor], bool] | None = None,
 ) -> torch.Tensor:
-    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy. It stops after `stop_id`, or once
-    `until` says so of the new tokens (a stop sequence in their text), or after max_new_tokens. The prompt is read
-    once into a KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables end
-    at) each token re-reads the last max_seq_len tokens without one."""
+    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy; stop after `stop_id`. The prompt is
+    read once into a KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables
+    end at) each token re-reads the last max_seq_len tokens without one."""
     tokens, max_len = prompt.clone(), model.cfg.max_seq_len
     cache = KVCache(model.cfg, min(max_len, len(prompt) + max_new_tokens))
     new = tokens[-max_len:]
@@ -379,7 +377,7 @@ def generate(
         next_id = sample(logits, temperature, top_k, generator)
         tokens = torch.cat([tokens, next_id.view(1)])
         new = next_id.view(1) if cache is not None else tokens[-max_len:]
-        if (stop_id is not None and next_id.item() == stop_id) or (until is not None and until(tokens[len(prompt) :])):
+        if stop_id is not None and next_id.item() == stop_id:
             break
     return tokens
 

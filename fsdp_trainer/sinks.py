@@ -130,8 +130,8 @@ def _tag(key: str) -> str:
     return f"eval/{key.removeprefix('val_')}" if key.startswith("val_") else f"train/{key}"
 
 
-def score_lines(record: dict) -> list[str]:
-    """A record's benchmark scores (eval/TASK/METRIC[,FILTER]), as `TASK METRIC value (+-stderr), ...` per task."""
+def scores_by_task(record: dict) -> dict[str, str]:
+    """A record's benchmark scores (eval/TASK/METRIC[,FILTER]), as {TASK: `METRIC value (+-stderr), ...`}."""
     tasks: dict[str, list[str]] = {}
     for key, value in record.items():
         if not key.startswith("eval/") or "_stderr" in key or value is None:
@@ -139,8 +139,14 @@ def score_lines(record: dict) -> list[str]:
         _, task, metric = key.split("/", 2)
         name, comma, kept = metric.partition(",")
         error = record.get(f"eval/{task}/{name}_stderr{comma}{kept}")
-        tasks.setdefault(task, []).append(f"{metric} {value:.4f}" + (f" (+-{error:.3f})" if error else ""))
-    return [f"{task} " + ", ".join(shown) for task, shown in tasks.items()]
+        spread = f" (+-{error:.3f})" if error is not None and math.isfinite(error) else ""
+        tasks.setdefault(task, []).append(f"{metric} {value:.4f}{spread}")
+    return {task: ", ".join(shown) for task, shown in tasks.items()}
+
+
+def score_lines(record: dict) -> list[str]:
+    """A record's benchmark scores, a `TASK METRIC value (+-stderr), ...` per task, for the log line."""
+    return [f"{task} {shown}" for task, shown in scores_by_task(record).items()]
 
 
 def scalars(record: dict) -> dict[str, float]:

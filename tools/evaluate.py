@@ -51,17 +51,16 @@ def main(argv: list[str] | None = None) -> None:
             check_tasks(tasks, args.include_path)
         except ValueError as e:
             raise ValueError(f"--tasks: {e}") from None
+        if args.shard and is_hf_dir(args.path):
+            raise ValueError(f"--shard reads our checkpoints; import {args.path} first (tools/import_hf.py)")
         env = init_distributed(ParallelConfig())
         try:
             if args.shard:
-                if is_hf_dir(args.path):
-                    raise ValueError(f"--shard reads our checkpoints; import {args.path} first (tools/import_hf.py)")
                 model, tokenizer = load_sharded(args.path, env)
             else:
                 model, tokenizer = load_model(args.path)
             lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks, lockstep=args.shard)
-            limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-            results = evaluate(lm, tasks, args.num_fewshot, limit, args.apply_chat_template, args.include_path,
+            results = evaluate(lm, tasks, args.num_fewshot, args.limit, args.apply_chat_template, args.include_path,
                                args.seed)  # fmt: skip
         finally:
             close_distributed()

@@ -15,7 +15,7 @@ from fsdp_trainer.config import EvalConfig
 from fsdp_trainer.distributed.parallelize import reshard
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.evaluation.lm import ModelLM
-from fsdp_trainer.evaluation.tasks import evaluate
+from fsdp_trainer.evaluation.tasks import evaluate, task_numbers
 from fsdp_trainer.tokenizer import load_tokenizer
 
 
@@ -34,25 +34,12 @@ class TrainingScores:
         are as they were before: lm-eval seeds Python's, numpy's and torch's generators (0, as tools/evaluate.py
         does, so the scores are the ones it gives on the checkpoint)."""
         cfg = self.cfg
-        limit = int(cfg.limit) if cfg.limit is not None and cfg.limit >= 1 else cfg.limit
         lm = ModelLM(model, self.tokenizer, cfg.batch_size, cfg.max_gen_toks, lockstep=True, device=self.env.device)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         devices = [self.env.device] if self.env.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            results = evaluate(lm, cfg.tasks, cfg.num_fewshot, limit, cfg.apply_chat_template, cfg.include_path)
+            results = evaluate(lm, cfg.tasks, cfg.num_fewshot, cfg.limit, cfg.apply_chat_template, cfg.include_path)
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         reshard(model)
         return None if results is None else task_numbers(results)
-
-
-def task_numbers(results: dict) -> dict[str, float]:
-    """lm-eval's results as {eval/TASK/METRIC: value}: `acc,none` as eval/TASK/acc, a filter other than `none`
-    appended (eval/gsm8k/exact_match,strict-match), standard errors as METRIC_stderr."""
-    numbers = {}
-    for task, values in results["results"].items():
-        for key, value in values.items():
-            metric, comma, kept = key.partition(",")
-            if comma and isinstance(value, (int, float)):
-                numbers[f"eval/{task}/{metric}" + ("" if kept == "none" else f",{kept}")] = float(value)
-    return numbers

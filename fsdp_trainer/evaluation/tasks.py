@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from fsdp_trainer.sinks import scores_by_task
 
 if TYPE_CHECKING:  # lm-eval is an optional extra: imported where a task is scored
     from lm_eval.api.model import LM
@@ -89,6 +90,9 @@ def evaluate(
     each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None)."""
     from lm_eval import simple_evaluate
 
+    if limit is not None and limit >= 1:
+        limit = int(limit)  # lm-eval reads a float as a fraction
+
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines: a few per request type and task
     return simple_evaluate(
         model=lm,
@@ -105,17 +109,18 @@ def evaluate(
     )
 
 
+def task_numbers(results: dict) -> dict[str, float]:
+    """lm-eval's results as {eval/TASK/METRIC: value}: `acc,none` as eval/TASK/acc, a filter other than `none`
+    appended (eval/gsm8k/exact_match,strict-match), standard errors as METRIC_stderr."""
+    numbers = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, comma, kept = key.partition(",")
+            if comma and isinstance(value, (int, float)):
+                numbers[f"eval/{task}/{metric}" + ("" if kept == "none" else f",{kept}")] = float(value)
+    return numbers
+
+
 def result_lines(results: dict) -> list[str]:
     """A line per task: each metric with its standard error, as `task: acc 0.412 (+-0.022), acc_norm ...`."""
-    lines = []
-    for task, numbers in results["results"].items():
-        shown = []
-        for key, value in numbers.items():
-            metric, comma, kept = key.partition(",")  # "acc,none": a metric and lm-eval's filter
-            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
-                continue
-            error = numbers.get(f"{metric}_stderr,{kept}")
-            spread = f" (+-{error:.3f})" if isinstance(error, float) and math.isfinite(error) else ""
-            shown.append(f"{metric} {value:.4f}{spread}")
-        lines.append(f"{task}: " + ", ".join(shown))
-    return lines
+    return [f"{task}: {shown}" for task, shown in scores_by_task(task_numbers(results)).items()]

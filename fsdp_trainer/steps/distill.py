@@ -11,6 +11,7 @@ on resume, and a changed teacher refused.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,13 @@ BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0}
 def teacher_sections(recipe: Any) -> tuple[Path, dict]:
     """(the teacher's step directory, the recipe sections it was saved with), read without its weights."""
     path = resolve_checkpoint(recipe.distill.teacher)
-    return path, load_sections(checkpoint_recipe(path))
+    return path, saved_sections(path)
+
+
+@functools.cache
+def saved_sections(path: Path) -> dict:
+    """A checkpoint's recipe sections, parsed once a process: the planner asks the teacher's size for every row."""
+    return load_sections(checkpoint_recipe(path))
 
 
 def check_teacher(recipe: Any) -> None:
