@@ -202,11 +202,15 @@ def frozen_copy(
 ) -> Transformer:
     """A model a kind holds frozen beside the policy (a reference, a teacher) on the meta device, parallelized as the
     policy is, to be materialized: every parameter frozen and held in the compute dtype (what FSDP gathers anyway, so
-    a copy of the policy computes its forward bitwise); the buffers (RoPE's tables) stay fp32."""
+    a copy of the policy computes its forward bitwise); the buffers (RoPE's tables) stay fp32. Each block frees its
+    gathered weights after its forward under every sharding."""
     with torch.device("meta"):
         frozen = Transformer(cfg, flex_attention=flex_attention)
     frozen.requires_grad_(False)
     for param in frozen.parameters():
         param.data = param.data.to(compute_dtype(parallel.mixed_precision))
     parallelize(frozen, parallel, mesh)
+    for block in frozen.model.layers.values():
+        # No backward comes to keep its gathered weights for (SHARD_GRAD_OP would hold them all after its forward).
+        block.set_reshard_after_forward(True, recurse=False)
     return frozen
