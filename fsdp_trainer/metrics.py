@@ -238,7 +238,7 @@ def kind_numbers(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     the tokens the loss is over) or pairs, as integers, and its metrics (TRL's names: rewards/..., nll_loss, ...)."""
     counts = ("supervised_tokens", "pairs")
     return {
-        name: int(value.item()) if name in counts else value.item()
+        name: int(value) if name in counts else float(value)  # a device tensor or a number
         for name, value in stats.items()
         if name not in HOUSE_STATS
     }

@@ -212,10 +212,11 @@ def sliding_causal(T: int, window: int, device: torch.device, flex: bool) -> tor
 class KVCache:
     """The keys and values of the positions a generation has read, per layer, so each new token attends to them
     without computing them again: (B, kv_heads, max_len, head_dim) each, in the dtype attention computes in, the first
-    `length` positions filled."""
+    `length` positions filled. Prompts of different lengths read in one batch are left-padded: `pads` (B,) says by how
+    many positions each row is, and attention_inputs hides them."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int):
-        self.max_len, self.length = max_len, 0
+    def __init__(self, cfg: ModelConfig, max_len: int, pads: torch.Tensor | None = None):
+        self.max_len, self.length, self.pads = max_len, 0, pads
         self.keys: list[torch.Tensor | None] = [None] * cfg.n_layers
         self.values: list[torch.Tensor | None] = [None] * cfg.n_layers
 
@@ -319,7 +320,16 @@ def attention_inputs(model: Transformer, tokens: torch.Tensor, documents: torch.
     if cache is not None:
         start = cache.length
         mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left
-        return model.rope_cos[start : start + T], model.rope_sin[start : start + T], mask
+        if cache.pads is None:
+            return model.rope_cos[start : start + T], model.rope_sin[start : start + T], mask
+        # Left-padded rows: a row's positions count from its first real token, and no query sees the padding but a
+        # padding query sees itself (a query that sees nothing gets NaN from softmax, and its output is never read).
+        # A row that has ended runs on beside the others, past the table's end for all it matters.
+        queries = torch.arange(start, start + T, device=tokens.device)
+        positions = (queries - cache.pads[:, None]).clamp(0, len(model.rope_cos) - 1)  # (B, T)
+        keys = torch.arange(start + T, device=tokens.device)
+        real = (keys >= cache.pads[:, None, None]) | (keys == queries[:, None])  # (B, T, start + T)
+        return model.rope_cos[positions][:, None], model.rope_sin[positions][:, None], mask & real[:, None]
     if documents is None:
         mask = None  # plain causal attention, unless a sliding window is shorter than the sequence
         if window and window < T:
@@ -380,6 +390,38 @@ def generate(
         if stop_id is not None and next_id.item() == stop_id:
             break
     return tokens
+
+
+@torch.no_grad()
+def sample_batch(
+    model: Transformer,
+    prompts: list[torch.Tensor],
+    max_new: list[int],
+    temperature: float,
+    stop_ids: torch.Tensor,
+    generators: list[torch.Generator],
+) -> list[list[int]]:
+    """Continue every prompt (1-D token ids) by sampling, in one batch: the prompts left-padded and read once into a
+    KVCache, then a pass per new token. Row i ends after a token in `stop_ids` (kept) or `max_new[i]` tokens; each
+    row draws with its own generator, so its tokens do not depend on which other rows share the batch."""
+    device, longest = stop_ids.device, max(len(prompt) for prompt in prompts)
+    pads = torch.tensor([longest - len(prompt) for prompt in prompts], device=device)
+    step_in = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        step_in[row, longest - len(prompt) :] = prompt
+    cache = KVCache(model.cfg, longest + max(max_new), pads)
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [limit == 0 for limit in max_new]
+    while not all(done):
+        logits = model(step_in, cache=cache)[:, -1].float()  # (B, vocab_size)
+        drawn = torch.stack([sample(row, temperature, None, gen) for row, gen in zip(logits, generators, strict=True)])
+        stopped = torch.isin(drawn, stop_ids).tolist()
+        for row, token in enumerate(drawn.tolist()):
+            if not done[row]:
+                new[row].append(token)
+                done[row] = stopped[row] or len(new[row]) == max_new[row]
+        step_in = drawn[:, None]
+    return new
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):

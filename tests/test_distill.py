@@ -60,7 +60,7 @@ def test_the_loss_is_trls_generalized_jsd_and_chunks_change_nothing(beta, temper
         torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-7)
 
 
-BIGGER = {"dim": 96, "n_layers": 3, "ffn_dim": 192}  # the teacher: another size of the tiny model
+BIGGER = {"dim": 96, "n_layers": 3, "ffn_dim": 192, "max_seq_len": 128}  # the teacher: another size of the tiny model
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,168 @@ def test_a_lora_student_saves_its_adapters_and_exports_merged(tiny_data, teacher
 
     tool("consolidate.py", out, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
+
+
+# --- on-policy distillation (GKD's lmbda) ---------------------------------------------------------------------------
+
+
+def _window(examples: list[tuple[list[int], list[bool]]], length: int) -> tuple[list[int], list[int]]:
+    """A packed window as prepare_data writes it: tokens and flags (TARGET where the next token is trained on, START
+    where an example or the padding begins)."""
+    from fsdp_trainer.data.format import START, TARGET
+
+    tokens, flags = [], []
+    for ids, trained in examples:
+        for i, token in enumerate(ids):
+            tokens.append(token)
+            flags.append((START if i == 0 else 0) | (TARGET if i + 1 < len(ids) and trained[i + 1] else 0))
+    flags += [START] + [0] * (length - len(tokens) - 1)
+    return tokens + [0] * (length - len(tokens)), flags
+
+
+def test_an_on_policy_batch_keeps_each_prompt_and_trains_on_the_sampled_answer_alone():
+    """prompts_of finds each example's prompt: its tokens through the one before its last answer (a two-turn
+    example's first answer is part of it); packed lays out (prompt, answer) as TRL's GKD labels them: the prompt
+    untrained, every answer token a target (its end-of-turn included), block-causal, in order, a new window when the
+    next example does not fit; and the prompts come back out of it."""
+    import numpy as np
+
+    from fsdp_trainer.data.loader import micro_batch
+    from fsdp_trainer.steps.on_policy import packed, prompts_of
+
+    f, t = False, True
+    row0 = _window([([1, 2, 3, 4, 5], [f, f, f, t, t]), ([6, 7, 8, 9, 10, 11, 12], [f, f, t, f, f, t, t])], 16)
+    row1 = _window([([13, 14, 15], [f, f, t])], 16)
+    batch = micro_batch(np.array([row0, row1]), packed=True, preference=False, device=torch.device("cpu"))
+    prompts = prompts_of(batch)
+    assert [p.tolist() for p in prompts] == [[1, 2, 3], [6, 7, 8, 9, 10], [13, 14]]
+
+    answers = [[20, 21], [22], [23, 24, 25]]
+    out = packed(list(zip(prompts, answers, strict=True)), 8, torch.device("cpu"))
+    windows = [[1, 2, 3, 20, 21, 0, 0, 0], [6, 7, 8, 9, 10, 22, 0, 0], [13, 14, 23, 24, 25, 0, 0, 0]]
+    assert out.inputs.tolist() == windows
+    trained = [[(i, target) for i, target in enumerate(row) if target != IGNORE] for row in out.targets.tolist()]
+    assert trained == [[(2, 20), (3, 21)], [(4, 22)], [(1, 23), (2, 24), (3, 25)]]
+    assert out.documents.tolist()[0] == [1, 1, 1, 1, 1, 2, 2, 2]
+    assert [p.tolist() for p in prompts_of(out)] == [p.tolist() for p in prompts]
+    assert packed([], 8, torch.device("cpu")).targets.eq(IGNORE).all()  # no example: a window trained on nothing
+
+    everything = _window([([1, 2, 3], [t, t, t])], 16)  # train_on=all: no prompt to answer
+    with pytest.raises(ValueError, match="trained from its first token"):
+        prompts_of(micro_batch(np.array([everything]), packed=True, preference=False, device=torch.device("cpu")))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_answers_sampled_in_one_batch_are_those_sampled_one_prompt_at_a_time(temperature):
+    """model.sample_batch (left-padded prompts, one KV cache) gives each row the tokens model.generate gives its prompt
+    alone with the same generator, ending after the stop token or at the row's own limit."""
+    from fsdp_trainer.config import ModelConfig
+    from fsdp_trainer.model import Transformer, generate, sample_batch
+
+    model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
+    model.init_weights(seed=1)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 5, 1)]
+    limits = [10, 4, 12, 30]
+
+    def batch(stop: int) -> list[list[int]]:
+        generators = [torch.Generator().manual_seed(i) for i in range(4)]
+        return sample_batch(model, prompts, limits, temperature, torch.tensor([stop]), generators)
+
+    stop = batch(-1)[3][4]  # a token the last row draws: it stops there
+    rows = batch(stop)
+    assert rows[3][-1] == stop and len(rows[3]) <= 5
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator().manual_seed(i)
+        alone = generate(model, prompt, limits[i], temperature, generator=generator, stop_id=stop)
+        assert rows[i] == alone[len(prompt) :].tolist()
+
+
+def test_the_steps_that_sample_are_drawn_from_the_seed_and_step():
+    from fsdp_trainer.config import DistillConfig
+    from fsdp_trainer.steps.on_policy import OnPolicy
+
+    def due(lmbda, seed=0):
+        return [OnPolicy(DistillConfig(teacher="t", lmbda=lmbda), seed, "unread").due(step) for step in range(1, 2001)]
+
+    assert not any(due(0.0)) and all(due(1.0))
+    assert sum(due(0.3)) / 2000 == pytest.approx(0.3, abs=0.03)
+    assert due(0.3) == due(0.3) and due(0.3) != due(0.3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def chat_data(tiny_data, tmp_path_factory):
+    """The bundled chat set's first 300 conversations, packed in windows of 128 tokens of the tiny tokenizer: a
+    recipe."""
+    import gzip
+    import subprocess
+    import sys
+
+    from fsdp_trainer.data.prepare import BUNDLED_CHAT
+    from tests.helpers import REPO
+
+    root = tmp_path_factory.mktemp("chat")
+    with gzip.open(BUNDLED_CHAT, "rt") as f:
+        (root / "chat.jsonl").write_text("".join(f.readlines()[:300]))
+    recipe = json.loads(Path(tiny_data).read_text())
+    recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=128)
+    recipe["model"]["max_seq_len"] = 128
+    (root / "chat.yaml").write_text(json.dumps(recipe))
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(root / "chat.yaml")]
+    cmd += ["--format", "chat", "--input", str(root / "chat.jsonl"), "--val_fraction", "0.1"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return root / "chat.yaml"
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_two_ranks_equal_one_process_and_resume_bitwise(chat_data, teacher, tmp_path):
+    """GKD on chat data (lmbda 0.5: the steps (seed, step) draws train on the student's own sampled answers, scored
+    by the teacher; JSD): 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 6 steps, the same steps sampled
+    and the same answers (their token counts) whatever rank sampled them; a resume from step 3 is bitwise."""
+    distill = {"teacher": str(teacher), "loss": "jsd", "lmbda": 0.5, "max_new_tokens": 12}
+    every = {"every": 3, "keep_last": 0}
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(chat_data, two, 6, distill=distill, checkpoint=every), nproc=2)
+    train_cli(run_args(chat_data, one, 6, distill=distill, data={"grad_accum_steps": 2}))
+    steps = {r["step"]: r for r in read_metrics(two) if "kd_loss" in r}
+    for r in (r for r in read_metrics(one) if "kd_loss" in r):
+        a = steps[r["step"]]
+        assert (r["on_policy"], r["supervised_tokens"]) == (a["on_policy"], a["supervised_tokens"]), r["step"]
+        for key in ("loss", "kd_loss", "ce_loss", "grad_norm"):
+            assert r[key] == pytest.approx(a[key], rel=1e-5), (r["step"], key)
+    assert {r["on_policy"] for r in steps.values()} == {0.0, 1.0}
+
+    (two / "checkpoints" / "latest").write_text("step_00000003\n")
+    shutil.rmtree(two / "checkpoints" / "step_00000006")
+    (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
+    train_cli(run_args(chat_data, two, 6, distill=distill, checkpoint=every), nproc=2)
+    resumed = {r["step"]: r for r in read_metrics(two) if "kd_loss" in r}
+    for step in (4, 5, 6):
+        assert (resumed[step]["loss"], resumed[step]["supervised_tokens"]) == (
+            steps[step]["loss"], steps[step]["supervised_tokens"]), step  # fmt: skip
+
+
+def test_sampled_answers_are_trained_on_the_tokens_trls_gkd_labels():
+    """The targets of an on-policy batch are the tokens TRL's GKDTrainer.generate_on_policy_outputs leaves in its
+    labels for the same prompts and generations: each answer through its first stop token, the prompt and what follows
+    the stop masked."""
+    from types import SimpleNamespace
+
+    from trl.experimental.gkd import GKDTrainer
+
+    from fsdp_trainer.steps.on_policy import packed
+
+    eos, pad = 2, 0
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    generated = [[11, 12, eos, 13], [14, 15, 16, 17]]  # the first stops at EOS (a batch generates on after it)
+    left = torch.tensor([[5, 6, 7], [pad, 8, 9]])
+    sequences = torch.cat([left, torch.tensor(generated)], dim=1)
+    model = SimpleNamespace(generate=lambda **kwargs: SimpleNamespace(sequences=sequences))
+    inputs = {"prompts": left, "prompt_attention_mask": (left != pad).long()}
+    _, _, labels = GKDTrainer.generate_on_policy_outputs(model, inputs, SimpleNamespace(eos_token_id=eos))
+    trls = [row[row != -100].tolist() for row in labels]
+
+    ours = [answer[: answer.index(eos) + 1] if eos in answer else answer for answer in generated]  # sample_batch's
+    batch = packed([(p.numpy(), a) for p, a in zip(prompts, ours, strict=True)], 16, torch.device("cpu"))
+    targets = batch.targets[0]
+    by_example = [targets[(batch.documents[0] == k) & (targets != IGNORE)].tolist() for k in (1, 2)]
+    assert by_example == trls == [[11, 12, eos], [14, 15, 16, 17]]

@@ -371,11 +371,26 @@ class DistillConfig:
     alpha: float = 1.0
     """The divergence's weight in the loss; the cross-entropy on the targets weighs 1 - alpha. Both are means over
     the same targets (a chat run's supervised tokens), logged as kd_loss and ce_loss."""
+    lmbda: float = 0.0
+    """On-policy distillation (GKD's lmbda, Agarwal et al. 2024): the probability that a step trains on the model's
+    own answers instead of the data's: each example's last answer is replaced by one the model samples from its
+    prompt, and the teacher scores it. Chat data only (the prompts are the untrained tokens before an answer); the
+    step is drawn from (train.seed, step), so a resumed run samples the same steps. On those steps the cross-entropy
+    (alpha < 1) is on the sampled tokens: GKD has alpha 1."""
+    max_new_tokens: int = 128
+    """On-policy steps: the longest answer sampled (fewer where the example's window ends first); an answer ends
+    sooner at the chat template's end-of-turn token or the tokenizer's EOS, which it keeps."""
+    sample_temperature: float = 1.0
+    """On-policy steps: the temperature the answers are sampled at, from the whole vocabulary (1: the model's own
+    distribution; TRL's GKD defaults to 0.9; 0: greedy)."""
 
     def __post_init__(self) -> None:
         _require(0 < self.beta < 1 or self.loss != "jsd", f"distill.beta={self.beta}: jsd needs 0 < beta < 1")
         _require(self.temperature > 0, f"distill.temperature={self.temperature} must be > 0")
         _require(0 <= self.alpha <= 1, f"distill.alpha={self.alpha} must be in [0, 1]")
+        _require(0 <= self.lmbda <= 1, f"distill.lmbda={self.lmbda} must be in [0, 1]")
+        _require(self.max_new_tokens >= 1, f"distill.max_new_tokens={self.max_new_tokens} must be >= 1")
+        _require(self.sample_temperature >= 0, f"distill.sample_temperature={self.sample_temperature} must be >= 0")
 
 
 @dataclass

@@ -169,6 +169,12 @@ class ChatEncoder:
             spans.append((len(before), max(len(before), len(text[:end].rstrip()))))
         return spans
 
+    def end_of_turn(self) -> int:
+        """The token each answer ends with (the template's end-of-turn token, or the tokenizer's EOS), where a model
+        trained on these answers stops."""
+        ids, trained = self.encode_messages([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi"}])
+        return int(ids[trained][-1])
+
     def prompt(self, messages: list[dict]) -> list[int]:
         """The ids a reply to `messages` is generated from: the conversation and the template's generation prompt."""
         return self.start + self.tokenizer.encode(self.render(messages, add_generation_prompt=True))

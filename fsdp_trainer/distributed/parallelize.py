@@ -6,7 +6,8 @@ no rank ever holds the full model. SHARDING is the one table of the user's shard
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -128,9 +129,7 @@ def apply_fsdp(
     if not blocks:
         raise ValueError("apply_fsdp found no Transformer block to wrap")
     for i, block in enumerate(blocks):
-        # Backward starts with the last block, so freeing its gathered params after forward would only mean
-        # gathering them again at once; the same holds for the root (embedding, final norm, lm_head).
-        shard(block, reshard_after_forward=plan.reshard_after_forward and i < len(blocks) - 1)
+        shard(block, reshard_after_forward=reshards_after_forward(plan, i, len(blocks)))
     shard(model, reshard_after_forward=False)
     if prefetch_blocks > 1:
         # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
@@ -138,6 +137,33 @@ def apply_fsdp(
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch_blocks])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks) : i][::-1])
+
+
+def reshards_after_forward(plan: ShardingPlan, block: int, blocks: int) -> bool:
+    """Whether a block frees its gathered parameters after its forward. Backward starts with the last block, so
+    freeing it would only mean gathering it again at once; the same holds for the root (embedding, final norm,
+    lm_head), which never does."""
+    return plan.reshard_after_forward and block < blocks - 1
+
+
+@contextmanager
+def held_gathered(model: Transformer, plan: ShardingPlan) -> Iterator[None]:
+    """Within: each FSDP module keeps its parameters gathered from its first forward on, so forward passes after the
+    first make no collective and the ranks need not make the same number of them (sampling a token per pass). After:
+    all freed, and each module frees them after forward as `plan` says again. Holds the whole model in the compute
+    dtype beside its shards. A model FSDP does not shard has nothing to keep."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False)  # every FSDP module below the root too
+    try:
+        yield
+    finally:
+        blocks = list(model.model.layers.values())
+        for i, block in enumerate(blocks):
+            block.set_reshard_after_forward(reshards_after_forward(plan, i, len(blocks)), recurse=False)
+        model.set_reshard_after_forward(False, recurse=False)
+        reshard(model)
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,10 @@ class Step(Kind):
         numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
         return weighted(self.weights, means), {**self.extra(micro_batches, units), **numbers}
 
+    def begin(self, step: int) -> None:
+        """Called before optimizer step `step` (from 1, counted across resumes), for a kind whose step depends on which
+        it is (on-policy distillation samples on the steps (seed, step) draws)."""
+
     def after_backward(self) -> None:
         """Free what a micro-batch's forward kept for its backward beside the model (a teacher's gathered output
         layer)."""

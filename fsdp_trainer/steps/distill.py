@@ -6,7 +6,8 @@ same mesh as the model: frozen, in the compute dtype, forward only, no gradients
 micro-batch it runs forward to its final hidden states; its output layer, which the student's objective calls slice
 by slice, stays gathered until the student's backward has recomputed those slices, then is freed
 (`after_backward`). It is one of the run's starts: recorded with its fingerprint in every checkpoint, loaded again
-on resume, and a changed teacher refused.
+on resume, and a changed teacher refused. With distill.lmbda, some steps train on the model's own answers instead
+of the data's (on_policy.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ import torch.nn as nn
 from fsdp_trainer.checkpoint.starts import Start
 from fsdp_trainer.checkpoint.storage import checkpoint_recipe, checkpoint_tokenizer, resolve_checkpoint
 from fsdp_trainer.config import DistillConfig, ModelConfig, compute_dtype, load_sections
+from fsdp_trainer.data.format import open_tokens
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
+from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.loss import DistillationLoss
 from fsdp_trainer.model import count_params
 from fsdp_trainer.steps.base import frozen_copy
 from fsdp_trainer.steps.next_token import NextTokenStep
+from fsdp_trainer.steps.on_policy import OnPolicy
 from fsdp_trainer.tokenizer import load_tokenizer
 
 TEACHER_FILE = "teacher.json"
@@ -66,6 +69,25 @@ def check_teacher(recipe: Any) -> None:
             f"distill.teacher {path} was trained with the tokenizer {tokenizer}, not this run's "
             f"{recipe.data.tokenizer_path} (their files differ): a teacher must use the model's tokenizer"
         )
+    if recipe.distill.lmbda > 0:
+        paths = [source.path for source in recipe.data.mixture or []] or [recipe.data.train_path]
+        for path in paths:
+            if open_tokens(path).packed_seq_len is None:
+                raise ValueError(
+                    f"distill.lmbda={recipe.distill.lmbda} samples answers to the prompts of chat examples, and {path} "
+                    "holds token windows: prepare chat data (tools/prepare_data.py --format chat) or set it to 0"
+                )
+
+
+def sampling_gb(recipe: Any) -> float:
+    """What an on-policy step's sampling holds beside the sharded state, in GB: the model whole in the compute dtype,
+    a KV cache for a micro-batch's positions plus the answers, and a pass's fp32 logits for its examples."""
+    model, data = recipe.model, recipe.data
+    itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
+    positions = data.micro_batch_size * (data.seq_len + recipe.distill.max_new_tokens)
+    cache = positions * model.n_layers * 2 * model.n_kv_heads * model.resolved_head_dim * itemsize
+    logits = data.micro_batch_size * model.vocab_size * 4
+    return (count_params(model) * itemsize + cache + logits) / 1e9
 
 
 def final_hidden(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
@@ -82,11 +104,19 @@ class DistillStep(NextTokenStep):
     metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")  # the last the teacher's own, on the same targets: the floor
     shown = {"kd_loss": "kd"}
 
-    def __init__(self, cfg: DistillConfig, teacher: nn.Module, source: Path, chunks: int = 1):
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        teacher: nn.Module,
+        source: Path,
+        chunks: int = 1,
+        sampler: OnPolicy | None = None,
+    ):
         super().__init__(chunks)
-        self.cfg, self.teacher = cfg, teacher
+        self.cfg, self.teacher, self.sampler = cfg, teacher, sampler
         self.beta = BETAS.get(cfg.loss, cfg.beta)
         self.starts.append(Start(TEACHER_FILE, teacher, "teacher is", source=source))
+        self.step, self.sampled = 0, False
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
@@ -107,7 +137,10 @@ class DistillStep(NextTokenStep):
         source = resolve_checkpoint(recipe.distill.teacher)
         flex = uses_flex_attention(recipe.parallel, env.device)
         teacher = frozen_copy(cls.teacher_config(recipe), recipe.parallel, env.mesh, flex)
-        return cls(recipe.distill, teacher, source, recipe.train.loss_chunks)
+        sampler = None
+        if recipe.distill.lmbda > 0:
+            sampler = OnPolicy(recipe.distill, recipe.train.seed, recipe.data.tokenizer_path)
+        return cls(recipe.distill, teacher, source, recipe.train.loss_chunks, sampler)
 
     @classmethod
     def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
@@ -125,12 +158,39 @@ class DistillStep(NextTokenStep):
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
         root_gb = cls.held_gathered_params(recipe) * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
-        return (
+        note = (
             f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute dtype "
             "and sharded as the model; its forward each micro-step gathers its weights again (in `sent`), and its "
             f"embedding and output layer ({root_gb:.2f} GB) stay gathered from its forward to the model's backward "
             "(both in `reference`)"
         )
+        if recipe.distill.lmbda == 0:
+            return note
+        sampling = sampling_gb(recipe)
+        over = [f"{e.sharding}/{e.ac}" for e in estimates if e.state_gb + e.reference_gb + sampling > e.total_gb]
+        return (
+            f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole and a KV cache "
+            f"(about {sampling:.2f} GB beside the sharded state: "
+            + (f"above the step's peak for {', '.join(over)})" if over else "below every row's step peak)")
+            + "; the sampling's time, a forward pass per new token, is not in the step time"
+        )
+
+    def begin(self, step: int) -> None:
+        self.step = step
+
+    def __call__(
+        self, model: nn.Module, micro_batches: list[MicroBatch], plan: ShardingPlan, backward, world: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """Step.__call__, on the model's own answers on the steps the sampler draws."""
+        # A step never begun (the planner's on fake tensors) trains on the batches it is given.
+        self.sampled = self.sampler is not None and self.step > 0 and self.sampler.due(self.step)
+        if self.sampled:
+            micro_batches = self.sampler.batches(model, micro_batches, plan, self.step)
+        return super().__call__(model, micro_batches, plan, backward, world)
+
+    def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:
+        on_policy = {} if self.sampler is None else {"on_policy": float(self.sampled)}  # 1: the step's answers sampled
+        return {**super().extra(micro_batches, units), **on_policy}
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(alpha x the divergence + (1 - alpha) x the cross-entropy, summed over the targets; the sums of kd_loss,
