@@ -76,47 +76,47 @@ def test_distillation_two_ranks_equal_one_process_resume_bitwise_and_its_teacher
     tiny_data, teacher, tmp_path
 ):
     """The student (the tiny model) learns from the bigger teacher's checkpoint, reverse KL at temperature 2 with a
-    quarter of cross-entropy: 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 6 steps (loss, kd_loss,
-    ce_loss, validation); the divergence falls; every checkpoint records the teacher; a resume from step 3 is bitwise,
+    quarter of cross-entropy: 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 10 steps (loss, kd_loss,
+    ce_loss, validation); the divergence falls; every checkpoint records the teacher; a resume from step 5 is bitwise,
     and onto 1 process equal to float order; a teacher changed since, or another one named, is refused in one line."""
     distill = {"teacher": str(teacher), "loss": "reverse_kl", "temperature": 2.0, "alpha": 0.75}
-    every = {"every": 3, "keep_last": 0}
-    train = {"eval_every": 3}
+    every = {"every": 5, "keep_last": 0}
+    train = {"eval_every": 5}
     two, one = tmp_path / "two", tmp_path / "one"
-    train_cli(run_args(tiny_data, two, 6, distill=distill, checkpoint=every, train=train), nproc=2)
+    train_cli(run_args(tiny_data, two, 10, distill=distill, checkpoint=every, train=train), nproc=2)
     accumulated = {"data": {"grad_accum_steps": 2}, "train": {**train, "eval_steps": 4}}
-    one_args = run_args(tiny_data, one, 6, distill=distill, **accumulated)
+    one_args = run_args(tiny_data, one, 10, distill=distill, **accumulated)
     train_cli(one_args)
     records_two, records_one = read_metrics(two), read_metrics(one)
     for a, b in zip(records_two, records_one, strict=True):
         for key in {"loss", "kd_loss", "ce_loss", "val_loss", "val_kd_loss"} & set(a):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
     steps = {r["step"]: r for r in records_two if "kd_loss" in r}
-    assert steps[6]["kd_loss"] < steps[1]["kd_loss"]
+    assert steps[10]["kd_loss"] < steps[1]["kd_loss"]
     assert steps[1]["loss"] == pytest.approx(0.75 * steps[1]["kd_loss"] + 0.25 * steps[1]["ce_loss"], rel=1e-6)
-    record = json.loads((two / "checkpoints" / "step_00000003" / "teacher.json").read_text())
+    record = json.loads((two / "checkpoints" / "step_00000005" / "teacher.json").read_text())
     assert record["path"] == str((teacher / "checkpoints" / "step_00000006").resolve())
 
     moved = tmp_path / "moved"
     shutil.copytree(two, moved)
-    shutil.rmtree(moved / "checkpoints" / "step_00000006")
-    (moved / "checkpoints" / "latest").write_text("step_00000003\n")
-    resume = run_args(tiny_data, moved, 6, distill=distill, checkpoint=every, train=train)
+    shutil.rmtree(moved / "checkpoints" / "step_00000010")
+    (moved / "checkpoints" / "latest").write_text("step_00000005\n")
+    resume = run_args(tiny_data, moved, 10, distill=distill, checkpoint=every, train=train)
     train_cli(resume, nproc=2)
     resumed = {r["step"]: r for r in read_metrics(moved) if "kd_loss" in r}
-    for step in (4, 5, 6):
+    for step in (6, 8, 10):
         assert (resumed[step]["loss"], resumed[step]["kd_loss"]) == (steps[step]["loss"], steps[step]["kd_loss"])
-    onto_one = tmp_path / "onto_one"  # the 2-rank checkpoint of step 3 resumed by 1 process, accumulating 2
+    onto_one = tmp_path / "onto_one"  # the 2-rank checkpoint of step 5 resumed by 1 process, accumulating 2
     shutil.copytree(moved, onto_one)
-    shutil.rmtree(onto_one / "checkpoints" / "step_00000006")
-    (onto_one / "checkpoints" / "latest").write_text("step_00000003\n")
-    train_cli(run_args(tiny_data, onto_one, 6, distill=distill, checkpoint=every, **accumulated))
+    shutil.rmtree(onto_one / "checkpoints" / "step_00000010")
+    (onto_one / "checkpoints" / "latest").write_text("step_00000005\n")
+    train_cli(run_args(tiny_data, onto_one, 10, distill=distill, checkpoint=every, **accumulated))
     resumed = {r["step"]: r for r in read_metrics(onto_one) if "kd_loss" in r}
-    for step in (4, 5, 6):
+    for step in (6, 8, 10):
         assert resumed[step]["kd_loss"] == pytest.approx(steps[step]["kd_loss"], rel=1e-5), step
 
-    (moved / "checkpoints" / "latest").write_text("step_00000003\n")
-    other = run_args(tiny_data, moved, 6, distill={**distill, "teacher": str(two)}, checkpoint=every)
+    (moved / "checkpoints" / "latest").write_text("step_00000005\n")
+    other = run_args(tiny_data, moved, 10, distill={**distill, "teacher": str(two)}, checkpoint=every)
     proc = train_cli(other, check=False)
     assert proc.returncode == 1
     assert f"this run's teacher is {record['path']}, not " in proc.stderr.strip().splitlines()[-1]
@@ -133,7 +133,8 @@ def test_distillation_two_ranks_equal_one_process_resume_bitwise_and_its_teacher
 
 
 def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, tmp_path):
-    """Another vocabulary, or no such checkpoint: one line before training, naming the teacher."""
+    """Another vocabulary, no such checkpoint, or another tokenizer of the same size: one line before training (from
+    fsdp-train, before any worker starts), naming the teacher."""
     proc = train_cli(run_args(tiny_data, tmp_path / "a", 2, distill={"teacher": str(teacher)},
                               model={"vocab_size": 640}), check=False)  # fmt: skip
     assert proc.returncode == 1
@@ -143,6 +144,30 @@ def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, t
     ]
     proc = train_cli(run_args(tiny_data, tmp_path / "b", 2, distill={"teacher": str(tmp_path / "none")}), check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: checkpoint ")
+
+    import gzip
+    import subprocess
+    import sys
+
+    from fsdp_trainer.data.prepare import BUNDLED_CORPUS
+    from fsdp_trainer.tokenizer import train_tokenizer
+    from tests.helpers import REPO
+
+    other = tmp_path / "other_tokenizer"  # the same vocabulary size, learnt from other text
+    shutil.copytree(teacher, other)
+    step = other / "checkpoints" / "step_00000006"
+    with gzip.open(BUNDLED_CORPUS, "rt") as f:
+        (tmp_path / "text.txt").write_text(f.read(1_000_000)[600_000:].upper())
+    train_tokenizer([str(tmp_path / "text.txt")], str(step / "tokenizer.model"), 512)
+    launcher = Path(sys.executable).with_name("fsdp-train")  # the console script `pip install -e .` made
+    args = run_args(tiny_data, tmp_path / "c", 2, distill={"teacher": str(other)})
+    proc = subprocess.run([str(launcher), "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1 and proc.stdout == ""  # before any worker started
+    assert proc.stderr.strip().splitlines() == [
+        f"error: distill.teacher {step} was trained with the tokenizer {step}, not this run's "
+        f"{json.loads(Path(tiny_data).read_text())['data']['tokenizer_path']} (their files differ): a teacher must use "
+        "the model's tokenizer"
+    ]
 
 
 @pytest.mark.slow
@@ -316,13 +341,13 @@ def chat_data(tiny_data, tmp_path_factory):
 @pytest.mark.slow
 def test_on_policy_distillation_two_ranks_equal_one_process_and_resume_bitwise(chat_data, teacher, tmp_path):
     """GKD on chat data (lmbda 0.5: the steps (seed, step) draws train on the student's own sampled answers, scored
-    by the teacher; JSD): 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 6 steps, the same steps sampled
-    and the same answers (their token counts) whatever rank sampled them; a resume from step 3 is bitwise."""
+    by the teacher; JSD): 2 ranks FULL_SHARD equal 1 process x accumulation 2 over 10 steps, the same steps sampled
+    and the same answers (their token counts) whatever rank sampled them; a resume from step 5 is bitwise."""
     distill = {"teacher": str(teacher), "loss": "jsd", "lmbda": 0.5, "max_new_tokens": 12}
-    every = {"every": 3, "keep_last": 0}
+    every = {"every": 5, "keep_last": 0}
     two, one = tmp_path / "two", tmp_path / "one"
-    train_cli(run_args(chat_data, two, 6, distill=distill, checkpoint=every), nproc=2)
-    train_cli(run_args(chat_data, one, 6, distill=distill, data={"grad_accum_steps": 2}))
+    train_cli(run_args(chat_data, two, 10, distill=distill, checkpoint=every), nproc=2)
+    train_cli(run_args(chat_data, one, 10, distill=distill, data={"grad_accum_steps": 2}))
     steps = {r["step"]: r for r in read_metrics(two) if "kd_loss" in r}
     for r in (r for r in read_metrics(one) if "kd_loss" in r):
         a = steps[r["step"]]
@@ -331,12 +356,12 @@ def test_on_policy_distillation_two_ranks_equal_one_process_and_resume_bitwise(c
             assert r[key] == pytest.approx(a[key], rel=1e-5), (r["step"], key)
     assert {r["on_policy"] for r in steps.values()} == {0.0, 1.0}
 
-    (two / "checkpoints" / "latest").write_text("step_00000003\n")
-    shutil.rmtree(two / "checkpoints" / "step_00000006")
+    (two / "checkpoints" / "latest").write_text("step_00000005\n")
+    shutil.rmtree(two / "checkpoints" / "step_00000010")
     (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
-    train_cli(run_args(chat_data, two, 6, distill=distill, checkpoint=every), nproc=2)
+    train_cli(run_args(chat_data, two, 10, distill=distill, checkpoint=every), nproc=2)
     resumed = {r["step"]: r for r in read_metrics(two) if "kd_loss" in r}
-    for step in (4, 5, 6):
+    for step in (6, 8, 10):
         assert (resumed[step]["loss"], resumed[step]["supervised_tokens"]) == (
             steps[step]["loss"], steps[step]["supervised_tokens"]), step  # fmt: skip
 

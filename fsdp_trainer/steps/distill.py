@@ -90,6 +90,23 @@ def sampling_gb(recipe: Any) -> float:
     return (count_params(model) * itemsize + cache + logits) / 1e9
 
 
+STORED_TOP_K = 64
+"""The teacher's logits per token a stored-logits alternative would keep (planner's note)."""
+
+
+def stored_logits_note(recipe: Any) -> str:
+    """When a teacher's top-k logits computed once before training and read from disk would be cheaper than the
+    teacher held beside the model (not offered): its share of a step's FLOPs, and the bytes a token they take."""
+    teacher, student = count_params(DistillStep.teacher_config(recipe)), count_params(recipe.model)
+    share = 2 * teacher / (6 * student + 2 * teacher)  # forward 2 FLOPs a parameter a token; training 6
+    return (
+        f"Its top-{STORED_TOP_K} logits stored once ({STORED_TOP_K * 6} bytes a token: int32 ids, fp16 values) "
+        f"would spare its shards and its forward ({share:.0%} of a step's FLOPs) for one pass of it over the data "
+        "before training: less memory always, less compute from the data's second epoch on, exact only in the top "
+        f"{STORED_TOP_K}, and no use to on-policy steps (distill.lmbda); this trainer does not offer it"
+    )
+
+
 def final_hidden(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
     """An objective for the teacher's forward: its final hidden states, not its logits."""
     return hidden
@@ -162,7 +179,7 @@ class DistillStep(NextTokenStep):
             f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute dtype "
             "and sharded as the model; its forward each micro-step gathers its weights again (in `sent`), and its "
             f"embedding and output layer ({root_gb:.2f} GB) stay gathered from its forward to the model's backward "
-            "(both in `reference`)"
+            "(both in `reference`). " + stored_logits_note(recipe)
         )
         if recipe.distill.lmbda == 0:
             return note
