@@ -289,8 +289,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
     bytes an element, a whole block's backward, gradient buffers in two dtypes), so it may exceed the measured peak,
     by 22% at most at 8B on 64 ranks (docs/benchmarks.md); it must not fall more than 5% below it, or a plan it
-    calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's."""
-    preference = ["--preference.loss", "sigmoid"] if kind == "dpo" else []
+    calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's, here over
+    2 micro-batches (the accumulated gradients counted)."""
+    preference = ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"] if kind == "dpo" else []
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
          "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--check", *preference],

@@ -63,6 +63,11 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batches[0].inputs,))
         with tracker:
+            # The tracker takes the root's second forward for the next step's and refuses it; with accumulation,
+            # each micro-batch's is one more. Its per-module numbers are cleared before each (the peak is kept), by a
+            # hook that must run before FSDP's, which the tracker registered again on entering.
+            each_micro_batch = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
             train_step(*args)
+            each_micro_batch.remove()
         peak = tracker.get_tracker_snapshot("peak")
     return max(by_kind["Total"] for by_kind in peak.values()) / 1e9
