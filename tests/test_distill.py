@@ -253,14 +253,20 @@ def test_an_on_policy_batch_keeps_each_prompt_and_trains_on_the_sampled_answer_a
     import numpy as np
 
     from fsdp_trainer.data.loader import micro_batch
-    from fsdp_trainer.steps.on_policy import packed, prompts_of
+    from fsdp_trainer.steps.examples import examples_of, packed
+
+    def prompts_of(batch):
+        return [prompt for prompt, _ in examples_of(batch)]
 
     f, t = False, True
     row0 = _window([([1, 2, 3, 4, 5], [f, f, f, t, t]), ([6, 7, 8, 9, 10, 11, 12], [f, f, t, f, f, t, t])], 16)
     row1 = _window([([13, 14, 15], [f, f, t])], 16)
-    batch = micro_batch(np.array([row0, row1]), packed=True, preference=False, device=torch.device("cpu"))
+    batch = micro_batch(np.array([row0, row1]), packed=True, records=None, device=torch.device("cpu"))
     prompts = prompts_of(batch)
     assert [p.tolist() for p in prompts] == [[1, 2, 3], [6, 7, 8, 9, 10], [13, 14]]
+    assert [a.tolist() for _, a in examples_of(batch)] == [[4, 5], [11, 12], [15]]
+    whole = [(p.tolist(), a.tolist()) for p, a in examples_of(batch, last_answer=False)]  # from the first target on
+    assert whole == [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10, 11, 12]), ([13, 14], [15])]
 
     answers = [[20, 21], [22], [23, 24, 25]]
     out = packed(list(zip(prompts, answers, strict=True)), 8, torch.device("cpu"))
@@ -274,7 +280,7 @@ def test_an_on_policy_batch_keeps_each_prompt_and_trains_on_the_sampled_answer_a
 
     everything = _window([([1, 2, 3], [t, t, t])], 16)  # train_on=all: no prompt to answer
     with pytest.raises(ValueError, match="trained from its first token"):
-        prompts_of(micro_batch(np.array([everything]), packed=True, preference=False, device=torch.device("cpu")))
+        prompts_of(micro_batch(np.array([everything]), packed=True, records=None, device=torch.device("cpu")))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -374,7 +380,7 @@ def test_sampled_answers_are_trained_on_the_tokens_trls_gkd_labels():
 
     from trl.experimental.gkd import GKDTrainer
 
-    from fsdp_trainer.steps.on_policy import packed
+    from fsdp_trainer.steps.examples import packed
 
     eos, pad = 2, 0
     prompts = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]

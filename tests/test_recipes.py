@@ -29,6 +29,7 @@ EXPECTED_PARAMS = {
     "dpo_lora_llama3_2_1b.yaml": 1_235_814_400,
     "simpo_qwen3_0.6b.yaml": 596_049_920,
     "orpo_qwen3_0.6b.yaml": 596_049_920,
+    "kto_qwen3_0.6b.yaml": 596_049_920,
     "distill_qwen3_8b_to_0.6b.yaml": 596_049_920,
     "distill_llama3_1_8b_to_3_2_1b.yaml": 1_235_814_400,
 }

@@ -14,9 +14,14 @@ from dataclasses import fields
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
 from fsdp_trainer.data.options import PrepareOptions
-from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, prepare
+from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, BUNDLED_UNPAIRED, prepare
 
-BUNDLED = {"text": BUNDLED_CORPUS, "chat": BUNDLED_CHAT, "preference": BUNDLED_PREFERENCES}
+BUNDLED = {
+    "text": BUNDLED_CORPUS,
+    "chat": BUNDLED_CHAT,
+    "preference": BUNDLED_PREFERENCES,
+    "unpaired": BUNDLED_UNPAIRED,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,8 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         "--input",
         nargs="+",
         help="files or globs: .txt, .jsonl, .json, .parquet, gzipped or not (a document per record; with --format chat "
-        "a conversation, with --format preference a prompt / chosen / rejected pair); default: the bundled Shakespeare "
-        "corpus (--format chat: its conversations; --format preference: pairs made from them)",
+        "a conversation, with --format preference a prompt / chosen / rejected pair, with --format unpaired a prompt / "
+        "completion / label record); default: the bundled Shakespeare corpus (--format chat: its conversations; "
+        "--format preference: pairs made from them; --format unpaired: those pairs split into labelled answers)",
     )
     parser.add_class_arguments(PrepareOptions, nested_key=None, skip={"inputs"})  # its docstrings are --help
     recipe, args = parse_args(parser, argv)

@@ -311,16 +311,19 @@ class LoraConfig:
 @dataclass
 class PreferenceConfig:
     """Preference tuning on pairs of answers, prepared with prepare_data.py --format preference: the model learns to
-    rank each pair's chosen answer above its rejected one. DPO and its variants measure it against a reference model,
-    the model the run starts from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy
-    of it in the compute dtype, with no gradients and no optimizer state); SimPO and ORPO need none."""
+    rank each pair's chosen answer above its rejected one; or (kto) on single answers labelled good or bad, prepared
+    with --format unpaired. DPO, its variants and KTO measure it against a reference model, the model the run starts
+    from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy of it in the compute
+    dtype, with no gradients and no optimizer state); SimPO and ORPO need none."""
 
-    loss: Literal["sigmoid", "ipo", "robust", "simpo", "orpo"] | None = None
+    loss: Literal["sigmoid", "ipo", "robust", "simpo", "orpo", "kto"] | None = None
     """null: not a preference run. sigmoid: DPO (Rafailov et al. 2023), with label_smoothing conservative DPO; ipo: IPO
     (Azar et al. 2023), log-ratios averaged over each answer's tokens; robust: rDPO (Chowdhury et al. 2024), for
     labels flipped with probability label_smoothing (TRL's DPOTrainer's losses of the same names). simpo: SimPO (Meng
     et al. 2024; TRL's CPOTrainer loss_type simpo), length-normalized, a target margin, no reference. orpo: ORPO (Hong
-    et al. 2024; TRL's ORPOTrainer), the chosen answers' NLL plus beta x the log odds ratio, no reference."""
+    et al. 2024; TRL's ORPOTrainer), the chosen answers' NLL plus beta x the log odds ratio, no reference. kto: KTO
+    (Ethayarajh et al. 2024; TRL's KTOTrainer) on unpaired answers, each against a KL reference point estimated from
+    the batch's prompts paired with other examples' answers."""
     beta: float = 0.1
     """How far from the reference the policy may move: the implicit reward is beta x (policy - reference
     log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin). simpo: the reward scale
@@ -333,15 +336,23 @@ class PreferenceConfig:
     """The weight of the chosen answers' negative log-likelihood (a mean over their tokens) added to the loss: DPO +
     NLL (RPO; TRL's DPO loss_type [sigmoid, sft] with loss_weights [1, w]), or CPO's cpo_alpha with simpo. ORPO's NLL
     term always weighs 1 (beta weighs its other)."""
+    desirable_weight: float = 1.0
+    """kto: the weight of the desirable answers' losses (TRL's desirable_weight; the paper advises weights that make
+    desirable_weight x their number over undesirable_weight x theirs between 1 and 4/3)."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of the undesirable answers' losses (TRL's undesirable_weight)."""
 
     def __post_init__(self) -> None:
         _require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
+        for key in ("desirable_weight", "undesirable_weight"):
+            _require(getattr(self, key) > 0, f"preference.{key}={getattr(self, key)} must be > 0")
+            _require(getattr(self, key) == 1 or self.loss == "kto", f"preference.{key} applies to kto; set it to 1")
         _require(
             0.0 <= self.label_smoothing < 0.5,
             f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)",
         )
         _require(
-            self.label_smoothing == 0 or self.loss not in ("ipo", "orpo"),
+            self.label_smoothing == 0 or self.loss not in ("ipo", "orpo", "kto"),
             f"preference.label_smoothing applies to the sigmoid, robust and simpo losses, not {self.loss}; set it to 0",
         )
         _require(self.nll_weight >= 0, f"preference.nll_weight={self.nll_weight} must be >= 0")
@@ -350,6 +361,7 @@ class PreferenceConfig:
             "preference.nll_weight: ORPO's NLL term always weighs 1 (preference.beta weighs the odds-ratio term); "
             "set it to 0",
         )
+        _require(self.nll_weight == 0 or self.loss != "kto", "preference.nll_weight applies to pairs, not kto")
 
 
 @dataclass

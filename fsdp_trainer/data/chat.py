@@ -21,7 +21,7 @@ from datetime import datetime
 
 import numpy as np
 
-from fsdp_trainer.data.format import START, TARGET
+from fsdp_trainer.data.format import DESIRABLE, START, TARGET
 from fsdp_trainer.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -203,6 +203,31 @@ class ChatEncoder:
         return np.array(ids, dtype=np.int64), np.array(trained, dtype=bool)
 
 
+UNPAIRED_KEYS = ("prompt", "completion", "label")
+
+
+def unpaired_of(record: object) -> tuple[list[dict], list[dict], bool]:
+    """(prompt, completion, desirable) of an unpaired preference record, checked: TRL's KTO layout, a prompt and a
+    completion (two texts, or the conversation so far and the answer's assistant messages) and a boolean label."""
+    if not isinstance(record, dict):
+        raise BadConversation("not a JSON object")
+    missing = [key for key in UNPAIRED_KEYS if key not in record]
+    if missing:
+        raise BadConversation(f"no {' / '.join(map(repr, missing))}: an unpaired record has prompt, completion, label")
+    prompt, completion, label = (record[key] for key in UNPAIRED_KEYS)
+    if not isinstance(label, bool):
+        raise BadConversation(f"'label' is {label!r}: it must be true (a desirable completion) or false")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}], [{"role": "assistant", "content": completion}], label
+    if not (isinstance(prompt, list) and isinstance(completion, list)):
+        raise BadConversation("'prompt' and 'completion' must be two texts or two message lists")
+    _check_messages(prompt, "'prompt' ")
+    _check_messages(completion, "'completion' ")
+    if not completion or any(message["role"] != "assistant" for message in completion):
+        raise BadConversation("'completion' must hold the assistant's answer: one or more assistant messages")
+    return prompt, completion, label
+
+
 class PreferenceEncoder(ChatEncoder):
     """Preference records -> pairs: the chosen conversation then the rejected one, each rendered whole with the chat
     template and trained on its answer alone (its content and end-of-turn token, as in SFT), as one unit the packer
@@ -222,10 +247,33 @@ class PreferenceEncoder(ChatEncoder):
         return np.concatenate(ids), np.concatenate(marks)
 
 
+class UnpairedEncoder(ChatEncoder):
+    """Unpaired preference records (KTO's) -> examples: the prompt and the completion rendered as one conversation,
+    trained on the completion alone (as SFT trains an answer), its first token marked DESIRABLE when its label is
+    true."""
+
+    def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
+        prompt, completion, desirable = unpaired_of(record)
+        ids, trained = self.encode_messages(prompt + completion, trained_from=len(prompt))
+        marks = trained.astype(np.uint8) * TRAINED
+        marks[0] |= DESIRABLE if desirable else 0
+        return ids, marks
+
+
 TRAINED, SEQUENCE = 1, 2
 """The bits an encoder's marks may carry for each token (a bool `trained` array is TRAINED alone): the loss trains on
 it, and it starts a sequence of its own (the rejected conversation of a preference pair), which the packer flags
-START so that attention does not cross into it."""
+START so that attention does not cross into it. An example's first token may also carry DESIRABLE (format.py), which
+the packer keeps on its START."""
+
+ENCODERS: dict[str, type[ChatEncoder]] = {
+    "chat": ChatEncoder,
+    "preference": PreferenceEncoder,
+    "unpaired": UnpairedEncoder,
+}
+"""The encoder of each --format of conversations."""
+RECORDS = {"chat": "examples", "preference": "preference pairs", "unpaired": "unpaired answers"}
+"""What each --format of conversations calls its records once encoded."""
 
 
 class Packer:
@@ -268,6 +316,7 @@ class Packer:
             return []
         flags = np.zeros(len(ids), dtype=np.uint8)
         flags[[sequence[0] for sequence in sequences]] = START
+        flags[0] |= marks[0] & DESIRABLE
         flags[:-1] |= np.where(trained[1:], TARGET, 0).astype(np.uint8)  # position j predicts token j + 1
         flags[[sequence[-1] for sequence in sequences]] &= ~np.uint8(TARGET)  # never the next sequence's first token
         self.examples += 1

@@ -15,7 +15,7 @@ from itertools import chain, islice
 
 import numpy as np
 
-from fsdp_trainer.data.chat import ChatEncoder, PreferenceEncoder
+from fsdp_trainer.data.chat import ENCODERS
 from fsdp_trainer.data.format import (
     disk_dtype,
 )
@@ -31,7 +31,7 @@ def _start_worker(
     text_key: str | None,
     val_fraction: float,
     train_on: str | None,
-    preference: bool = False,
+    records: str = "chat",
     one_thread: bool = True,
 ) -> None:
     if one_thread:  # in a pool the processes are the parallelism; alone, the HF tokenizer may use every core
@@ -40,8 +40,7 @@ def _start_worker(
     if one_thread:
         tokenizer.threads = 1
     dtype = disk_dtype(tokenizer.vocab_size)
-    encoder = PreferenceEncoder if preference else ChatEncoder
-    chat = encoder(tokenizer, train_on) if train_on is not None else None
+    chat = ENCODERS[records](tokenizer, train_on) if train_on is not None else None
     _worker.update(tokenizer=tokenizer, text_key=text_key, val_fraction=val_fraction, dtype=dtype, chat=chat)
 
 
@@ -53,8 +52,8 @@ class Part:
     lengths: np.ndarray
     ids: np.ndarray
     trained: np.ndarray | None = None
-    """Conversations: whether each token is a target of the loss (chat.ChatEncoder); preference pairs: its TRAINED and
-    SEQUENCE bits (chat.PreferenceEncoder)."""
+    """Conversations: whether each token is a target of the loss (chat.ChatEncoder); preference pairs and unpaired
+    answers: its TRAINED, SEQUENCE and DESIRABLE bits (chat.PreferenceEncoder, chat.UnpairedEncoder)."""
 
 
 @dataclass
@@ -141,18 +140,18 @@ def process(
     chat = options.format != "text"
     text_key, train_on = (None, options.train_on) if chat else (options.text_key, None)
     val_fraction = options.val_fraction if validation else 0.0
-    preference = options.format == "preference"
+    records = options.format if chat else "chat"
     pending_tasks = tasks(files, text_key, start)
     first = list(islice(pending_tasks, 2))
     if workers == 1 or len(first) < 2:  # one task (a single file, a small corpus): no pool to start
-        _start_worker(tokenizer_path, text_key, val_fraction, train_on, preference, one_thread=False)
+        _start_worker(tokenizer_path, text_key, val_fraction, train_on, records, one_thread=False)
         yield from map(_process, chain(first, pending_tasks))
         return
     # fork: workers start at once with the modules this process has imported (spawn would import torch again in
     # each). Safe here because this process has not batch-encoded yet, so no tokenizer thread pool exists to be
     # broken by the fork.
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction, train_on, preference)) as pool:
+    with context.Pool(workers, _start_worker, (tokenizer_path, text_key, val_fraction, train_on, records)) as pool:
         pending: deque = deque()
         for task in chain(first, pending_tasks):
             pending.append(pool.apply_async(_process, (task,)))

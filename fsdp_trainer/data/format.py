@@ -11,6 +11,8 @@ holding whole examples and padding, with `<file>.flags` beside it: a byte per to
 trained on (the assistant's, same example) and START where an example (or the padding) begins. Preference data
 (meta `preference: true`) is packed the same way, a pair's two conversations side by side in one window, the chosen
 one first, each with its START: so the responses that have targets alternate chosen, rejected in every window.
+Unpaired preference data (meta `unpaired: true`, KTO's) is packed as fine-tuning examples are, each one prompt and
+one completion, with DESIRABLE on the START of each whose completion is labelled good.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ MANIFEST = "manifest.json"
 """The file that makes a directory of token shards a corpus: the shards in order, their sizes and checksums."""
 
 
-TARGET, START = 1, 2
+TARGET, START, DESIRABLE = 1, 2, 4
 """The bits of a packed file's flags."""
 
 
@@ -107,6 +109,7 @@ class TokenFile:
         self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")
         self.packed_seq_len: int | None = self.meta.get("packed_seq_len")
         self.preference = bool(self.meta.get("preference"))  # packed preference pairs (chat.PreferenceEncoder)
+        self.unpaired = bool(self.meta.get("unpaired"))  # packed labelled completions (chat.UnpairedEncoder)
         self.flags = None
         if self.packed_seq_len is not None:
             flags_path = f"{self.path}{FLAGS_SUFFIX}"
@@ -159,7 +162,7 @@ class TokenShards:
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
         self.packed_seq_len = None  # fine-tuning data is one packed file
-        self.preference = False
+        self.preference = self.unpaired = False
         self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
 
     def __len__(self) -> int:

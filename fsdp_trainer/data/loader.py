@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.data.format import START, TARGET, Tokens, open_tokens
+from fsdp_trainer.data.format import DESIRABLE, START, TARGET, Tokens, open_tokens
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
 
@@ -36,10 +36,12 @@ class MicroBatch(NamedTuple):
     documents: torch.Tensor | None = None
     """(B, T) packed data only: the example each token belongs to (block-causal attention; see model.block_causal)."""
     sequences: torch.Tensor | None = None
-    """(B, T) preference pairs only: the response each target belongs to, numbered through the micro-batch in the
-    order chosen, rejected of each pair (-1 where there is no target)."""
+    """(B, T) preference pairs and unpaired answers: the response each target belongs to, numbered through the
+    micro-batch in row-major order (pairs: chosen, rejected of each pair), -1 where there is no target."""
     pairs: int = 0
     """Preference pairs only: how many the micro-batch holds."""
+    desirable: torch.Tensor | None = None
+    """(responses,) unpaired answers only: whether each response (numbered as in `sequences`) is labelled good."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -68,14 +70,23 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
             )
     if len({f.packed_seq_len is None for f in sources}) > 1:
         raise ValueError("data.mixture mixes packed fine-tuning data with plain token files; use one kind")
-    kinds = {f.path: f.preference for f in filter(None, (*sources, val_file))}
+    kinds = {f.path: holds(f) for f in filter(None, (*sources, val_file))}
     if len(set(kinds.values())) > 1:
-        pairs, others = ([path for path, kind in kinds.items() if kind is wanted] for wanted in (True, False))
+        (first, held), (other, other_held) = next(
+            ((a, kinds[a]), (b, kinds[b])) for a in kinds for b in kinds if kinds[a] != kinds[b]
+        )
         raise ValueError(
-            f"{pairs[0]} holds preference pairs and {others[0]} does not: a run trains on one kind (prepare both with "
-            "the same --format)"
+            f"{first} holds {held} and {other} {other_held}: a run trains on one kind (prepare both with the same "
+            "--format)"
         )
     return train_file, val_file
+
+
+def holds(tokens: Tokens) -> str:
+    """What a token file holds, in words."""
+    if tokens.preference:
+        return "preference pairs"
+    return "unpaired answers" if tokens.unpaired else "token windows or examples"
 
 
 class Mixture:
@@ -96,7 +107,8 @@ class Mixture:
                 raise ValueError(f"data.mixture: {name}'s weight is too small to draw one sample in {self.BLOCK}")
         self.path = "mixture of " + ", ".join(str(source.path) for source in sources)
         self.vocab_size = max(source.vocab_size for source in sources)
-        self.preference = sources[0].preference  # open_data refuses a mixture of preference pairs and other data
+        # open_data refuses a mixture of preference pairs (or unpaired answers) and other data
+        self.preference, self.unpaired = sources[0].preference, sources[0].unpaired
         self.fingerprint = "mixture:" + "|".join(
             f"{w}:{src.fingerprint}" for w, src in zip(weights, sources, strict=True)
         )
@@ -161,35 +173,47 @@ class _Epochs:
         return self.tokens.windows(positions * self.seq_len, self.window)
 
 
-def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, int]:
-    """(the number of the response each target belongs to, -1 elsewhere; the pairs) of packed preference windows:
-    the documents that have targets, numbered in row-major order, which alternates chosen, rejected (format.py)."""
+def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the number of the response each target belongs to, -1 elsewhere; each response's key) of packed windows:
+    the documents that have targets, numbered in row-major order (preference pairs: chosen, rejected alternate,
+    format.py), keyed row x (length + 1) + document."""
     rows, length = documents.shape
     keys = np.where(trained, np.arange(rows)[:, None] * (length + 1) + documents, -1)
     responses = np.unique(keys[trained])
-    if len(responses) % 2:
-        raise ValueError("a window of preference data holds an odd number of responses: prepare the data again")
-    return np.where(trained, np.searchsorted(responses, keys), -1), len(responses) // 2
+    return np.where(trained, np.searchsorted(responses, keys), -1), responses
 
 
-def micro_batch(rows: np.ndarray, packed: bool, preference: bool, device: torch.device) -> MicroBatch:
+def _desirable(documents: np.ndarray, flags: np.ndarray, responses: np.ndarray) -> np.ndarray:
+    """Whether each response (by its key, _responses) is labelled good: DESIRABLE on its document's START."""
+    rows, length = documents.shape
+    starts = (flags & START) > 0
+    keys = (np.arange(rows)[:, None] * (length + 1) + documents)[starts]  # in row-major order, so sorted
+    return ((flags & DESIRABLE) > 0)[starts][np.searchsorted(keys, responses)]
+
+
+def micro_batch(rows: np.ndarray, packed: bool, records: str | None, device: torch.device) -> MicroBatch:
     """A micro-batch of rows read from a token file: windows of seq_len + 1 tokens (B, T + 1), or packed windows of
-    tokens and their flags (B, 2, T), on `device`."""
-    pairs = 0
+    tokens and their flags (B, 2, T), on `device`; `records` preference or unpaired: their responses numbered."""
+    pairs, desirable = 0, None
     if packed:  # (B, 2, T): tokens, flags
         tokens, flags = rows[:, 0], rows[:, 1]
         targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
         documents = np.cumsum((flags & START) > 0, axis=1)
         rows = [tokens, targets, documents]
-        if preference:
-            sequences, pairs = _responses(documents, targets != IGNORE)
+        if records is not None:
+            sequences, responses = _responses(documents, targets != IGNORE)
             rows.append(sequences)
+            if records == "preference" and len(responses) % 2:
+                raise ValueError("a window of preference data holds an odd number of responses: prepare the data again")
+            pairs = len(responses) // 2 if records == "preference" else 0
+            if records == "unpaired":
+                desirable = torch.from_numpy(_desirable(documents, flags, responses)).to(device)
         rows = np.stack(rows, 1)
     rows = torch.from_numpy(rows)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)
-    if preference:
-        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs)
+    if records is not None:
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable)
     if packed:
         return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
     return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
@@ -220,7 +244,7 @@ class TokenLoader:
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
-        self.preference = token_file.preference
+        self.records = "preference" if token_file.preference else "unpaired" if token_file.unpaired else None
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 
@@ -234,7 +258,7 @@ class TokenLoader:
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        return micro_batch(rows, self.packed, self.preference, self.device)
+        return micro_batch(rows, self.packed, self.records, self.device)
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""

@@ -30,12 +30,14 @@ class PrepareOptions:
     so both outputs complete shards at the same pace through the input and a restart redoes at most about one."""
     skip_bad_records: bool = False
     """Skip (and count) bad records instead of stopping at the first."""
-    format: Literal["text", "chat", "preference"] = "text"
+    format: Literal["text", "chat", "preference", "unpaired"] = "text"
     """text: documents; chat: conversations, rendered with the tokenizer's chat template and packed into
     data.seq_len windows; preference: pairs of answers (prompt / chosen / rejected), each pair's two conversations
-    packed together, each up to data.seq_len / 2 tokens."""
+    packed together, each up to data.seq_len / 2 tokens; unpaired: single answers labelled good or bad (prompt /
+    completion / label, KTO's data), packed as chat examples."""
     train_on: str = "assistant"
-    """chat: the tokens trained on, assistant (its turns) or all; preference: assistant (the answers) only."""
+    """chat: the tokens trained on, assistant (its turns) or all; preference and unpaired: assistant (the answers)
+    only."""
     long_examples: str = "truncate"
     """chat: a conversation longer than data.seq_len is truncated to it, or dropped (drop); both counted.
     preference: the same for a pair with a conversation longer than data.seq_len / 2 (truncation keeps its start, as
@@ -46,12 +48,13 @@ class PrepareOptions:
             raise ValueError(f"--val_fraction={self.val_fraction} must lie in [0, 1)")
         if self.shard_tokens < 1:
             raise ValueError(f"--shard_tokens={self.shard_tokens} must be positive")
-        if self.format not in ("text", "chat", "preference"):
-            raise ValueError(f"--format={self.format!r} must be text, chat or preference")
+        if self.format not in ("text", "chat", "preference", "unpaired"):
+            raise ValueError(f"--format={self.format!r} must be text, chat, preference or unpaired")
         if self.format != "text":
             check_options(self.train_on, self.long_examples)
-        if self.format == "preference" and self.train_on != "assistant":
+        if self.format in ("preference", "unpaired") and self.train_on != "assistant":
+            what = "a preference pair is" if self.format == "preference" else "an unpaired answer is"
             raise ValueError(
-                f"--train_on={self.train_on} applies to --format chat: a preference pair is measured on its answers "
-                "alone (their log-probabilities given the prompt)"
+                f"--train_on={self.train_on} applies to --format chat: {what} measured on its answers alone (their "
+                "log-probabilities given the prompt)"
             )

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.data.chat import Packer
+from fsdp_trainer.data.chat import RECORDS, Packer
 from fsdp_trainer.data.encode import process
 from fsdp_trainer.data.format import disk_dtype
 from fsdp_trainer.data.options import PrepareOptions
@@ -44,6 +44,8 @@ BUNDLED_CHAT = Path(__file__).parents[1] / "assets" / "shakespeare_chat.jsonl.gz
 """The default conversations: 2,000 "continue this passage" exchanges cut from the corpus (see assets/)."""
 BUNDLED_PREFERENCES = Path(__file__).parents[1] / "assets" / "shakespeare_preferences.jsonl.gz"
 """The default preference pairs: those conversations' last answers (chosen) against their words shuffled (rejected)."""
+BUNDLED_UNPAIRED = Path(__file__).parents[1] / "assets" / "shakespeare_unpaired.jsonl.gz"
+"""The default unpaired answers: the preference pairs split into a desirable and an undesirable answer, shuffled."""
 
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
 
@@ -55,7 +57,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     o = options
     data = recipe.data
     data.tokenizer_path = run_tokenizer_path(data.tokenizer_path, recipe.checkpoint.resume, recipe.train.out_dir)
-    chat, preference = o.format != "text", o.format == "preference"
+    chat = o.format != "text"
     files = expand_inputs(o.inputs)
     start_time = time.perf_counter()
     if chat:
@@ -86,7 +88,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
         if chat:
             pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0  # never attended to across, never a target
             packer = Packer(data.seq_len, pad_id, o.long_examples)
-            return PackedWriter(path, tokenizer.vocab_size, fingerprint, packer, preference)
+            return PackedWriter(path, tokenizer.vocab_size, fingerprint, packer, o.format)
         if writer_kind(path) is FileWriter:
             return FileWriter(path, tokenizer.vocab_size, fingerprint)
         return ShardWriter(path, tokens_per_shard, tokenizer.vocab_size, fingerprint, stamp)
@@ -118,7 +120,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
     resumed = f" (resumed at document {start:,})" if start else ""
-    what = "preference pairs" if preference else "conversations" if chat else "documents"
+    what = {"text": "documents", "chat": "conversations"}.get(o.format, RECORDS.get(o.format))
     written = sum(w.n_tokens for w in writers) * disk_dtype(tokenizer.vocab_size).itemsize / 1e6
     print(
         f"prepared {n_docs:,} {what}{resumed}{skipped}: {counts} tokens, "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.data.chat import Packer
+from fsdp_trainer.data.chat import RECORDS, Packer
 from fsdp_trainer.data.encode import Part
 from fsdp_trainer.data.format import (
     FLAGS_SUFFIX,
@@ -92,9 +92,9 @@ class PackedWriter(FileWriter):
     """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
     (format.py), both streamed to temporary files and renamed when complete."""
 
-    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer, preference: bool = False):
+    def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer, records: str = "chat"):
         super().__init__(path, vocab_size, tokenizer_sha256)
-        self.packer, self.preference = packer, preference
+        self.packer, self.records = packer, records  # chat, preference or unpaired (chat.ENCODERS)
         self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
 
     def add(self, part: Part) -> None:
@@ -133,13 +133,13 @@ class PackedWriter(FileWriter):
             "truncated": p.truncated,
             "dropped": p.dropped,
             "untrained": p.untrained,
-            **({"preference": True} if self.preference else {}),
+            **({self.records: True} if self.records != "chat" else {}),  # format.py: preference, unpaired
         }
 
     def summary(self) -> str:
         p = self.packer
         fill = p.placed / max(p.windows * p.seq_len, 1)
-        what = "preference pairs" if self.preference else "examples"
+        what = RECORDS[self.records]
         return (
             f"{p.examples:,} {what} in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
             f"supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than data.seq_len, "

@@ -37,14 +37,18 @@ from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.loss import share_of_global_mean
 from fsdp_trainer.model import Transformer
 
-DataKind = Literal["tokens", "pairs"]
-"""What a token file holds: token windows or packed examples, or packed preference pairs."""
-DATA_KINDS: dict[str, str] = {"tokens": "token windows or examples", "pairs": "preference pairs"}
+DataKind = Literal["tokens", "pairs", "unpaired"]
+"""What a token file holds: token windows or packed examples, packed preference pairs, or packed unpaired answers."""
+DATA_KINDS: dict[str, str] = {
+    "tokens": "token windows or examples",
+    "pairs": "preference pairs",
+    "unpaired": "unpaired answers (prompt, completion, label)",
+}
 
 
 def data_kind(tokens: Any) -> DataKind:
     """The kind of data a token file (or a mixture) holds."""
-    return "pairs" if tokens.preference else "tokens"
+    return "pairs" if tokens.preference else "unpaired" if tokens.unpaired else "tokens"
 
 
 class Kind:

@@ -24,60 +24,9 @@ from fsdp_trainer.config import DistillConfig
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
-from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.model import sample_batch
+from fsdp_trainer.steps.examples import examples_of, packed
 from fsdp_trainer.tokenizer import load_tokenizer
-
-
-def prompts_of(batch: MicroBatch) -> list[np.ndarray]:
-    """The prompt of each example of a packed micro-batch that has an answer, in row-major order: its tokens up to
-    the last one before its last run of targets, which predicts the answer's first token."""
-    if batch.documents is None:
-        raise ValueError("distill.lmbda samples answers to the prompts of chat examples; this data is token windows")
-    inputs, targets, documents = (x.cpu().numpy() for x in (batch.inputs, batch.targets, batch.documents))
-    prompts = []
-    for row in range(inputs.shape[0]):
-        starts = np.flatnonzero(np.diff(documents[row], prepend=-1))
-        for start, end in zip(starts, [*starts[1:], inputs.shape[1]], strict=True):
-            trained = targets[row, start:end] != IGNORE
-            if not trained.any():
-                continue  # padding, or an example whose answer the window did not keep
-            last = np.flatnonzero(trained)[-1]
-            untrained = np.flatnonzero(~trained[:last])
-            answer = 0 if len(untrained) == 0 else untrained[-1] + 1
-            if answer == 0:
-                raise ValueError(
-                    "distill.lmbda samples answers to prompts, and an example of this data is trained from its first "
-                    "token (prepared with train_on=all?): prepare it with train_on=assistant"
-                )
-            prompts.append(inputs[row, start : start + answer + 1])
-    return prompts
-
-
-def packed(examples: list[tuple[np.ndarray, list[int]]], length: int, device: torch.device) -> MicroBatch:
-    """(prompt, answer) pairs packed in order into windows of `length` tokens, block-causal, trained on the answers;
-    one untrained window if there are none (the step's forward still runs on every rank)."""
-    rows: list[list[tuple[np.ndarray, list[int]]]] = [[]]
-    used = 0
-    for prompt, answer in examples:
-        if used + len(prompt) + len(answer) > length:
-            rows.append([])
-            used = 0
-        rows[-1].append((prompt, answer))
-        used += len(prompt) + len(answer)
-    inputs = np.zeros((len(rows), length), dtype=np.int64)
-    targets = np.full((len(rows), length), IGNORE, dtype=np.int64)
-    documents = np.zeros((len(rows), length), dtype=np.int64)
-    for r, row in enumerate(rows):
-        at = 0
-        for number, (prompt, answer) in enumerate(row, start=1):
-            tokens = np.concatenate([prompt, np.asarray(answer, dtype=np.int64)])
-            inputs[r, at : at + len(tokens)] = tokens
-            targets[r, at + len(prompt) - 1 : at + len(tokens) - 1] = answer  # position i predicts token i + 1
-            documents[r, at : at + len(tokens)] = number
-            at += len(tokens)
-        documents[r, at:] = len(row) + 1  # the padding after the last example is an example of its own
-    return MicroBatch(*(torch.from_numpy(x).to(device) for x in (inputs, targets, documents)))
 
 
 class OnPolicy:
@@ -104,7 +53,7 @@ class OnPolicy:
         out = []
         with held_gathered(model, plan):
             for batch in micro_batches:
-                prompts, length = prompts_of(batch), batch.inputs.shape[1]
+                prompts, length = [prompt for prompt, _ in examples_of(batch)], batch.inputs.shape[1]
                 if not prompts:
                     model(torch.zeros(1, 1, dtype=torch.long, device=device))  # the gathers every rank takes part in
                     out.append(packed([], length, device))
