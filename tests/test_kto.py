@@ -170,3 +170,67 @@ def test_kto_two_ranks_equal_one_process_resume_bitwise_and_the_margin_grows(unp
     resumed = {r["step"]: r for r in read_metrics(two) if "kl" in r}
     for step in (6, 8, 10):
         assert (resumed[step]["loss"], resumed[step]["kl"]) == (steps[step]["loss"], steps[step]["kl"]), step
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml"])
+def test_prepared_records_give_trls_tokens_and_completions(tmp_path, trl_setup, template):
+    """Conversational records (message lists) through prepare_data.py --format unpaired and our loader, against TRL's
+    KTOTrainer's batch of the same records: the same token ids per example and the same completion tokens, but for
+    the newline ChatML writes after <|im_end|>, which TRL counts in the completion and we do not (README)."""
+    from dataclasses import asdict
+
+    from fsdp_trainer.data.format import TokenFile
+    from fsdp_trainer.data.loader import TokenLoader
+    from tests.test_chat import CHATML
+    from tests.test_dpo import LLAMA3_TEMPLATE
+    from tests.test_real_models import save_hf_tokenizer
+
+    _, _, policy, reference, cfg = trl_setup
+    chat_template, family = {"llama3": (LLAMA3_TEMPLATE, "llama"), "chatml": (CHATML, "qwen3")}[template]
+    tokenizer = save_hf_tokenizer(tmp_path / "tokenizer", family, chat_template)
+    tokenizer.pad_token = tokenizer.eos_token
+    records = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}],
+         "completion": [{"role": "assistant", "content": r["completion"]}], "label": r["label"]}
+        for r in RECORDS
+    ]  # fmt: skip
+    records[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    seq_len = 512
+    recipe = {"model": {**asdict(cfg), "max_seq_len": seq_len, "vocab_size": len(tokenizer)},
+              "parallel": {"mixed_precision": "fp32"},
+              "data": {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
+                       "seq_len": seq_len}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
+    subprocess.run([*tool, "--format", "unpaired", "--input", str(tmp_path / "records.jsonl"), "--val_fraction", "0"],
+                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
+    data = TokenFile(tmp_path / "train.bin")
+    (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
+
+    args = trl.KTOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(records), report_to=[],
+                         use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip
+    trainer = trl.KTOTrainer(model=policy, ref_model=reference, args=args, processing_class=tokenizer,
+                             train_dataset=datasets.Dataset.from_list(records))  # fmt: skip
+    trl_batch = next(iter(trainer.get_train_dataloader()))
+
+    def ours():
+        for k, good in enumerate(batch.desirable.tolist()):
+            row = int((batch.sequences == k).any(dim=1).nonzero()[0])
+            document = batch.documents[row][batch.sequences[row] == k][0]
+            inside = batch.documents[row] == document
+            trained = torch.cat([torch.zeros(1, dtype=torch.bool), batch.sequences[row][inside][:-1] == k])
+            yield batch.inputs[row][inside].tolist(), trained.tolist(), good
+
+    newline = tokenizer("\n", add_special_tokens=False).input_ids
+
+    def theirs():
+        columns = ("input_ids", "attention_mask", "completion_mask", "label")
+        for ids, mask, completion, good in zip(*(trl_batch[c] for c in columns), strict=True):
+            ids, trained = ids[mask.bool()].tolist(), completion[mask.bool()].bool().tolist()
+            if template == "chatml":  # TRL's completion ends with the template's newline after <|im_end|>
+                assert ids[-1:] == newline and trained[-1]
+                trained[-1] = False
+            yield ids, trained, bool(good)
+
+    assert sorted(ours()) == sorted(theirs())
