@@ -214,6 +214,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     states = {"model": model_state(model), "optim": OptimState(model, optimizer), "data": loader, "train": state}
     step = build_step(recipe, env, model)  # the training kind's, with the frozen models it holds
     ckpt = build_checkpointer(recipe, env, states, step)
+    step.prepare(recipe, env, {"train": train_file, "val": val_file}, ckpt.attachments)
     if env.is_main:
         write_config(recipe)
     metrics = Metrics(

@@ -341,6 +341,11 @@ class PreferenceConfig:
     desirable_weight x their number over undesirable_weight x theirs between 1 and 4/3)."""
     undesirable_weight: float = 1.0
     """kto: the weight of the undesirable answers' losses (TRL's undesirable_weight)."""
+    reference: Literal["model", "cache"] = "model"
+    """sigmoid, ipo, robust: where the reference's log-probabilities come from. model: its forward each micro-step.
+    cache: one sharded forward pass of it over every pair of the train and validation files before training, stored
+    in train.out_dir/reference_cache with the fingerprints of the reference's weights and of the files; then no
+    reference is held, gathered or run (a resume reads the cache, and refuses one made for other data)."""
 
     def __post_init__(self) -> None:
         _require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
@@ -362,6 +367,10 @@ class PreferenceConfig:
             "set it to 0",
         )
         _require(self.nll_weight == 0 or self.loss != "kto", "preference.nll_weight applies to pairs, not kto")
+        _require(
+            self.reference == "model" or self.loss in ("sigmoid", "ipo", "robust"),
+            f"preference.reference=cache applies to the sigmoid, ipo and robust losses, not {self.loss}",
+        )
 
 
 @dataclass

@@ -42,6 +42,8 @@ class MicroBatch(NamedTuple):
     """Preference pairs only: how many the micro-batch holds."""
     desirable: torch.Tensor | None = None
     """(responses,) unpaired answers only: whether each response (numbered as in `sequences`) is labelled good."""
+    windows: torch.Tensor | None = None
+    """(B,) on the host, packed data of one file: the window of that file each row is (a cache's key)."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -158,6 +160,15 @@ class _Epochs:
     def read(self, sample_ids: np.ndarray) -> np.ndarray:
         """The windows of this source's samples `sample_ids` (counted over all its epochs): (B, seq_len + 1) tokens,
         or for packed data (B, 2, seq_len): tokens and flags."""
+        positions = self.positions(sample_ids)
+        if self.packed:
+            starts = positions * self.seq_len
+            tokens, flags = self.tokens.windows(starts, self.window), self.tokens.flag_windows(starts, self.window)
+            return np.stack([tokens, flags], 1)
+        return self.tokens.windows(positions * self.seq_len, self.window)
+
+    def positions(self, sample_ids: np.ndarray) -> np.ndarray:
+        """Which window of the file each of this source's samples is, in its epoch's order."""
         epochs, positions = np.divmod(sample_ids, self.n_samples)
         if self.shuffle:
             for epoch in np.unique(epochs):  # a batch spans at most two epochs
@@ -166,11 +177,7 @@ class _Epochs:
                     self._order = np.random.default_rng([*self.seed_key, self._epoch]).permutation(self.n_samples)
                 mask = epochs == epoch
                 positions[mask] = self._order[positions[mask]]
-        if self.packed:
-            starts = positions * self.seq_len
-            tokens, flags = self.tokens.windows(starts, self.window), self.tokens.flag_windows(starts, self.window)
-            return np.stack([tokens, flags], 1)
-        return self.tokens.windows(positions * self.seq_len, self.window)
+        return positions
 
 
 def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,9 +198,12 @@ def _desirable(documents: np.ndarray, flags: np.ndarray, responses: np.ndarray) 
     return ((flags & DESIRABLE) > 0)[starts][np.searchsorted(keys, responses)]
 
 
-def micro_batch(rows: np.ndarray, packed: bool, records: str | None, device: torch.device) -> MicroBatch:
+def micro_batch(
+    rows: np.ndarray, packed: bool, records: str | None, device: torch.device, windows: np.ndarray | None = None
+) -> MicroBatch:
     """A micro-batch of rows read from a token file: windows of seq_len + 1 tokens (B, T + 1), or packed windows of
-    tokens and their flags (B, 2, T), on `device`; `records` preference or unpaired: their responses numbered."""
+    tokens and their flags (B, 2, T), on `device`; `records` preference or unpaired: their responses numbered;
+    `windows`: which of the file's windows the rows are (kept on the host)."""
     pairs, desirable = 0, None
     if packed:  # (B, 2, T): tokens, flags
         tokens, flags = rows[:, 0], rows[:, 1]
@@ -212,8 +222,9 @@ def micro_batch(rows: np.ndarray, packed: bool, records: str | None, device: tor
     rows = torch.from_numpy(rows)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)
+    windows = None if windows is None else torch.from_numpy(windows)
     if records is not None:
-        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable)
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable, windows)
     if packed:
         return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
     return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
@@ -250,15 +261,17 @@ class TokenLoader:
 
     def _micro_batch(self, first_global_id: int) -> MicroBatch:
         global_ids = np.arange(first_global_id, first_global_id + self.micro_batch_size)
+        windows = None
         if self.mixture is None:
             rows = self.sources[0].read(global_ids)
+            windows = self.sources[0].positions(global_ids) if self.packed else None
         else:
             which, local = self.mixture.assign(global_ids)
             shape = (2, self.seq_len) if self.packed else (self.seq_len + 1,)
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        return micro_batch(rows, self.packed, self.records, self.device)
+        return micro_batch(rows, self.packed, self.records, self.device, windows)
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""

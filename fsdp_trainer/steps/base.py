@@ -173,6 +173,11 @@ class Step(Kind):
         numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
         return weighted(self.weights, means), {**self.extra(micro_batches, units), **numbers}
 
+    def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
+        """Called once before the first step, when the frozen models hold the weights the run started from (their
+        `records`, checkpoint/starts.py), with the run's token files by split (train, val: None without one): for a
+        kind that computes something of its data first (a cached reference)."""
+
     def begin(self, step: int) -> None:
         """Called before optimizer step `step` (from 1, counted across resumes), for a kind whose step depends on which
         it is (on-policy distillation samples on the steps (seed, step) draws)."""

@@ -5,7 +5,11 @@ frozen copy (pairs.py says what every pair kind shares)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +17,7 @@ import torch.nn as nn
 
 from fsdp_trainer.adapters import has_adapters
 from fsdp_trainer.adapters.lora import adapters_disabled
-from fsdp_trainer.checkpoint.starts import Start
+from fsdp_trainer.checkpoint.starts import LORA_BASE_FILE, Start
 from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
@@ -21,8 +25,10 @@ from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss, SequenceLogProbs
 from fsdp_trainer.steps.base import frozen_copy
 from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective, reward_sums
+from fsdp_trainer.steps.reference_cache import CACHE_DIR, ReferenceCache, data_fingerprint
 
 METRICS = REWARD_METRICS
+logger = logging.getLogger("fsdp_trainer")
 
 
 def held(estimates: list) -> str:
@@ -87,8 +93,10 @@ class PreferenceStep(PairStep):
     def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
         super().__init__(cfg.nll_weight)
         self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
-        self.reference, self.chunks = reference, chunks
+        self.reference, self.chunks, self.cached = reference, chunks, cfg.reference == "cache"
         self.starts += reference.starts()
+        self.caches: dict[str, ReferenceCache] = {}
+        self.split = "train"
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
@@ -100,27 +108,80 @@ class PreferenceStep(PairStep):
 
     @classmethod
     def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        if recipe.preference.reference == "cache":
+            return 0  # freed once its log-probabilities are cached, before the first step
         return 0 if adapted else n_params  # with adapters, the reference is the policy's own weights
 
     @classmethod
     def forward_params(cls, recipe: Any, n_params: int) -> int:
-        return n_params  # the reference's forward
+        return 0 if recipe.preference.reference == "cache" else n_params  # the reference's forward
+
+    def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
+        """With a cached reference: its log-probabilities of every pair of each split, read from train.out_dir or
+        computed (one sharded forward pass) and stored there; then the frozen copy's weights are freed."""
+        if not self.cached:
+            return
+        record = records.get(REFERENCE_FILE, records.get(LORA_BASE_FILE))
+        for split, tokens in files.items():
+            if tokens is None:
+                continue
+            made_from = {"reference": json.loads(record), "data": data_fingerprint(tokens)}
+            path = Path(recipe.train.out_dir) / CACHE_DIR / f"{split}.npz"
+            if path.is_file():
+                self.caches[split] = ReferenceCache.load(path, made_from)
+                if env.is_main:
+                    logger.info(f"preference.reference=cache: the reference's log-probabilities read from {path}")
+                continue
+            data, began = recipe.data, time.perf_counter()
+
+            def logps_of(batch: MicroBatch) -> torch.Tensor:
+                return self.reference.logps(batch, answers_objective(batch, self.chunks))
+
+            self.caches[split] = ReferenceCache.compute(logps_of, tokens, data.seq_len, data.micro_batch_size, env)
+            if env.is_main:
+                self.caches[split].save(path, made_from)
+                logger.info(
+                    f"preference.reference=cache: the reference's log-probabilities of {split}'s "
+                    f"{len(self.caches[split].values):,} answers computed in {time.perf_counter() - began:.1f} s, "
+                    f"stored in {path}"
+                )
+        if self.reference.frozen is not None:
+            self.reference.frozen.to_empty(device="meta")  # no longer read: the cache stands for it
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
         """What the reference costs in the planner's rows, and what the other way of having it would."""
+        loss = f"preference.loss {recipe.preference.loss}"
+        if recipe.preference.reference == "cache":
+            return (
+                f"{loss}, preference.reference cache: before the first step, one forward pass of the reference over "
+                "every pair of the train and validation files (its time grows with the data, which the planner does "
+                "not read), 8 bytes a pair stored; then no reference is held, gathered or run (none in these rows)"
+            )
+        frozen = max(e.reference_gb for e in estimates if not e.offload)
         return (
-            f"preference.loss {recipe.preference.loss}: the reference model is {held(estimates)}; its forward each "
-            "micro-step "
-            "gathers the weights again (in `sent`) and adds a third of a step's compute (in the predicted step time). "
-            "Log-probabilities computed once before training and stored beside the data (8 bytes a pair) would cost "
-            "neither during training, but one forward pass over every pair first; this trainer does not offer it yet."
+            f"{loss}: the reference model is {held(estimates)}; its forward each micro-step gathers the weights again "
+            "(in `sent`) and adds a third of a step's compute (in the predicted step time). With "
+            "--preference.reference cache its log-probabilities are computed once before training (one forward pass "
+            f"over every pair) and the step holds and runs no reference: up to {frozen:.2f} GB a rank less, and not "
+            "that third"
         )
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
+        self.split = "val"  # the micro-batches are the validation file's: its cache
+        try:
+            return super().evaluate(model, micro_batches)
+        finally:
+            self.split = "train"
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss terms (pairs.PairStep.loss_terms) and its sums of METRICS: the reference's
         log-probabilities of its answers (no gradient), then the policy's (with gradient, where enabled)."""
-        reference = self.reference.logps(batch, answers_objective(batch, self.chunks))
+        if self.caches:
+            reference = self.caches[self.split].logps(batch)
+        else:
+            reference = self.reference.logps(batch, answers_objective(batch, self.chunks))
         policy, lengths = answer_logps(model, batch, self.chunks)
         chosen, rejected, ref_chosen, ref_rejected = policy[0::2], policy[1::2], reference[0::2], reference[1::2]
         losses = self.loss(chosen, rejected, ref_chosen, ref_rejected, lengths[0::2], lengths[1::2])
