@@ -107,6 +107,14 @@ class PreferenceStep(PairStep):
         return cls(recipe.preference, Reference.build(recipe, env, policy), recipe.train.loss_chunks)
 
     @classmethod
+    def check(cls, recipe: Any) -> None:
+        if recipe.preference.reference == "cache" and recipe.data.mixture:
+            raise ValueError(
+                "preference.reference=cache keeps the log-probabilities of one train file's windows; data.mixture "
+                "draws from several: set data.train_path, or preference.reference model"
+            )
+
+    @classmethod
     def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
         if recipe.preference.reference == "cache":
             return 0  # freed once its log-probabilities are cached, before the first step
@@ -133,6 +141,8 @@ class PreferenceStep(PairStep):
                     logger.info(f"preference.reference=cache: the reference's log-probabilities read from {path}")
                 continue
             data, began = recipe.data, time.perf_counter()
+            if env.is_main:
+                logger.info(f"preference.reference=cache: one pass of the reference over {tokens.path} first")
 
             def logps_of(batch: MicroBatch) -> torch.Tensor:
                 return self.reference.logps(batch, answers_objective(batch, self.chunks))
