@@ -6,6 +6,7 @@ one training job per kind in the order given (repeat kinds to alternate them).
     python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 \
         --kinds sft dpo lora_sft lora_dpo lora_dpo lora_sft dpo sft [--data.seq_len 512 --lora.rank 16 ...]
     python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 --kinds dpo simpo orpo orpo simpo dpo
+    python benchmarks/bench_dpo.py --recipe recipes/debug.yaml --nproc 2 --steps 8 --kinds dpo dpo_cache dpo_cache dpo
 
 The data is the bundled preference set prepared with the recipe's tokenizer (data.tokenizer_path) into data.seq_len
 windows; the fine-tuning baselines read the same windows as plain packed examples (the loss on both answers). Each
@@ -38,6 +39,8 @@ KINDS = {  # (its flags, the baseline a DPO kind is compared with)
     # the reference-free kinds, against DPO with its frozen copy
     "simpo": (["--preference.loss", "simpo", "--preference.beta", "2.0"], "dpo"),
     "orpo": (["--preference.loss", "orpo"], "dpo"),
+    # DPO with its reference's log-probabilities cached before the first step (the pass is not in tokens/s)
+    "dpo_cache": (["--preference.loss", "sigmoid", "--preference.reference", "cache"], "dpo"),
 }
 
 

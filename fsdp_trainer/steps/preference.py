@@ -190,6 +190,8 @@ class PreferenceStep(PairStep):
         log-probabilities of its answers (no gradient), then the policy's (with gradient, where enabled)."""
         if self.caches:
             reference = self.caches[self.split].logps(batch)
+        elif self.cached:  # a step never prepared (the planner's, on fake tensors): zeros in place of its cache
+            reference = torch.zeros(2 * batch.pairs, device=batch.inputs.device)
         else:
             reference = self.reference.logps(batch, answers_objective(batch, self.chunks))
         policy, lengths = answer_logps(model, batch, self.chunks)
