@@ -92,16 +92,21 @@ def _check_messages(messages: list, where: str = "") -> None:
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
+def fields(record: object, keys: tuple[str, ...], what: str) -> list:
+    """The values of `keys` in a record (parsed JSON or a parquet row), or BadConversation naming those it lacks."""
+    if not isinstance(record, dict):
+        raise BadConversation("not a JSON object")
+    missing = [key for key in keys if key not in record]
+    if missing:
+        raise BadConversation(f"no {' / '.join(map(repr, missing))}: {what} has {', '.join(keys)}")
+    return [record[key] for key in keys]
+
+
 def preference_of(record: object) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen, rejected) messages of a preference record, checked: TRL's layouts, either three texts (a user
     turn and two assistant answers to it) or three message lists (the conversation so far, and the two answers as
     assistant turns)."""
-    if not isinstance(record, dict):
-        raise BadConversation("not a JSON object")
-    missing = [key for key in PREFERENCE_KEYS if key not in record]
-    if missing:
-        raise BadConversation(f"no {' / '.join(map(repr, missing))}: a preference record has prompt, chosen, rejected")
-    prompt, chosen, rejected = (record[key] for key in PREFERENCE_KEYS)
+    prompt, chosen, rejected = fields(record, PREFERENCE_KEYS, "a preference record")
     if all(isinstance(x, str) for x in (prompt, chosen, rejected)):
         answers = [[{"role": "assistant", "content": answer}] for answer in (chosen, rejected)]
         return [{"role": "user", "content": prompt}], *answers
@@ -209,12 +214,7 @@ UNPAIRED_KEYS = ("prompt", "completion", "label")
 def unpaired_of(record: object) -> tuple[list[dict], list[dict], bool]:
     """(prompt, completion, desirable) of an unpaired preference record, checked: TRL's KTO layout, a prompt and a
     completion (two texts, or the conversation so far and the answer's assistant messages) and a boolean label."""
-    if not isinstance(record, dict):
-        raise BadConversation("not a JSON object")
-    missing = [key for key in UNPAIRED_KEYS if key not in record]
-    if missing:
-        raise BadConversation(f"no {' / '.join(map(repr, missing))}: an unpaired record has prompt, completion, label")
-    prompt, completion, label = (record[key] for key in UNPAIRED_KEYS)
+    prompt, completion, label = fields(record, UNPAIRED_KEYS, "an unpaired record")
     if not isinstance(label, bool):
         raise BadConversation(f"'label' is {label!r}: it must be true (a desirable completion) or false")
     if isinstance(prompt, str) and isinstance(completion, str):
