@@ -103,7 +103,7 @@ def test_prepared_answers_keep_their_labels_and_are_trained_on_the_completion_al
 
     prepare_unpaired(tiny_data, tmp_path, RECORDS, "--val_fraction", "0")
     tokens = open_tokens(tmp_path / "train.bin")
-    assert tokens.unpaired and tokens.meta["examples"] == len(RECORDS)
+    assert tokens.records == "unpaired" and tokens.meta["examples"] == len(RECORDS)
     rows = np.stack([tokens.tokens.reshape(-1, 256), tokens.flags.reshape(-1, 256)], 1).astype(np.int64)
     batch = micro_batch(rows, packed=True, records="unpaired", device=torch.device("cpu"))
     tokenizer = load_tokenizer(json.loads(tiny_data.read_text())["data"]["tokenizer_path"])

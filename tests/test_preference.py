@@ -53,7 +53,8 @@ def test_pairs_are_packed_together_chosen_first_each_trained_on_its_answer(pairs
     """Every window holds whole pairs: its responses (the documents with targets) alternate chosen, rejected, and the
     two of a pair share their prompt; a response's targets are its answer."""
     data = TokenFile(pairs / "train.bin")
-    assert data.preference and data.meta["examples"] > 200  # of 540: the rest have prompts too long for 128
+    # of 540 pairs: the rest have prompts too long for 128 tokens
+    assert data.records == "preference" and data.meta["examples"] > 200
     loader = TokenLoader(data, SEQ, micro_batch_size=8, shuffle=False)
     (batch,) = loader.next_batch()
     assert batch.pairs >= 8 and int(batch.sequences.max()) == 2 * batch.pairs - 1

@@ -39,6 +39,8 @@ MANIFEST = "manifest.json"
 
 TARGET, START, DESIRABLE = 1, 2, 4
 """The bits of a packed file's flags."""
+RECORD_KINDS = ("preference", "unpaired")
+"""The packed files whose examples are not plain fine-tuning examples, each marked by its meta key set true."""
 
 
 def shard_name(index: int) -> str:
@@ -108,8 +110,8 @@ class TokenFile:
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")
         self.packed_seq_len: int | None = self.meta.get("packed_seq_len")
-        self.preference = bool(self.meta.get("preference"))  # packed preference pairs (chat.PreferenceEncoder)
-        self.unpaired = bool(self.meta.get("unpaired"))  # packed labelled completions (chat.UnpairedEncoder)
+        # preference: pairs (chat.PreferenceEncoder); unpaired: labelled completions (chat.UnpairedEncoder); or None
+        self.records: str | None = next((kind for kind in RECORD_KINDS if self.meta.get(kind)), None)
         self.flags = None
         if self.packed_seq_len is not None:
             flags_path = f"{self.path}{FLAGS_SUFFIX}"
@@ -162,7 +164,7 @@ class TokenShards:
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta["tokenizer_sha256"]
         self.packed_seq_len = None  # fine-tuning data is one packed file
-        self.preference = self.unpaired = False
+        self.records = None
         self.fingerprint = "manifest:" + hashlib.sha256(raw).hexdigest()  # the shards' checksums are in it
 
     def __len__(self) -> int:

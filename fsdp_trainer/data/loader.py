@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from fsdp_trainer.config import Recipe
+from fsdp_trainer.data.chat import RECORDS
 from fsdp_trainer.data.format import DESIRABLE, START, TARGET, Tokens, open_tokens
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.tokenizer import fingerprint
@@ -86,9 +87,7 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
 
 def holds(tokens: Tokens) -> str:
     """What a token file holds, in words."""
-    if tokens.preference:
-        return "preference pairs"
-    return "unpaired answers" if tokens.unpaired else "token windows or examples"
+    return RECORDS[tokens.records] if tokens.records else "token windows or examples"
 
 
 class Mixture:
@@ -109,8 +108,7 @@ class Mixture:
                 raise ValueError(f"data.mixture: {name}'s weight is too small to draw one sample in {self.BLOCK}")
         self.path = "mixture of " + ", ".join(str(source.path) for source in sources)
         self.vocab_size = max(source.vocab_size for source in sources)
-        # open_data refuses a mixture of preference pairs (or unpaired answers) and other data
-        self.preference, self.unpaired = sources[0].preference, sources[0].unpaired
+        self.records = sources[0].records  # open_data refuses a mixture of preference pairs and other data
         self.fingerprint = "mixture:" + "|".join(
             f"{w}:{src.fingerprint}" for w, src in zip(weights, sources, strict=True)
         )
@@ -255,7 +253,7 @@ class TokenLoader:
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
-        self.records = "preference" if token_file.preference else "unpaired" if token_file.unpaired else None
+        self.records = token_file.records
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 

@@ -48,7 +48,7 @@ DATA_KINDS: dict[str, str] = {
 
 def data_kind(tokens: Any) -> DataKind:
     """The kind of data a token file (or a mixture) holds."""
-    return "pairs" if tokens.preference else "unpaired" if tokens.unpaired else "tokens"
+    return {"preference": "pairs", "unpaired": "unpaired"}.get(tokens.records, "tokens")
 
 
 class Kind:
