@@ -25,6 +25,14 @@ PAIRS = [
 ]
 
 
+def trl_first_batch(trainer) -> tuple[dict, float, dict]:
+    """A TRL trainer's first training batch, its loss (no gradient) and the metrics TRL logs of it."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.no_grad():
+        loss = trainer._compute_loss(trainer.model, batch, return_outputs=False).item()
+    return batch, loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+
 def _trl_loss_and_metrics(trl_setup, kind: str, beta: float, label_smoothing: float):
     tmp, tokenizer, policy, reference, _ = trl_setup
     args = trl.DPOConfig(
@@ -34,10 +42,7 @@ def _trl_loss_and_metrics(trl_setup, kind: str, beta: float, label_smoothing: fl
     dataset = datasets.Dataset.from_list(PAIRS)
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=dataset,
                              processing_class=tokenizer)  # fmt: skip
-    batch = next(iter(trainer.get_train_dataloader()))
-    loss = trainer._compute_loss(trainer.model, batch, return_outputs=False)
-    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
-    return batch, loss.item(), metrics
+    return trl_first_batch(trainer)
 
 
 def _our_logps(hf_model, cfg, batch):
@@ -117,20 +122,38 @@ LLAMA3_TEMPLATE = (
 after the prompt) is exactly what we train: the answer's content and its <|eot_id|>."""
 
 
+def prepared_batch(tmp_path, model: dict, records: list[dict], data_format: str, seq_len: int):
+    """`records` through prepare_data.py --format `data_format`, with the tokenizer saved in tmp_path/tokenizer and
+    the model section `model`: the whole file, in order, as one micro-batch."""
+    import json
+    import subprocess
+    import sys
+
+    from fsdp_trainer.data.format import TokenFile
+    from fsdp_trainer.data.loader import TokenLoader
+    from tests.helpers import REPO
+
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = {"model": model, "parallel": {"mixed_precision": "fp32"},
+              "data": {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
+                       "seq_len": seq_len}}  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
+    subprocess.run([*tool, "--format", data_format, "--input", str(tmp_path / "records.jsonl"), "--val_fraction", "0"],
+                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
+    data = TokenFile(tmp_path / "train.bin")
+    (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
+    return batch
+
+
 def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_path, trl_setup):
     """Conversational pairs (TRL's message lists) through prepare_data.py --format preference, our loader and our
     objective, against TRL's DPOTrainer on the same records: the same token ids and completion tokens per
     conversation, and the same loss and reward metrics from a policy and a reference built from one config."""
-    import json
-    import subprocess
-    import sys
     from dataclasses import asdict, replace
 
     from fsdp_trainer.config import PreferenceConfig
-    from fsdp_trainer.data.format import TokenFile
-    from fsdp_trainer.data.loader import TokenLoader
     from fsdp_trainer.steps.preference import METRICS, PreferenceStep, Reference
-    from tests.helpers import REPO
 
     _, _, policy, reference, cfg = trl_setup
     tokenizer = save_hf_tokenizer(tmp_path / "tokenizer", "llama", LLAMA3_TEMPLATE)
@@ -139,25 +162,14 @@ def test_prepared_pairs_give_trls_tokens_log_probabilities_loss_and_metrics(tmp_
         {k: [{"role": "user" if k == "prompt" else "assistant", "content": pair[k]}] for k in pair} for pair in PAIRS
     ]
     records[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
-    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     seq_len = 512  # room for a pair whole: this tokenizer spells Llama 3's header tokens in several pieces
-    recipe = {"model": {**asdict(cfg), "max_seq_len": seq_len}, "parallel": {"mixed_precision": "fp32"}}
-    recipe["data"] = {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
-                      "seq_len": seq_len}  # fmt: skip
-    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
-    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
-    subprocess.run([*tool, "--format", "preference", "--input", str(tmp_path / "pairs.jsonl"), "--val_fraction", "0"],
-                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
-    data = TokenFile(tmp_path / "train.bin")
-    (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
+    batch = prepared_batch(tmp_path, {**asdict(cfg), "max_seq_len": seq_len}, records, "preference", seq_len)
 
     args = trl.DPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(PAIRS), beta=0.1,
                          report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=tokenizer,
                              train_dataset=datasets.Dataset.from_list(records))  # fmt: skip
-    trl_batch = next(iter(trainer.get_train_dataloader()))
-    trl_loss = trainer._compute_loss(trainer.model, trl_batch, return_outputs=False).item()
-    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_batch, trl_loss, trl_metrics = trl_first_batch(trainer)
 
     # The same conversations, token for token, and the same tokens trained on (as (ids, completion) per sequence).
     def ours():

@@ -23,7 +23,7 @@ from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.steps.kto import KTOStep
 from fsdp_trainer.steps.preference import Reference
 from tests.helpers import REPO, read_metrics, run_args, train_cli
-from tests.test_dpo import PAIRS
+from tests.test_dpo import PAIRS, trl_first_batch
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -67,10 +67,7 @@ def test_loss_kl_and_metrics_equal_trls(trl_setup, one_rank, beta, weights):
     )  # fmt: skip
     trainer = trl.KTOTrainer(model=policy, ref_model=reference, args=args, processing_class=tokenizer,
                              train_dataset=datasets.Dataset.from_list(RECORDS))  # fmt: skip
-    batch = next(iter(trainer.get_train_dataloader()))
-    with torch.no_grad():
-        trl_loss = trainer._compute_loss(trainer.model, batch, return_outputs=False).item()
-    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    batch, trl_loss, trl_metrics = trl_first_batch(trainer)
 
     config = PreferenceConfig(loss="kto", beta=beta, desirable_weight=weights[0], undesirable_weight=weights[1])
     step = KTOStep(config, Reference(None, ours(reference, cfg)))
@@ -179,10 +176,8 @@ def test_prepared_records_give_trls_tokens_and_completions(tmp_path, trl_setup, 
     the newline ChatML writes after <|im_end|>, which TRL counts in the completion and we do not (README)."""
     from dataclasses import asdict
 
-    from fsdp_trainer.data.format import TokenFile
-    from fsdp_trainer.data.loader import TokenLoader
     from tests.test_chat import CHATML
-    from tests.test_dpo import LLAMA3_TEMPLATE
+    from tests.test_dpo import LLAMA3_TEMPLATE, prepared_batch
     from tests.test_real_models import save_hf_tokenizer
 
     _, _, policy, reference, cfg = trl_setup
@@ -195,18 +190,8 @@ def test_prepared_records_give_trls_tokens_and_completions(tmp_path, trl_setup, 
         for r in RECORDS
     ]  # fmt: skip
     records[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
-    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    seq_len = 512
-    recipe = {"model": {**asdict(cfg), "max_seq_len": seq_len, "vocab_size": len(tokenizer)},
-              "parallel": {"mixed_precision": "fp32"},
-              "data": {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
-                       "seq_len": seq_len}}  # fmt: skip
-    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
-    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
-    subprocess.run([*tool, "--format", "unpaired", "--input", str(tmp_path / "records.jsonl"), "--val_fraction", "0"],
-                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
-    data = TokenFile(tmp_path / "train.bin")
-    (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
+    model = {**asdict(cfg), "max_seq_len": 512, "vocab_size": len(tokenizer)}
+    batch = prepared_batch(tmp_path, model, records, "unpaired", 512)
 
     args = trl.KTOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(records), report_to=[],
                          use_cpu=True, bf16=False, disable_tqdm=True)  # fmt: skip

@@ -20,7 +20,7 @@ from fsdp_trainer.steps.pairs import answer_logps
 from fsdp_trainer.steps.preference import PreferenceStep, Reference
 from fsdp_trainer.steps.simpo import SimPOStep
 from tests.helpers import read_metrics, train_cli, train_losses
-from tests.test_dpo import PAIRS
+from tests.test_dpo import PAIRS, trl_first_batch
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -119,10 +119,7 @@ def test_dpo_with_nll_equals_trls_sigmoid_plus_sft_loss(trl_setup, one_rank):
     )  # fmt: skip
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=tokenizer,
                              train_dataset=datasets.Dataset.from_list(PAIRS))  # fmt: skip
-    trl_batch = next(iter(trainer.get_train_dataloader()))
-    with torch.no_grad():
-        trl_loss = trainer._compute_loss(trainer.model, trl_batch, return_outputs=False).item()
-    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_batch, trl_loss, trl_metrics = trl_first_batch(trainer)
     ids, completion = trl_batch["input_ids"], trl_batch["completion_mask"].bool()
     batch = micro_batch(ids, ids.masked_fill(~completion, IGNORE))
     config = PreferenceConfig(loss="sigmoid", beta=0.1, nll_weight=0.5)
