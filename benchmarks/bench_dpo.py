@@ -1,12 +1,13 @@
 """What a preference run's reference model costs: DPO against next-token fine-tuning on the same packed windows, with
 every weight trained (the reference a frozen sharded copy) and with LoRA (the reference the policy with its adapters
-off), and the reference-free kinds (SimPO, ORPO) against DPO: training state and peak memory per rank, and tokens/s,
-one training job per kind in the order given (repeat kinds to alternate them).
+off), and the reference-free kinds (SimPO, ORPO) and a reward model against DPO: training state and peak memory per
+rank, and tokens/s, one training job per kind in the order given (repeat kinds to alternate them).
 
     python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 \
         --kinds sft dpo lora_sft lora_dpo lora_dpo lora_sft dpo sft [--data.seq_len 512 --lora.rank 16 ...]
     python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 --kinds dpo simpo orpo orpo simpo dpo
     python benchmarks/bench_dpo.py --recipe recipes/debug.yaml --nproc 2 --steps 8 --kinds dpo dpo_cache dpo_cache dpo
+    python benchmarks/bench_dpo.py --recipe recipes/125m.yaml --nproc 2 --steps 4 --kinds dpo reward reward dpo
 
 The data is the bundled preference set prepared with the recipe's tokenizer (data.tokenizer_path) into data.seq_len
 windows; the fine-tuning baselines read the same windows as plain packed examples (the loss on both answers). Each
@@ -41,6 +42,8 @@ KINDS = {  # (its flags, the baseline a DPO kind is compared with)
     "orpo": (["--preference.loss", "orpo"], "dpo"),
     # DPO with its reference's log-probabilities cached before the first step (the pass is not in tokens/s)
     "dpo_cache": (["--preference.loss", "sigmoid", "--preference.reference", "cache"], "dpo"),
+    # a reward model on the same pairs: a score head in place of the output layer, no reference
+    "reward": (["--model.num_labels", "1"], "dpo"),
 }
 
 

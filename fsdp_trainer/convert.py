@@ -129,7 +129,7 @@ def load_model(path: str | os.PathLike) -> tuple[Transformer, Tokenizer]:
         if tokenizer_path is None:
             raise FileNotFoundError(f"{ckpt.path} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
     model = Transformer(cfg)
-    model.load_state_dict(state, strict=not cfg.tie_embeddings)
+    model.load_state_dict(state, strict=not cfg.tied_output)
     return model.eval(), load_tokenizer(tokenizer_path)
 
 
@@ -159,7 +159,7 @@ def export_hf_sharded(model: torch.nn.Module, recipe: Recipe, is_main: bool) -> 
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt cut short
     dist.barrier()  # no rank writes into the directory before it is clean
     state = get_model_state_dict(model)
-    if cfg.tie_embeddings:
+    if cfg.tied_output:
         state.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
     writer = HuggingFaceStorageWriter(
         str(tmp), fqn_to_index_mapping=dict.fromkeys(state, 1), save_distributed=True, enable_consolidation=True
@@ -168,7 +168,7 @@ def export_hf_sharded(model: torch.nn.Module, recipe: Recipe, is_main: bool) -> 
     if is_main:
         shutil.rmtree(tmp / "sharded", ignore_errors=True)  # each rank's part, now consolidated
         tokenizer = load_tokenizer(recipe.data.tokenizer_path) if recipe.data.tokenizer_path else None
-        config = hf_config(cfg, "fp32", tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
+        config = hf_config(cfg, "fp32", tokenizer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             write_tokenizer(tokenizer, tmp)
@@ -218,7 +218,7 @@ def consolidate(
             verify = "files"
     with _written_whole(out) as tmp:
         crcs = save_safetensors(shapes, tensors, tmp, dtype, int(max_shard_gb * 1e9))
-        config = hf_config(cfg, dtype, tokenizer and tokenizer.bos_id, tokenizer and tokenizer.eos_id)
+        config = hf_config(cfg, dtype, tokenizer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer is not None:
             write_tokenizer(tokenizer, tmp)
@@ -229,7 +229,7 @@ def consolidate(
             model = None
             if check_logits:  # our model beside transformers': both whole, by what is asked
                 model = Transformer(cfg)
-                model.load_state_dict(_model_weights(read), strict=not cfg.tie_embeddings)
+                model.load_state_dict(_model_weights(read), strict=not cfg.tied_output)
                 model.to(torch_dtype)
             diff = check_with_transformers(tmp, model, torch_dtype)
             if diff is not None:
@@ -253,7 +253,7 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
     cfg = model_config_from_hf(json.loads(config_path.read_text()), str(config_path))
     expected = _shapes(cfg)
     stored = hf_stored_tensors(hf)  # where each tensor is: checked from the headers, read only as it is written
-    if cfg.tie_embeddings:
+    if cfg.tied_output:
         stored.pop("lm_head.weight", None)  # some exporters write the tied copy; ours is the embedding
         if "model.embed_tokens.weight" in stored:
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]

@@ -21,17 +21,27 @@ from safetensors.torch import save_file
 
 from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
+from fsdp_trainer.tokenizer import Tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+CLASSIFIER = "ForSequenceClassification"
+"""What a reward model's architecture ends with (Qwen3ForSequenceClassification), in place of ForCausalLM."""
 
 
-def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for LlamaForCausalLM / Qwen3ForCausalLM / MistralForCausalLM. Every field HF would otherwise
-    default is spelled out: a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error
-    and gives wrong logits."""
+def architecture(cfg: ModelConfig) -> str:
+    """The transformers class of a model: its family's causal LM, or with num_labels its sequence classifier."""
+    causal_lm = ARCHITECTURES[cfg.family]
+    return causal_lm if cfg.num_labels is None else causal_lm.replace("ForCausalLM", CLASSIFIER)
+
+
+def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) -> dict:
+    """config.json for LlamaForCausalLM / Qwen3ForCausalLM / MistralForCausalLM, or a reward model's
+    *ForSequenceClassification (one label, and the tokenizer's pad id, by which transformers finds each padded
+    sequence's last token), with the `tokenizer`'s special ids. Every field HF would otherwise default is spelled out:
+    a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error and gives wrong logits."""
     scaling = {"rope_type": "llama3", **asdict(cfg.rope_scaling)} if cfg.rope_scaling else {}
     config = {
-        "architectures": [ARCHITECTURES[cfg.family]],
+        "architectures": [architecture(cfg)],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
@@ -50,7 +60,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tied_output,
         "torch_dtype": COMPUTE_DTYPES[dtype],
         "initializer_range": cfg.init_std,
         "use_cache": True,
@@ -59,10 +69,14 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if cfg.family == "mistral":
         config["sliding_window"] = cfg.sliding_window
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
+    if tokenizer is not None and tokenizer.bos_id is not None:
+        config["bos_token_id"] = tokenizer.bos_id
+    if tokenizer is not None and tokenizer.eos_id is not None:
+        config["eos_token_id"] = tokenizer.eos_id
+    if cfg.num_labels is not None:
+        pad_id = None if tokenizer is None else tokenizer.pad_id
+        config.update(id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}, pad_token_id=pad_id)
+        config["label2id"] = {label: int(i) for i, label in config["id2label"].items()}
     return config
 
 
@@ -93,6 +107,11 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
     n_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+    num_labels = None
+    if any(name.endswith(CLASSIFIER) for name in config.get("architectures") or []):
+        num_labels = len(config.get("id2label") or {"0": "LABEL_0"})
+        if num_labels != 1:
+            raise ValueError(f"{source}: a classifier of {num_labels} labels; only reward models (1) are supported")
     return ModelConfig(
         family=family,
         dim=config["hidden_size"],
@@ -108,12 +127,16 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         sliding_window=config.get("sliding_window") if family == "mistral" else None,
+        num_labels=num_labels,
     )
 
 
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in an adapter file (`base_model.model.model.layers.0.self_attn.q_proj.lora_A
 .weight`); the rest of the name is ours, which is HF's."""
+SCORE_HEAD = "score.weight"
+"""A reward model's score head, which a LoRA run trains whole beside its adapters, as PEFT's modules_to_save: its
+adapter file holds it under this name (after PEFT_PREFIX)."""
 
 
 def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_dir: Path, dtype: str) -> None:
@@ -122,9 +145,10 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
     torch_dtype = compute_dtype(dtype)
     tensors = {PEFT_PREFIX + name: t.to(torch_dtype).contiguous() for name, t in adapters.items()}
     _save_file(tensors, out_dir / "adapter_model.safetensors")
+    classifier = SCORE_HEAD in adapters
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if classifier else "CAUSAL_LM",
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -133,7 +157,7 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
-        "modules_to_save": None,
+        "modules_to_save": ["score"] if classifier else None,  # a reward model's head, trained whole
         "inference_mode": True,
         "base_model_name_or_path": None,
     }
@@ -170,8 +194,8 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[
     weights = check_peft_adapter(adapter_dir, lora)
     tensors = {}
     for name, tensor in read_safetensors_one_by_one(weights):
-        if not name.startswith(PEFT_PREFIX) or ".lora_" not in name:
-            raise ValueError(f"{weights} holds {name}, not a LoRA matrix of a causal LM under PEFT's names")
+        if not name.startswith(PEFT_PREFIX) or (".lora_" not in name and name != PEFT_PREFIX + SCORE_HEAD):
+            raise ValueError(f"{weights} holds {name}, not a LoRA matrix or a reward model's head under PEFT's names")
         tensors[name.removeprefix(PEFT_PREFIX).replace(".default.", ".")] = tensor.float()
     return tensors
 
@@ -321,10 +345,13 @@ def check_safetensors(out_dir: Path, shapes: dict[str, torch.Size], crcs: dict[s
 
 def check_with_transformers(out_dir: Path, model: torch.nn.Module | None, dtype: torch.dtype) -> float | None:
     """Load with transformers and fail on any loading problem (transformers only warns, and fills missing weights
-    with random values); with our `model`, return the largest logit difference on random tokens."""
-    from transformers import AutoModelForCausalLM
+    with random values); with our `model`, return the largest logit difference on random tokens (a reward model's:
+    of the scores, each at its sequence's last token)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    hf, info = AutoModelForCausalLM.from_pretrained(str(out_dir), output_loading_info=True, dtype=dtype)
+    classifier = any(name.endswith(CLASSIFIER) for name in AutoConfig.from_pretrained(str(out_dir)).architectures)
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    hf, info = auto.from_pretrained(str(out_dir), output_loading_info=True, dtype=dtype)
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
         {"error_msgs": info["error_msgs"]} if info.get("error_msgs") else {}
     )
@@ -336,6 +363,9 @@ def check_with_transformers(out_dir: Path, model: torch.nn.Module | None, dtype:
         0, model.cfg.vocab_size, (2, min(32, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(0)
     )
     with torch.no_grad():
+        if classifier:  # no pad token in the batch: each row's score is read at its last position
+            tokens[tokens == hf.config.pad_token_id] = (hf.config.pad_token_id + 1) % model.cfg.vocab_size
+            return (hf.eval()(tokens).logits.float() - model(tokens)[:, -1].float()).abs().max().item()
         return (hf.eval()(tokens).logits.float() - model(tokens).float()).abs().max().item()
 
 
@@ -383,6 +413,7 @@ def write_tokenizer_files(sp_model_path: str | os.PathLike, out_dir: str | os.Pa
         "bos_token": by_id.get(proto.trainer_spec.bos_id),
         "eos_token": by_id.get(proto.trainer_spec.eos_id),
         "unk_token": unk,
+        "pad_token": by_id[proto.trainer_spec.pad_id] if proto.trainer_spec.pad_id >= 0 else unk,  # as .pad_id says
         "add_bos_token": False,  # the training data has no BOS; documents end with EOS
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,

@@ -40,7 +40,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     head_dim = cfg.resolved_head_dim
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.dim * cfg.ffn_dim
-    matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.vocab_size
+    matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.output_size
     return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
 
 

@@ -237,15 +237,20 @@ class KVCache:
 
 
 class Transformer(nn.Module):
-    """Llama 3 / Qwen3 / Mistral causal language model: token ids (B, T) -> logits (B, T, vocab_size)."""
+    """Llama 3 / Qwen3 / Mistral causal language model: token ids (B, T) -> logits (B, T, vocab_size). With
+    cfg.num_labels, a reward model (HF's *ForSequenceClassification): the same decoder with a score head (`score`) in
+    place of the output layer, (B, T, num_labels), of which a sequence's last position is its score."""
 
     def __init__(self, cfg: ModelConfig, flex_attention: bool = False):
         super().__init__()
         self.cfg = cfg
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.num_labels is None:
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            if cfg.tie_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.score = nn.Linear(cfg.dim, cfg.num_labels, bias=False)
         self.flex_attention = flex_attention
         """Packed examples through flex_attention instead of a boolean mask: fast only compiled (on GPUs, when the
         blocks are compiled)."""
@@ -273,8 +278,13 @@ class Transformer(nn.Module):
             cache.length += tokens.shape[1]
         x = self.model.norm(x)
         if loss is None:
-            return self.lm_head(x)  # (B, T, vocab_size)
-        return loss(x, self.lm_head)
+            return self.output_layer(x)  # (B, T, vocab_size), or a reward model's (B, T, num_labels)
+        return loss(x, self.output_layer)
+
+    @property
+    def output_layer(self) -> nn.Module:
+        """What the final hidden states go through: the output layer (lm_head), or a reward model's score head."""
+        return self.lm_head if self.cfg.num_labels is None else self.score
 
     @torch.no_grad()
     def init_weights(
@@ -287,7 +297,7 @@ class Transformer(nn.Module):
 
         | tensor                                        | init                                      |
         |-----------------------------------------------|-------------------------------------------|
-        | embed_tokens, q/k/v_proj, gate/up_proj, lm_head | truncated normal(0, init_std), +-3 std  |
+        | embed_tokens, q/k/v_proj, gate/up_proj, lm_head / score | truncated normal(0, init_std), +-3 std |
         | o_proj, down_proj (write into the residual)   | truncated normal(0, init_std / sqrt(2 * n_layers)) |
         | every RMSNorm weight                          | 1                                         |
         | rope_cos, rope_sin                            | recomputed from the config                |
@@ -377,6 +387,8 @@ def generate(
     """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy; stop after `stop_id`. The prompt is
     read once into a KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables
     end at) each token re-reads the last max_seq_len tokens without one."""
+    if model.cfg.num_labels is not None:
+        raise ValueError("this is a reward model: it scores text (tools/score.py), it does not generate any")
     tokens, max_len = prompt.clone(), model.cfg.max_seq_len
     cache = KVCache(model.cfg, min(max_len, len(prompt) + max_new_tokens))
     new = tokens[-max_len:]
@@ -390,6 +402,15 @@ def generate(
         if stop_id is not None and next_id.item() == stop_id:
             break
     return tokens
+
+
+@torch.no_grad()
+def score(model: Transformer, sequences: list[torch.Tensor]) -> torch.Tensor:
+    """A reward model's score of each sequence (1-D token ids, at most max_seq_len): its score head at the sequence's
+    last token, as transformers' *ForSequenceClassification reads it (n,), fp32."""
+    if model.cfg.num_labels is None:
+        raise ValueError("this is a language model (model.num_labels null): it has no score head to score text with")
+    return torch.stack([model(ids[None])[0, -1, 0].float() for ids in sequences])
 
 
 @torch.no_grad()

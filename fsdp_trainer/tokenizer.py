@@ -121,6 +121,9 @@ class Tokenizer:
     vocab_size: int
     bos_id: int | None
     eos_id: int | None
+    pad_id: int | None
+    """What transformers pads a batch of sequences with, which a reward model finds each one's last token by: the
+    tokenizer's pad token (sentencepiece's: its unk piece, which the exported tokenizer_config.json declares)."""
     add_bos: bool
     """Whether a document starts with BOS, as the model was pretrained (Llama 3: yes; Qwen3 and ours: no)."""
     threads: int = -1
@@ -169,6 +172,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.sp = spm.SentencePieceProcessor(model_file=self.path)
         self.vocab_size = self.sp.get_piece_size()
         self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
+        self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.sp.unk_id()
         self.add_bos = False
 
     def encode(self, text: str) -> list[int]:
@@ -220,6 +224,7 @@ class HFTokenizer(Tokenizer):
         self.config = json.loads(files[HF_CONFIG].read_text()) if HF_CONFIG in files else {}
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
+        self.pad_id = self._special_id("pad_token")
         self.chat_template = self.config.get("chat_template")
         if HF_CHAT_TEMPLATE in files:
             self.chat_template = files[HF_CHAT_TEMPLATE].read_text()

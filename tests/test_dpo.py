@@ -29,7 +29,8 @@ def trl_first_batch(trainer) -> tuple[dict, float, dict]:
     """A TRL trainer's first training batch, its loss (no gradient) and the metrics TRL logs of it."""
     batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():
-        loss = trainer._compute_loss(trainer.model, batch, return_outputs=False).item()
+        compute_loss = getattr(trainer, "_compute_loss", trainer.compute_loss)  # RewardTrainer's is the public one
+        loss = compute_loss(trainer.model, batch, return_outputs=False).item()
     return batch, loss, {name: values[-1] for name, values in trainer._metrics["train"].items()}
 
 

@@ -7,8 +7,9 @@ export reads as before) and adds PEFT's `lora_A` (rank x in) and `lora_B` (out x
     y = x W^T + (alpha / rank) * B A dropout(x)
 
 A starts Kaiming-uniform, as PEFT's, and B at zero, so the adapted model starts as the base model exactly. Everything
-else is frozen: no gradients and no optimizer state. Apply it on the meta device, before parallelize(): FSDP then
-shards the adapters with the weights they adapt.
+else is frozen: no gradients and no optimizer state, but for a reward model's score head, which no base model has:
+it is trained whole beside the adapters and saved with them (PEFT's modules_to_save). Apply it on the meta device,
+before parallelize(): FSDP then shards the adapters with the weights they adapt.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_trainer.config import LoraConfig
+from fsdp_trainer.hf import SCORE_HEAD
 from fsdp_trainer.model import unwrapped_name
 
 
@@ -71,11 +73,14 @@ class LoRAEmbedding(nn.Module):
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
     """Freeze every parameter of `model`, held in `frozen_dtype` from now on (the compute dtype: with no fp32 master
     copy, a frozen weight is stored as FSDP would all-gather it anyway, so the forward is unchanged and its memory
-    halves in bf16), and give each `cfg.targets` projection of its blocks an adapter (fp32, as trained weights are)."""
+    halves in bf16), and give each `cfg.targets` projection of its blocks an adapter (fp32, as trained weights are).
+    A reward model's score head stays trained, in fp32."""
     model.requires_grad_(False)
     if frozen_dtype is not None:
         for param in model.parameters():
             param.data = param.data.to(frozen_dtype)
+    if model.cfg.num_labels is not None:
+        model.score.float().requires_grad_(True)
     for block in model.model.layers.children():
         for name, module in list(block.named_modules()):
             if name.rsplit(".", 1)[-1] in cfg.targets and isinstance(module, nn.Linear):
@@ -83,7 +88,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
                 parent = block.get_submodule(parent_name) if parent_name else block
                 setattr(parent, child, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
     outside = {"lm_head", "embed_tokens"} & set(cfg.targets)
-    if outside and model.lm_head.weight is model.model.embed_tokens.weight:  # the recipe refuses it (config.Recipe)
+    if outside and model.cfg.tied_output:  # the recipe refuses it (config.Recipe)
         raise ValueError(f"{sorted(outside)[0]} is tied: an adapter on it could not be merged into the shared weight")
     if "lm_head" in cfg.targets:  # the objectives call the output layer, adapter and all (loss.py)
         model.lm_head = LoRALinear(model.lm_head, cfg.rank, cfg.alpha, cfg.dropout)
@@ -108,6 +113,12 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 def is_adapter(name: str) -> bool:
     """Whether a parameter (by its name) belongs to an adapter, not to the model it adapts."""
     return ".lora_A." in name or ".lora_B." in name or ".lora_embedding_" in name
+
+
+def trained_with_adapters(name: str) -> bool:
+    """Whether a parameter (by its name) is what a LoRA run trains and saves, not the frozen model it adapts: an
+    adapter's, or a reward model's score head (PEFT's modules_to_save)."""
+    return is_adapter(name) or name == SCORE_HEAD
 
 
 @torch.no_grad()
@@ -154,7 +165,7 @@ def load_adapters(
     left = dict(adapters)
     for name, param in model.named_parameters():
         name = unwrapped_name(name)
-        if not is_adapter(name):
+        if not trained_with_adapters(name):
             continue
         if name not in left:
             raise ValueError(f"the adapter has no {name}; it was made for other layers or another model")

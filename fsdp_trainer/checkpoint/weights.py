@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_trainer.adapters import meta_model
-from fsdp_trainer.adapters.lora import is_adapter, merged
+from fsdp_trainer.adapters.lora import is_adapter, merged, trained_with_adapters
 from fsdp_trainer.adapters.nf4 import is_nf4
 from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base
 from fsdp_trainer.checkpoint.storage import (
@@ -53,7 +53,7 @@ class ModelState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
         if self.adapters_only:
-            return {name: t for name, t in state.items() if is_adapter(name)}
+            return {name: t for name, t in state.items() if trained_with_adapters(name)}
         # NF4 weights (QLoRA) are never saved and not loaded by DCP: restore.load_weights quantizes them
         return {name: t for name, t in state.items() if not is_nf4(t)}
 
@@ -64,7 +64,8 @@ class ModelState(Stateful):
 
 def check_model_shapes(path: Path, model_state: dict[str, Any], adapters_optional: bool = False) -> None:
     """Refuse a checkpoint of another model before DCP fails deep inside with a shape error. With
-    `adapters_optional`, a checkpoint without the model's LoRA adapters (its base model) passes."""
+    `adapters_optional`, a checkpoint without what a LoRA run trains (its base model), or a language model's without
+    a reward model's score head, passes: those keep their init."""
     metadata = read_metadata(path).state_dict_metadata
     saved = {
         key.removeprefix("model."): tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
@@ -79,7 +80,7 @@ def check_shapes(
 ) -> None:
     """check_model_shapes against the shapes of the weights `path` holds, by name (None: not a tensor)."""
     for name, tensor in model_state.items():
-        if name not in saved and adapters_optional and is_adapter(name):
+        if name not in saved and adapters_optional and trained_with_adapters(name):
             continue
         if name not in saved:
             raise CheckpointError(f"checkpoint {path} has no tensor {name}: it was saved from another model")
@@ -174,14 +175,14 @@ def read_saved_model(path: str | os.PathLike) -> SavedModel:
 
 
 def export_shapes(ckpt: SavedModel) -> tuple[dict[str, torch.Size], dict[str, torch.Size]]:
-    """(the weights an HF model has, the LoRA adapters a checkpoint of a LoRA run holds) by name and shape; tied
-    embeddings once, under embed_tokens."""
+    """(the weights an HF model has, what a checkpoint of a LoRA run holds: its adapters, and a reward model's score
+    head, which is among both) by name and shape; tied embeddings once, under embed_tokens."""
     model = meta_model(ckpt.model, ckpt.lora or LoraConfig())
     shapes = {name: t.shape for name, t in model.state_dict().items()}
-    if ckpt.model.tie_embeddings:
+    if ckpt.model.tied_output:
         shapes.pop("lm_head.weight")  # the same tensor as embed_tokens; HF ties them again on load
-    adapters = {name: shape for name, shape in shapes.items() if is_adapter(name)}
-    return {name: shape for name, shape in shapes.items() if name not in adapters}, adapters
+    adapters = {name: shape for name, shape in shapes.items() if ckpt.lora and trained_with_adapters(name)}
+    return {name: shape for name, shape in shapes.items() if not is_adapter(name)}, adapters
 
 
 def weight_stream(ckpt: SavedModel) -> tuple[dict[str, torch.Size], Iterator[tuple[str, torch.Tensor]]]:
@@ -193,15 +194,24 @@ def weight_stream(ckpt: SavedModel) -> tuple[dict[str, torch.Size], Iterator[tup
     if lora is None:
         return weights, iter_model_weights(ckpt.path, weights)
     adapters = load_model_weights(ckpt.path, adapter_shapes)
+    base_weights = {name: shape for name, shape in weights.items() if name not in adapters}  # a score head: the run's
     base = lora_base(ckpt.path)
     if base is None:  # the recipe's seeded init: the whole model in memory, as small as a from-scratch LoRA run is
         init = Transformer(cfg)
         init.init_weights(seed=ckpt.seed)
         init_state = init.state_dict()
-        frozen = ((name, init_state[name]) for name in weights)
+        frozen = ((name, init_state[name]) for name in base_weights)
     elif is_adapters_only(base):  # a LoRA run started from another LoRA run's weights: merged in turn
-        frozen = weight_stream(read_saved_model(base))[1]
+        frozen = ((name, tensor) for name, tensor in weight_stream(read_saved_model(base))[1] if name in base_weights)
     else:
-        frozen = iter_model_weights(base, weights)
+        frozen = iter_model_weights(base, base_weights)
 
-    return weights, ((name, merged(name, tensor, adapters, lora)) for name, tensor in frozen)
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in weights:
+            if name in adapters:
+                yield name, adapters[name]
+            else:
+                frozen_name, tensor = next(frozen)
+                yield frozen_name, merged(frozen_name, tensor, adapters, lora)
+
+    return weights, stream()

@@ -1,9 +1,9 @@
 """Recipes: typed sections (sections.py), which jsonargparse turns into the CLI and their attribute docstrings into
 `--help`, and the one parser every tool reads them with (parse.py).
 
-A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, distill, train,
-eval, checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check that
-can fail does so here, with one `error: ...` line naming the key, before any process group exists.
+A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, reward, distill,
+train, eval, checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check
+that can fail does so here, with one `error: ...` line naming the key, before any process group exists.
 """
 
 from fsdp_trainer.config.parse import (
@@ -37,6 +37,7 @@ from fsdp_trainer.config.sections import (
     Precision,
     PreferenceConfig,
     Recipe,
+    RewardConfig,
     RopeScaling,
     TrainConfig,
     WandbConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "PreferenceConfig",
     "Recipe",
     "RecipeError",
+    "RewardConfig",
     "RopeScaling",
     "SECTIONS",
     "TrainConfig",

@@ -96,6 +96,11 @@ class ModelConfig:
     """Standard deviation of the normal init of embeddings and projections (see Transformer.init_weights)."""
     sliding_window: int | None = None
     """mistral: a query attends to at most this many positions, itself included (HF's sliding_window); null: all."""
+    num_labels: int | None = None
+    """null: a language model, whose output layer (lm_head) predicts the next token. 1: a reward model (HF's
+    *ForSequenceClassification, num_labels 1): a score head (`score`) in place of the output layer, read at each
+    sequence's last token; it trains on preference pairs (Bradley-Terry, TRL's RewardTrainer), from a language model's
+    weights (a fresh head) or a reward model's."""
 
     def __post_init__(self) -> None:
         for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -116,6 +121,10 @@ class ModelConfig:
             self.sliding_window is None or (self.family == "mistral" and self.sliding_window > 0),
             f"model.sliding_window={self.sliding_window}: a positive window, for the mistral family only",
         )
+        _require(
+            self.num_labels in (None, 1),
+            f"model.num_labels={self.num_labels}: 1 (a reward model's scalar score) or null (a language model)",
+        )
 
     def check_vocab(self, what: str, n_ids: int) -> None:
         """Refuse token ids the model could not embed: `what` (a token file, a tokenizer) holds ids up to n_ids."""
@@ -131,6 +140,16 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return self.family == "qwen3"
+
+    @property
+    def output_size(self) -> int:
+        """What the last layer gives per position: the vocabulary's logits, or a score head's labels."""
+        return self.vocab_size if self.num_labels is None else self.num_labels
+
+    @property
+    def tied_output(self) -> bool:
+        """Whether the output layer is the embedding (tie_embeddings, for a language model: a score head never is)."""
+        return self.tie_embeddings and self.num_labels is None
 
 
 @dataclass
@@ -374,6 +393,23 @@ class PreferenceConfig:
 
 
 @dataclass
+class RewardConfig:
+    """A reward model (model.num_labels 1) on preference pairs, prepared with prepare_data.py --format preference:
+    each conversation's reward is the score head at its last token, and a pair's loss is Bradley-Terry's,
+    -log sigmoid(chosen - rejected), as TRL's RewardTrainer computes it."""
+
+    center_rewards_coefficient: float = 0.0
+    """Adds this x (chosen + rejected)^2 to each pair's loss, which keeps the rewards centred on zero (TRL's
+    center_rewards_coefficient; Eisenstein et al. 2023 use 0.01); 0: none."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.center_rewards_coefficient >= 0,
+            f"reward.center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0",
+        )
+
+
+@dataclass
 class DistillConfig:
     """Knowledge distillation: the model learns the next-token distributions of a frozen teacher, which is sharded as
     the model is and runs forward only. Off unless a teacher is named."""
@@ -540,6 +576,7 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -556,11 +593,26 @@ class Recipe:
             self.lora.quantize_base is None or not self.parallel.cpu_offload,
             "lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off",
         )
-        tied = sorted({"lm_head", "embed_tokens"} & set(self.lora.targets)) if self.model.tie_embeddings else []
+        tied = sorted({"lm_head", "embed_tokens"} & set(self.lora.targets)) if self.model.tied_output else []
         _require(
             self.lora.rank is None or not tied,
             f"lora.targets has {', '.join(tied)}, but model.tie_embeddings ties the output layer to the embedding: an "
             f"adapter on one could not be merged into the weight they share; leave {' and '.join(tied)} out",
+        )
+        _require(
+            self.model.num_labels is None or (self.preference.loss is None and self.distill.teacher is None),
+            "model.num_labels 1 trains a reward model (on preference pairs, as TRL's RewardTrainer); preference.loss "
+            "and distill.teacher train a language model: set them null, or model.num_labels null",
+        )
+        _require(
+            self.model.num_labels is None or not self.eval.tasks,
+            "eval.tasks score a language model, and a reward model (model.num_labels) has no output layer: set "
+            "eval.tasks []",
+        )
+        _require(
+            self.model.num_labels is None or "lm_head" not in self.lora.targets,
+            "lora.targets has lm_head, and a reward model (model.num_labels) has none: its score head trains whole; "
+            "leave lm_head out",
         )
         _require(
             self.data.seq_len <= self.model.max_seq_len,

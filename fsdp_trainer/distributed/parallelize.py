@@ -217,7 +217,7 @@ def materialize(
     """
     model.to_empty(device="cpu" if cpu_offload else device)
     embedding = model.model.embed_tokens.weight
-    if model.cfg.tie_embeddings and model.lm_head.weight is not embedding:
+    if model.cfg.tied_output and model.lm_head.weight is not embedding:
         # Frozen weights left outside FSDP (a shard group of one) come out of to_empty as two tensors: tie them again.
         model.lm_head.weight = embedding
     if cpu_offload:

@@ -214,7 +214,7 @@ def estimate(
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
     # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
-    quantized_root = meta.lm_head.weight.numel() if quantized and isinstance(meta.lm_head, LoRALinear) else 0
+    quantized_root = meta.output_layer.weight.numel() if quantized and isinstance(meta.output_layer, LoRALinear) else 0
     quantized_block = (quantized - quantized_root) // cfg.n_layers
     block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
     root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
@@ -228,7 +228,7 @@ def estimate(
     gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
     saved, full = activation_bytes_per_token(cfg, a, ac)
     activations = tokens * cfg.n_layers * saved
-    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.vocab_size * 12
+    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.output_size * 12
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)

@@ -11,9 +11,18 @@ from fsdp_trainer.steps.kto import KTOStep
 from fsdp_trainer.steps.next_token import NextTokenStep
 from fsdp_trainer.steps.orpo import ORPOStep
 from fsdp_trainer.steps.preference import PreferenceStep
+from fsdp_trainer.steps.reward import RewardStep
 from fsdp_trainer.steps.simpo import SimPOStep
 
-KINDS: tuple[type[Step], ...] = (PreferenceStep, SimPOStep, ORPOStep, KTOStep, DistillStep, NextTokenStep)
+KINDS: tuple[type[Step], ...] = (
+    PreferenceStep,
+    SimPOStep,
+    ORPOStep,
+    KTOStep,
+    RewardStep,
+    DistillStep,
+    NextTokenStep,
+)
 """The kinds, asked in this order whether a recipe wants them; next-token prediction, the last, when no other is."""
 
 
