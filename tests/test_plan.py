@@ -49,7 +49,11 @@ def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tupl
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "shape",
-    [dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160), dict(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=256)],
+    [
+        dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160),
+        dict(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=256),
+        dict(family="qwen3", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=160),  # QK-norm, q wider than d
+    ],
 )
 def test_activation_formula_counts_what_a_block_saves(dtype, shape):
     cfg = ModelConfig(n_layers=1, vocab_size=32, max_seq_len=64, **shape)

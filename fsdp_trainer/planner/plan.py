@@ -18,7 +18,8 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
   SHARD_OP and NO_SHARD, which keep them from forward to backward;
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
-  in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included);
+  in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included),
+  and with Qwen3's QK-norm 6(q + kv) more in bf16, 8(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
 - logits: t x V x 12 bytes, at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
   reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
@@ -176,13 +177,17 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
     Counted from what autograd keeps in model.py's Block (tests/test_plan.py checks it against a real forward): each
     RMSNorm its fp32 input, the normalized input and its output (4d + 2ad); attention the rotated q and k, v and the
     output (a(2q + 2kv), q = n_heads x head_dim) plus the log-sum-exp; the SwiGLU gate, up, silu(gate) and product
-    (4af). Selective AC keeps the block input and the matmul and attention outputs; full AC only the block input.
+    (4af); Qwen3's RMSNorm on each query and key head its fp32 input and the normalized one ((4 + a)(q + kv)), its
+    output going to the rotation, which keeps nothing of it. Selective AC keeps the block input and the matmul and
+    attention outputs; full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
     kv = cfg.n_kv_heads * cfg.resolved_head_dim
     small = 8 + 4 * h  # RMSNorm's fp32 rsqrt per norm, attention's fp32 log-sum-exp per head
     full = 8 * d + 4 * a * d + a * (2 * q + 2 * kv) + 4 * a * f + small
+    if cfg.qk_norm:
+        full += (4 + a) * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
     saved = {"none": full, "full": a * d, "selective": a * (3 * d + 2 * q + 2 * kv + 2 * f) + 4 * h}
     return saved[ac], full
 
