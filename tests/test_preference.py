@@ -82,7 +82,7 @@ def test_a_pair_is_cut_keeping_each_conversation_start_and_dropped_without_an_an
     marks[[0, 12]] = SEQUENCE
     marks[5:12] = marks[17:24] = TRAINED  # each conversation: 5 prompt tokens, 7 answer tokens
     assert packer.add(ids, marks) == []
-    (tokens, flags), *_ = packer.finish()
+    (tokens, flags, _), *_ = packer.finish()
     np.testing.assert_array_equal(tokens, np.r_[1:9, 13:21])  # 8 tokens of each, from its start
     assert np.flatnonzero(flags & START).tolist() == [0, 8]
     assert np.flatnonzero(flags & TARGET).tolist() == [4, 5, 6, 12, 13, 14]  # never across into the next

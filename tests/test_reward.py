@@ -66,7 +66,7 @@ def test_prepared_pairs_give_trls_conversations_rewards_loss_and_metrics(tmp_pat
     """Conversational pairs through prepare_data.py --format preference and our loader, against TRL's RewardTrainer
     on the same records: the same token ids per conversation (ChatML's newline after <|im_end|> included: the reward
     is read after it, as transformers reads it), the same reward of each, and the same loss, accuracy, margin and mean
-    reward, with and without centring."""
+    reward, plain, and with centring and TRL's margin column (prepared into the file's margins)."""
     from fsdp_trainer.hf import model_config_from_hf
     from tests.test_chat import CHATML
     from tests.test_real_models import save_hf_tokenizer
@@ -75,16 +75,21 @@ def test_prepared_pairs_give_trls_conversations_rewards_loss_and_metrics(tmp_pat
     tokenizer = save_hf_tokenizer(tmp_path / "tokenizer", family, chat_template)
     tokenizer.add_special_tokens({"pad_token": PAD})
     tokenizer.save_pretrained(tmp_path / "tokenizer")
-    records = [
+    plain = [
         {k: [{"role": "user" if k == "prompt" else "assistant", "content": pair[k]}] for k in pair} for pair in PAIRS
     ]
-    records[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
+    plain[0]["prompt"].insert(0, {"role": "system", "content": "Answer in verse."})
     hf = reward_model(tokenizer, family)
     cfg = replace(model_config_from_hf(hf.config.to_dict(), "test"), max_seq_len=512)
     assert cfg.num_labels == 1
-    batch = prepared_batch(tmp_path, asdict(cfg), records, "preference", 512)
+    with_margins = [{**record, "margin": margin} for record, margin in zip(plain, (0.5, 0.0, 2), strict=True)]
 
-    for center in (None, 0.01):
+    for center, records in ((None, plain), (0.01, with_margins)):
+        prepared = tmp_path / ("margins" if center else "plain")
+        prepared.mkdir()
+        shutil.copytree(tmp_path / "tokenizer", prepared / "tokenizer")
+        batch = prepared_batch(prepared, asdict(cfg), records, "preference", 512)
+        assert (batch.margins is None) == (center is None)
         args = trl.RewardConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(PAIRS),
                                 center_rewards_coefficient=center, report_to=[], use_cpu=True, bf16=False,
                                 disable_tqdm=True)  # fmt: skip
@@ -113,6 +118,9 @@ def test_prepared_pairs_give_trls_conversations_rewards_loss_and_metrics(tmp_pat
         by_conversation = dict(zip(map(tuple, conversations), trl_rewards.tolist(), strict=True))
         for pair, c, r in zip(mine, chosen.tolist(), rejected.tolist(), strict=True):
             assert (c, r) == pytest.approx((by_conversation[tuple(pair[0])], by_conversation[tuple(pair[1])]), rel=1e-5)
+        if batch.margins is not None:  # each pair's margin read back beside its conversations
+            ours_margins = zip(mine, batch.margins.tolist(), strict=True)
+            assert sorted(ours_margins) == sorted(zip(theirs, trl_batch["margin"].tolist(), strict=True))
 
         numbers = RewardStep(center or 0.0).evaluate(model, [batch])
         names = ("accuracy", "margin", "mean_reward")
@@ -269,6 +277,7 @@ def test_a_reward_recipe_that_asks_for_what_a_reward_model_lacks_is_one_line():
     or a classifier of several labels: one line naming the key; and it neither generates nor is scored as a language
     model."""
     from fsdp_trainer.config import EvalConfig, LoraConfig, ModelConfig, PreferenceConfig, Recipe
+    from fsdp_trainer.data.chat import BadConversation, PreferenceEncoder
     from fsdp_trainer.model import generate, score
 
     for section, message in [
@@ -280,6 +289,8 @@ def test_a_reward_recipe_that_asks_for_what_a_reward_model_lacks_is_one_line():
             Recipe(model=ModelConfig(num_labels=1), **section)
     with pytest.raises(ValueError, match=r"model.num_labels=2: 1 \(a reward model's scalar score\) or null"):
         ModelConfig(num_labels=2)
+    with pytest.raises(BadConversation, match="'margin' is 'big': it must be a number"):
+        PreferenceEncoder.margin(None, {"margin": "big"})  # prepare_data.py names the file and line
 
     small = ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
     reward, language = Transformer(replace(small, num_labels=1)), Transformer(small)
@@ -298,8 +309,8 @@ def test_the_planner_prices_a_score_head_in_place_of_the_output_layer():
     from fsdp_trainer.planner.plan import estimate
     from tests.helpers import REPO
 
-    reward = parse_recipe(["--recipe", str(REPO / "recipes" / "reward_qwen3_0.6b.yaml")])
-    language = parse_recipe(["--recipe", str(REPO / "recipes" / "reward_qwen3_0.6b.yaml"), "--model.num_labels", "null"])
+    recipe = ["--recipe", str(REPO / "recipes" / "reward_qwen3_0.6b.yaml")]
+    reward, language = parse_recipe(recipe), parse_recipe([*recipe, "--model.num_labels", "null"])
     rows = [estimate(r, 8, 1, "FULL_SHARD", "full", "cuda") for r in (reward, language)]
     tokens = reward.data.micro_batch_size * reward.data.seq_len
     assert rows[0].logits_gb == pytest.approx(tokens * 1 * 12 / 1e9)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from typing import NamedTuple
 
 import numpy as np
 
@@ -174,6 +175,10 @@ class ChatEncoder:
             spans.append((len(before), max(len(before), len(text[:end].rstrip()))))
         return spans
 
+    def margin(self, record: object) -> float | None:
+        """What a record says of its example beside its tokens: a preference pair's margin (PreferenceEncoder)."""
+        return None
+
     def end_of_turn(self) -> int:
         """The token each answer ends with (the template's end-of-turn token, or the tokenizer's EOS), where a model
         trained on these answers stops."""
@@ -246,6 +251,16 @@ class PreferenceEncoder(ChatEncoder):
             marks.append(mark)
         return np.concatenate(ids), np.concatenate(marks)
 
+    def margin(self, record: object) -> float | None:
+        """The pair's optional `margin` (TRL's column: how far the chosen answer should be scored above the rejected
+        one, for a reward model), a number; None without one."""
+        margin = record.get("margin") if isinstance(record, dict) else None
+        if margin is None:
+            return None
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not np.isfinite(margin):
+            raise BadConversation(f"'margin' is {margin!r}: it must be a number")
+        return float(margin)
+
 
 class UnpairedEncoder(ChatEncoder):
     """Unpaired preference records (KTO's) -> examples: the prompt and the completion rendered as one conversation,
@@ -276,8 +291,18 @@ RECORDS = {"chat": "examples", "preference": "preference pairs", "unpaired": "un
 """What each --format of conversations calls its records once encoded."""
 
 
+class Window(NamedTuple):
+    """A packed window: its tokens, their flags (format.py), and their margins (a pair's on its first token, 0
+    elsewhere), seq_len each."""
+
+    tokens: np.ndarray
+    flags: np.ndarray
+    margins: np.ndarray
+
+
 class Packer:
-    """Examples -> windows of exactly seq_len tokens and their flags (format.py), each example whole in one window.
+    """Examples -> windows of exactly seq_len tokens, their flags and their margins (format.py), each example whole in
+    one window.
 
     Best fit: an example goes to the open window it fills most; when none has room, a new window opens, and when
     `open_windows` are already open, the fullest is closed (written) first; at the end the open ones are written in
@@ -287,12 +312,13 @@ class Packer:
     def __init__(self, seq_len: int, pad_id: int, long_examples: str = "truncate", open_windows: int = 64):
         check_options(long_examples=long_examples)
         self.seq_len, self.pad_id, self.long_examples, self.open_windows = seq_len, pad_id, long_examples, open_windows
-        self.open: list[tuple[list[np.ndarray], list[np.ndarray], list[int]]] = []  # (ids, flags, [free]) per window
+        self.open: list[tuple[list, list, list, list[int]]] = []  # (ids, flags, margins, [free]) per window
         self.examples = self.truncated = self.dropped = self.untrained = self.targets = self.windows = self.placed = 0
 
-    def add(self, ids: np.ndarray, marks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    def add(self, ids: np.ndarray, marks: np.ndarray, margin: float = 0.0) -> list[Window]:
         """Place one example (or a preference pair: its sequences, marked SEQUENCE, stay together); returns the
-        windows (tokens, flags) this closed. `marks`: a bool per token (trained), or TRAINED / SEQUENCE bits."""
+        windows this closed. `marks`: a bool per token (trained), or TRAINED / SEQUENCE bits; `margin`: a pair's,
+        kept on its first token."""
         marks = marks.astype(np.uint8)
         starts = np.flatnonzero(marks & SEQUENCE)
         starts = np.union1d([0], starts)
@@ -322,30 +348,34 @@ class Packer:
         self.examples += 1
         self.placed += len(ids)
         self.targets += int(((flags & TARGET) > 0).sum())
-        fits = [(free[0], k) for k, (_, _, free) in enumerate(self.open) if free[0] >= len(ids)]
+        fits = [(free[0], k) for k, (*_, free) in enumerate(self.open) if free[0] >= len(ids)]
         closed = []
         if fits:
             window = self.open[min(fits)[1]]
         else:
             if len(self.open) == self.open_windows:
-                fullest = min(range(len(self.open)), key=lambda k: self.open[k][2][0])
+                fullest = min(range(len(self.open)), key=lambda k: self.open[k][3][0])
                 closed.append(self._close(self.open.pop(fullest)))
-            window = ([], [], [self.seq_len])
+            window = ([], [], [], [self.seq_len])
             self.open.append(window)
+        margins = np.zeros(len(ids), dtype=np.float32)
+        margins[0] = margin
         window[0].append(ids)
         window[1].append(flags)
-        window[2][0] -= len(ids)
+        window[2].append(margins)
+        window[3][0] -= len(ids)
         return closed
 
-    def _close(self, window) -> tuple[np.ndarray, np.ndarray]:
-        ids, flags, (free,) = window
+    def _close(self, window) -> Window:
+        ids, flags, margins, (free,) = window
         if free:  # the padding is an example of its own, trained on nothing
             ids = ids + [np.full(free, self.pad_id, dtype=np.int64)]
             flags = flags + [np.concatenate([[START], np.zeros(free - 1)]).astype(np.uint8)]
+            margins = margins + [np.zeros(free, dtype=np.float32)]
         self.windows += 1
-        return np.concatenate(ids), np.concatenate(flags)
+        return Window(np.concatenate(ids), np.concatenate(flags), np.concatenate(margins))
 
-    def finish(self) -> list[tuple[np.ndarray, np.ndarray]]:
+    def finish(self) -> list[Window]:
         """The windows still open, in the order they were opened."""
         closed, self.open = [self._close(window) for window in self.open], []
         return closed

@@ -54,6 +54,8 @@ class Part:
     trained: np.ndarray | None = None
     """Conversations: whether each token is a target of the loss (chat.ChatEncoder); preference pairs and unpaired
     answers: its TRAINED, SEQUENCE and DESIRABLE bits (chat.PreferenceEncoder, chat.UnpairedEncoder)."""
+    margins: np.ndarray | None = None
+    """Preference pairs of a task where some record has a margin: each document's (0 for one without)."""
 
 
 @dataclass
@@ -66,32 +68,36 @@ class Result:
     chars: int
 
 
-def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray], list[int], list]:
-    """(ids, trained, index) of each good conversation of a task, and (where, what) of each bad one."""
-    ids, trained, indices, bad = [], [], [], []
+def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray], list, list[int], list]:
+    """(ids, trained, margin, index) of each good conversation of a task, and (where, what) of each bad one."""
+    ids, trained, margins, indices, bad = [], [], [], [], []
+    chat = _worker["chat"]
     for i, record in enumerate(task.records):
         if task.kind == "jsonl" and not record.strip():
             continue
         try:
-            example = _worker["chat"].encode(json.loads(record) if task.kind == "jsonl" else record)
+            record = json.loads(record) if task.kind == "jsonl" else record
+            example, margin = chat.encode(record), chat.margin(record)
         except ValueError as e:  # not JSON (or not UTF-8), or a BadConversation
             bad.append((where(task.path, task.kind, task.number + i), str(e)))
             continue
         ids.append(example[0])
         trained.append(example[1])
+        margins.append(margin)
         indices.append(task.first + i)
-    return ids, trained, indices, bad
+    return ids, trained, margins, indices, bad
 
 
 def _process(task: Task) -> Result:
     """A task parsed, tokenized and split between training and validation."""
     w = _worker
     if w["chat"] is not None:
-        encoded, trained, indices, bad = _encode_conversations(task)
+        encoded, trained, margins, indices, bad = _encode_conversations(task)
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         ids = np.concatenate(encoded or [np.zeros(0, np.int64)]).astype(w["dtype"])
         trained = np.concatenate(trained or [np.zeros(0, np.uint8)])
-        train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained)
+        margins = np.array([m or 0.0 for m in margins], np.float32) if any(m is not None for m in margins) else None
+        train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained, margins)
         return Result(train, val, bad, len(indices), sum(len(r) for r in task.records if isinstance(r, bytes)))
     texts, indices, bad = [], [], []
     for i, record in enumerate(task.records):
@@ -118,14 +124,24 @@ def _process(task: Task) -> Result:
 
 
 def _split_documents(
-    indices: np.ndarray, lengths: np.ndarray, ids: np.ndarray, trained: np.ndarray | None = None
+    indices: np.ndarray,
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    trained: np.ndarray | None = None,
+    margins: np.ndarray | None = None,
 ) -> tuple[Part, Part]:
-    """Whole documents to training or validation (is_validation), their ids (and training mask) with them."""
+    """Whole documents to training or validation (is_validation), their ids (training mask, margins) with them."""
     to_val = is_validation(indices, _worker["val_fraction"])
     token_to_val = np.repeat(to_val, lengths)
 
     def part(take: np.ndarray, token_take: np.ndarray) -> Part:
-        return Part(indices[take], lengths[take], ids[token_take], None if trained is None else trained[token_take])
+        return Part(
+            indices[take],
+            lengths[take],
+            ids[token_take],
+            None if trained is None else trained[token_take],
+            None if margins is None else margins[take],
+        )
 
     return part(~to_val, ~token_to_val), part(to_val, token_to_val)
 

@@ -12,7 +12,9 @@ trained on (the assistant's, same example) and START where an example (or the pa
 (meta `preference: true`) is packed the same way, a pair's two conversations side by side in one window, the chosen
 one first, each with its START: so the responses that have targets alternate chosen, rejected in every window.
 Unpaired preference data (meta `unpaired: true`, KTO's) is packed as fine-tuning examples are, each one prompt and
-one completion, with DESIRABLE on the START of each whose completion is labelled good.
+one completion, with DESIRABLE on the START of each whose completion is labelled good. Preference data whose records
+carry TRL's `margin` (meta `margins: true`) has `<file>.margins` beside it: a little-endian float32 per token, each
+pair's margin on its chosen conversation's first token, 0 elsewhere.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ META_SUFFIX = ".meta.json"
 """`<file>.meta.json`: what a token file holds (token_meta)."""
 FLAGS_SUFFIX = ".flags"
 """`<file>.flags`: a packed file's byte of flags per token."""
+MARGINS_SUFFIX = ".margins"
+"""`<file>.margins`: a packed file of preference pairs with margins, a float32 per token."""
 
 
 MANIFEST = "manifest.json"
@@ -118,6 +122,12 @@ class TokenFile:
             if not os.path.isfile(flags_path) or os.path.getsize(flags_path) != len(self.tokens):
                 raise ValueError(f"{flags_path} is missing or not one byte per token: prepare the data again")
             self.flags = np.memmap(flags_path, dtype=np.uint8, mode="r")
+        self.margins = None
+        if self.meta.get("margins"):
+            margins_path = f"{self.path}{MARGINS_SUFFIX}"
+            if not os.path.isfile(margins_path) or os.path.getsize(margins_path) != 4 * len(self.tokens):
+                raise ValueError(f"{margins_path} is missing or not a float32 per token: prepare the data again")
+            self.margins = np.memmap(margins_path, dtype="<f4", mode="r")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -134,6 +144,10 @@ class TokenFile:
     def flag_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """flags[start : start + length] for each start, of a packed file."""
         return self.flags[starts[:, None] + np.arange(length)]
+
+    def margin_windows(self, starts: np.ndarray, length: int) -> np.ndarray | None:
+        """margins[start : start + length] for each start, of a packed file of pairs with margins; else None."""
+        return None if self.margins is None else self.margins[starts[:, None] + np.arange(length)]
 
 
 class TokenShards:

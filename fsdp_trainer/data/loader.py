@@ -45,6 +45,8 @@ class MicroBatch(NamedTuple):
     """(responses,) unpaired answers only: whether each response (numbered as in `sequences`) is labelled good."""
     windows: torch.Tensor | None = None
     """(B,) on the host, packed data of one file: the window of that file each row is (a cache's key)."""
+    margins: torch.Tensor | None = None
+    """(pairs,) preference pairs whose file has margins (TRL's margin column): each pair's, in `sequences` order."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -165,6 +167,12 @@ class _Epochs:
             return np.stack([tokens, flags], 1)
         return self.tokens.windows(positions * self.seq_len, self.window)
 
+    def margins(self, sample_ids: np.ndarray) -> np.ndarray | None:
+        """The margins of these samples' windows (B, seq_len), of a file of pairs with margins; else None."""
+        if getattr(self.tokens, "margins", None) is None:
+            return None
+        return self.tokens.margin_windows(self.positions(sample_ids) * self.seq_len, self.window)
+
     def positions(self, sample_ids: np.ndarray) -> np.ndarray:
         """Which window of the file each of this source's samples is, in its epoch's order."""
         epochs, positions = np.divmod(sample_ids, self.n_samples)
@@ -188,21 +196,26 @@ def _responses(documents: np.ndarray, trained: np.ndarray) -> tuple[np.ndarray, 
     return np.where(trained, np.searchsorted(responses, keys), -1), responses
 
 
-def _desirable(documents: np.ndarray, flags: np.ndarray, responses: np.ndarray) -> np.ndarray:
-    """Whether each response (by its key, _responses) is labelled good: DESIRABLE on its document's START."""
+def _at_starts(documents: np.ndarray, flags: np.ndarray, responses: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """What `values` (B, T) hold at each response's (by its key, _responses) document's START: a label, a margin."""
     rows, length = documents.shape
     starts = (flags & START) > 0
     keys = (np.arange(rows)[:, None] * (length + 1) + documents)[starts]  # in row-major order, so sorted
-    return ((flags & DESIRABLE) > 0)[starts][np.searchsorted(keys, responses)]
+    return values[starts][np.searchsorted(keys, responses)]
 
 
 def micro_batch(
-    rows: np.ndarray, packed: bool, records: str | None, device: torch.device, windows: np.ndarray | None = None
+    rows: np.ndarray,
+    packed: bool,
+    records: str | None,
+    device: torch.device,
+    windows: np.ndarray | None = None,
+    margins: np.ndarray | None = None,
 ) -> MicroBatch:
     """A micro-batch of rows read from a token file: windows of seq_len + 1 tokens (B, T + 1), or packed windows of
     tokens and their flags (B, 2, T), on `device`; `records` preference or unpaired: their responses numbered;
-    `windows`: which of the file's windows the rows are (kept on the host)."""
-    pairs, desirable = 0, None
+    `windows`: which of the file's windows the rows are (kept on the host); `margins` (B, T): a file of pairs'."""
+    pairs, desirable, pair_margins = 0, None, None
     if packed:  # (B, 2, T): tokens, flags
         tokens, flags = rows[:, 0], rows[:, 1]
         targets = np.where(flags & TARGET, np.roll(tokens, -1, axis=1), IGNORE)
@@ -215,14 +228,17 @@ def micro_batch(
                 raise ValueError("a window of preference data holds an odd number of responses: prepare the data again")
             pairs = len(responses) // 2 if records == "preference" else 0
             if records == "unpaired":
-                desirable = torch.from_numpy(_desirable(documents, flags, responses)).to(device)
+                desirable = torch.from_numpy(_at_starts(documents, flags, responses, (flags & DESIRABLE) > 0))
+                desirable = desirable.to(device)
+            if records == "preference" and margins is not None:  # on each pair's chosen conversation's START
+                pair_margins = torch.from_numpy(_at_starts(documents, flags, responses, margins)[0::2]).to(device)
         rows = np.stack(rows, 1)
     rows = torch.from_numpy(rows)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)
     windows = None if windows is None else torch.from_numpy(windows)
     if records is not None:
-        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable, windows)
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable, windows, pair_margins)
     if packed:
         return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
     return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
@@ -259,17 +275,22 @@ class TokenLoader:
 
     def _micro_batch(self, first_global_id: int) -> MicroBatch:
         global_ids = np.arange(first_global_id, first_global_id + self.micro_batch_size)
-        windows = None
+        windows = margins = None
         if self.mixture is None:
             rows = self.sources[0].read(global_ids)
             windows = self.sources[0].positions(global_ids) if self.packed else None
+            margins = self.sources[0].margins(global_ids)
         else:
             which, local = self.mixture.assign(global_ids)
             shape = (2, self.seq_len) if self.packed else (self.seq_len + 1,)
             rows = np.empty((len(global_ids), *shape), dtype=np.int64)
+            if any(getattr(source.tokens, "margins", None) is not None for source in self.sources):
+                margins = np.zeros((len(global_ids), self.seq_len), np.float32)  # a source without: 0
             for source in np.unique(which):
                 rows[which == source] = self.sources[source].read(local[which == source])
-        return micro_batch(rows, self.packed, self.records, self.device, windows)
+                if margins is not None and (read := self.sources[source].margins(local[which == source])) is not None:
+                    margins[which == source] = read
+        return micro_batch(rows, self.packed, self.records, self.device, windows, margins)
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""

@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.data.chat import RECORDS, Packer
+from fsdp_trainer.data.chat import RECORDS, Packer, Window
 from fsdp_trainer.data.encode import Part
 from fsdp_trainer.data.format import (
     FLAGS_SUFFIX,
     MANIFEST,
+    MARGINS_SUFFIX,
     META_SUFFIX,
     TokenFile,
     disk_dtype,
@@ -90,38 +91,51 @@ class FileWriter:
 
 class PackedWriter(FileWriter):
     """Conversations packed into windows by a chat.Packer: one token file of whole windows and its flags file
-    (format.py), both streamed to temporary files and renamed when complete."""
+    (format.py), and, once a pair with a margin comes, its margins file, each streamed to a temporary file and renamed
+    when complete."""
 
     def __init__(self, path: str, vocab_size: int, tokenizer_sha256: str, packer: Packer, records: str = "chat"):
         super().__init__(path, vocab_size, tokenizer_sha256)
         self.packer, self.records = packer, records  # chat, preference or unpaired (chat.ENCODERS)
         self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
+        self.margins = None  # opened at the first window with a margin, the windows before it given zeros
 
     def add(self, part: Part) -> None:
         ends = np.cumsum(part.lengths)
-        for start, end in zip(ends - part.lengths, ends, strict=True):
-            for window in self.packer.add(part.ids[start:end].astype(np.int64), part.trained[start:end]):
-                self._write(*window)
+        for k, (start, end) in enumerate(zip(ends - part.lengths, ends, strict=True)):
+            margin = 0.0 if part.margins is None else float(part.margins[k])
+            for window in self.packer.add(part.ids[start:end].astype(np.int64), part.trained[start:end], margin):
+                self._write(window)
 
-    def _write(self, tokens: np.ndarray, flags: np.ndarray) -> None:
-        self.file.write(tokens.astype(self.dtype).tobytes())
-        self.flags.write(flags.tobytes())
-        self.n_tokens += len(tokens)
+    def _write(self, window: Window) -> None:
+        self.file.write(window.tokens.astype(self.dtype).tobytes())
+        self.flags.write(window.flags.tobytes())
+        if self.margins is None and window.margins.any():
+            self.margins = open(self.path + MARGINS_SUFFIX + ".tmp", "wb")
+            self.margins.write(np.zeros(self.n_tokens, np.float32).tobytes())
+        if self.margins is not None:
+            self.margins.write(window.margins.astype("<f4").tobytes())
+        self.n_tokens += len(window.tokens)
 
     def abandon(self) -> None:
         super().abandon()
-        try:
-            self.flags.close()
-        except OSError:
-            pass
-        for suffix in (FLAGS_SUFFIX + ".tmp", FLAGS_SUFFIX):
+        for file in filter(None, (self.flags, self.margins)):
+            try:
+                file.close()
+            except OSError:
+                pass
+        for suffix in (FLAGS_SUFFIX + ".tmp", FLAGS_SUFFIX, MARGINS_SUFFIX + ".tmp", MARGINS_SUFFIX):
             Path(self.path + suffix).unlink(missing_ok=True)
 
     def _finish(self, stamp: dict) -> None:
         for window in self.packer.finish():
-            self._write(*window)
+            self._write(window)
         self.flags.close()
         os.replace(self.path + FLAGS_SUFFIX + ".tmp", self.path + FLAGS_SUFFIX)
+        Path(self.path + MARGINS_SUFFIX).unlink(missing_ok=True)  # an earlier preparation's
+        if self.margins is not None:
+            self.margins.close()
+            os.replace(self.path + MARGINS_SUFFIX + ".tmp", self.path + MARGINS_SUFFIX)
         super()._finish(stamp)
 
     def extra_meta(self) -> dict:
@@ -134,6 +148,7 @@ class PackedWriter(FileWriter):
             "dropped": p.dropped,
             "untrained": p.untrained,
             **({self.records: True} if self.records != "chat" else {}),  # format.py: preference, unpaired
+            **({"margins": True} if self.margins is not None else {}),
         }
 
     def summary(self) -> str:

@@ -4,8 +4,9 @@ The model is the language model's decoder with a score head in place of its outp
 transformers' *ForSequenceClassification). A conversation's reward is the head at its last token, the position
 transformers reads (the rightmost that is not padding): in a packed window, the last position of the conversation's
 own example, after its answer's end-of-turn token and whatever the chat template writes after it (ChatML's newline),
-as TRL's tokenization of prompt + answer has it. A pair's loss is -log sigmoid(chosen - rejected), plus
-center_rewards_coefficient x (chosen + rejected)^2; the loss and TRL's metrics (accuracy, margin, the rewards' mean,
+as TRL's tokenization of prompt + answer has it. A pair's loss is -log sigmoid(chosen - rejected - margin), its
+margin the record's (TRL's optional column; 0 without), plus center_rewards_coefficient x (chosen + rejected)^2; the
+loss and TRL's metrics (accuracy, margin, the rewards' mean,
 and their standard deviation in place of TRL's min and max) are means over the global batch's pairs.
 """
 
@@ -87,7 +88,8 @@ class RewardStep(PairStep):
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         chosen, rejected = rewards(model, batch)
-        losses = -F.logsigmoid(chosen - rejected) + self.center * (chosen + rejected) ** 2
+        margins = 0.0 if batch.margins is None else batch.margins
+        losses = -F.logsigmoid(chosen - rejected - margins) + self.center * (chosen + rejected) ** 2
         with torch.no_grad():
             # Per pair: its share of the batch's accuracy, margin, mean reward and mean squared reward (std_reward's
             # slot, which with_std turns into the deviation once both means are over the global batch).
