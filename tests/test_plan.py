@@ -298,7 +298,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     preference = ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"] if kind == "dpo" else []
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
-         "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--check", *preference],
+         "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *preference],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -366,3 +366,22 @@ def test_plan_cli_predicts_speed_and_the_hours_to_train_on_a_named_gpu():
     assert hours == pytest.approx(1e12 / (per_gpu * 8) / 3600, rel=1e-3)
     bad = subprocess.run([*cmd[:-2], "--train_tokens", "1e12"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and bad.stderr == "error: --train_tokens needs --gpu and a positive number of tokens\n"
+
+
+def test_a_gpu_plan_on_a_machine_without_one_names_the_gpu_and_one_device_gets_a_row_per_ac_mode(capsys):
+    """Without a GPU here, `--device cuda` alone would plan for a GPU with this machine's RAM / nproc: refused in one
+    line naming --gpu and --device_mem_gb. On one device the shardings differ only in freeing gathered blocks after
+    their forward: one row per AC mode (FULL_SHARD's), with and without offload."""
+    from fsdp_trainer.planner.plan import main
+
+    recipe = ["--recipe", str(REPO / "recipes" / "lora_llama3_2_1b.yaml")]
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exit_code:
+            main([*recipe, "--nproc", "8", "--device", "cuda"])
+        assert exit_code.value.code == 1
+        refusal = capsys.readouterr().err
+        assert "--device cuda on a machine without a GPU: name the GPU to plan for with --gpu" in refusal
+    main([*recipe, "--nproc", "1", "--gpu", "H100"])
+    rows = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert rows == [[f"| FULL_SHARD{offload}", ac] for offload in ("", " + offload") for ac in ("none", "selective",
+                                                                                                "full")]  # fmt: skip

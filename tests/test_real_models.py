@@ -75,7 +75,7 @@ def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32 if v["family"] in ("qwen3", "mistral") else 16,  # Qwen3's and Mistral-Nemo's: wider than dim / heads
+        head_dim=32 if v["family"] in ("qwen3", "mistral") else 16,  # as Qwen3's and Nemo's: wider than dim / heads
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_theta=500000.0,

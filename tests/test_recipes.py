@@ -30,8 +30,8 @@ EXPECTED_PARAMS = {
     "simpo_qwen3_0.6b.yaml": 596_049_920,
     "orpo_qwen3_0.6b.yaml": 596_049_920,
     "kto_qwen3_0.6b.yaml": 596_049_920,
-    "reward_qwen3_0.6b.yaml": 596_050_944,
-    "mistral_nemo_lora.yaml": 12_247_782_400,  # Mistral-Nemo-Base-2407  # no output layer (it was the embedding), a score head of 1024
+    "reward_qwen3_0.6b.yaml": 596_050_944,  # no output layer (it was the embedding), a score head of 1024
+    "mistral_nemo_lora.yaml": 12_247_782_400,  # Mistral-Nemo-Base-2407
     "distill_qwen3_8b_to_0.6b.yaml": 596_049_920,
     "distill_llama3_1_8b_to_3_2_1b.yaml": 1_235_814_400,
 }

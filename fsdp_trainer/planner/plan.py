@@ -274,8 +274,12 @@ def estimate(
 
 
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
-    """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
+    """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host. On one device
+    there is nothing to shard over: the shardings differ only in whether a block's gathered weights are freed after
+    its forward, as FULL_SHARD frees them, so its rows stand for all (the least memory, the same step)."""
     shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
+    if nproc * nnodes == 1:
+        shardings = ["FULL_SHARD"]
     # NF4 weights do not run offloaded yet (config.Recipe refuses it)
     offloads = (False, True) if device == "cuda" and not quantizes_base(recipe.lora) else (False,)
     return [
@@ -401,12 +405,17 @@ def _checked_args(args) -> None:
 
 
 def _memories(args, device: str) -> tuple[float, float]:
-    """(memory per device, host memory per rank) in GB: as given, else the GPU's and this machine's."""
+    """(memory per device, host memory per rank) in GB: as given, else the GPU's and this machine's; a plan for GPUs
+    on a machine without one names the GPU or its memory (this machine's RAM is no GPU's)."""
     host_mem = args.host_mem_gb or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / args.nproc
     mem = args.device_mem_gb or (GPUS[args.gpu].memory_gb if args.gpu else None)
+    if mem is None and device == "cuda" and not torch.cuda.is_available():
+        fail(
+            "--device cuda on a machine without a GPU: name the GPU to plan for with --gpu "
+            f"({', '.join(GPUS)}), or its memory with --device_mem_gb"
+        )
     if mem is None:
-        visible = device == "cuda" and torch.cuda.is_available()
-        mem = torch.cuda.get_device_properties(0).total_memory / 1e9 if visible else host_mem
+        mem = torch.cuda.get_device_properties(0).total_memory / 1e9 if device == "cuda" else host_mem
     return mem, host_mem
 
 
