@@ -20,7 +20,8 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
   in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included),
   and with Qwen3's QK-norm 6(q + kv) more in bf16, 8(q + kv) in fp32;
-  a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs);
+  a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
+  with LoRA a*(o + r) more for each adapted projection of output width o (its adapter's two matmuls, rank r);
 - logits: t x V x 12 bytes, at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
   reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
   log-softmax take no more); with train.loss_chunks = c, one slice's worth, ceil(t / c) x V x 12, since each
@@ -70,7 +71,7 @@ import torch
 from fsdp_trainer.adapters import meta_model, quantizes_base
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
-from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
+from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
@@ -171,7 +172,9 @@ def comm_bytes_per_rank(
     return sent, replicas_sent if plan.replicas == "per_node" else sent
 
 
-def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) -> tuple[float, float]:
+def activation_bytes_per_token(
+    cfg: ModelConfig, compute_bytes: int, ac: str, lora: LoraConfig | None = None
+) -> tuple[float, float]:
     """(bytes saved per token by each layer, bytes per token of one layer's full activations).
 
     Counted from what autograd keeps in model.py's Block (tests/test_plan.py checks it against a real forward): each
@@ -179,7 +182,8 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
     output (a(2q + 2kv), q = n_heads x head_dim) plus the log-sum-exp; the SwiGLU gate, up, silu(gate) and product
     (4af); Qwen3's RMSNorm on each query and key head its fp32 input and the normalized one ((4 + a)(q + kv)), its
     output going to the rotation, which keeps nothing of it. Selective AC keeps the block input and the matmul and
-    attention outputs; full AC only the block input.
+    attention outputs, and of each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as
+    wide as the projection's output); full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
@@ -189,6 +193,10 @@ def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, ac: str) ->
     if cfg.qk_norm:
         full += (4 + a) * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
     saved = {"none": full, "full": a * d, "selective": a * (3 * d + 2 * q + 2 * kv + 2 * f) + 4 * h}
+    if lora is not None and lora.rank is not None:
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
+        adapted = [widths[target] for target in lora.targets if target in widths]
+        saved["selective"] += a * (sum(adapted) + lora.rank * len(adapted))
     return saved[ac], full
 
 
@@ -231,7 +239,7 @@ def estimate(
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
     gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
-    saved, full = activation_bytes_per_token(cfg, a, ac)
+    saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = tokens * cfg.n_layers * saved
     logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.output_size * 12
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
