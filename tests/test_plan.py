@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
@@ -125,10 +126,11 @@ def test_chunked_loss_counts_one_slice_of_logits():
     recipe = Recipe()
     tokens, vocab = recipe.data.micro_batch_size * recipe.data.seq_len, recipe.model.vocab_size
     whole = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
-    assert whole.logits_gb == pytest.approx(tokens * vocab * 12 / 1e9)
+    per_logit = 12 + 2  # bf16 on a GPU: the gradient cast back to bf16 beside the fp32 ones
+    assert whole.logits_gb == pytest.approx(tokens * vocab * per_logit / 1e9)
     recipe.train.loss_chunks = 3
     sliced = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
-    assert sliced.logits_gb == pytest.approx(math.ceil(tokens / 3) * vocab * 12 / 1e9)
+    assert sliced.logits_gb == pytest.approx(math.ceil(tokens / 3) * vocab * per_logit / 1e9)
     assert sliced.total_gb < whole.total_gb and sliced.state_gb == whole.state_gb
 
 
@@ -389,3 +391,31 @@ def test_a_gpu_plan_on_a_machine_without_one_names_the_gpu_and_one_device_gets_a
     rows = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
     assert rows == [[f"| FULL_SHARD{offload}", ac] for offload in ("", " + offload") for ac in ("none", "selective",
                                                                                                 "full")]  # fmt: skip
+
+
+def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_and_checks_them(capsys):
+    """`plan --max_seq_len`: per AC mode, the longest data.seq_len that fits at micro-batch 1 (a multiple of 256; one
+    step more would not fit) and the largest micro-batch at the recipe's seq_len; with --check, each longest one run
+    on fake tensors, which allocates no more than planned (to 5%)."""
+    from fsdp_trainer.planner.plan import SEQ_LEN_STEP, fitting, main
+
+    args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.max_seq_len", "65536"]
+    main([*args, "--nproc", "2", "--device", "cuda", "--device_mem_gb", "1.5", "--max_seq_len", "--check"])
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    recipe = parse_recipe(args)
+    assert [row[0] for row in rows[1:]] == ["none", "selective", "full"]
+    lengths = []
+    for ac, seq_len, _, _, batch, _, _, check in rows[1:]:
+        seq_len, batch = int(seq_len.replace(",", "")), int(batch)
+        lengths.append(seq_len)
+
+        def fits(length: int, micro_batch: int, ac=ac) -> bool:
+            shaped = copy.deepcopy(recipe)
+            shaped.data.seq_len, shaped.data.micro_batch_size = length, micro_batch
+            return fitting(shaped, 2, 1, ac, "cuda", 1.5) is not None
+
+        assert fits(seq_len, 1) and not fits(seq_len + SEQ_LEN_STEP, 1), ac
+        assert fits(recipe.data.seq_len, batch) and not fits(recipe.data.seq_len, batch + 1), ac
+        planned, measured = map(float, check.split(" / "))
+        assert planned >= 0.95 * measured, (ac, planned, measured)
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]  # recomputing more leaves room for longer windows

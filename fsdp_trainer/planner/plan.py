@@ -22,7 +22,8 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   and with Qwen3's QK-norm 6(q + kv) more in bf16, 8(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
   with LoRA a*(o + r) more for each adapted projection of output width o (its adapter's two matmuls, rank r);
-- logits: t x V x 12 bytes, at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
+- logits: t x V x 12 bytes (14 in bf16: the gradient cast back to it), at the start of backward: the fp32
+  log-softmax saved by the loss, the gradient that
   reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
   log-softmax take no more); with train.loss_chunks = c, one slice's worth, ceil(t / c) x V x 12, since each
   slice is made, used and freed in turn, in forward and again in backward;
@@ -241,7 +242,7 @@ def estimate(
     gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = tokens * cfg.n_layers * saved
-    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.output_size * 12
+    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.output_size * (12 + (a if a < 4 else 0))
     # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
@@ -281,21 +282,101 @@ def estimate(
     )  # fmt: skip
 
 
-def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
-    """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host. On one device
-    there is nothing to shard over: the shardings differ only in whether a block's gathered weights are freed after
-    its forward, as FULL_SHARD frees them, so its rows stand for all (the least memory, the same step)."""
-    shardings = [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
+def shardings_of(nproc: int, nnodes: int) -> list[str]:
+    """The shardings a plan compares: HYBRID_SHARD only across nodes. On one device there is nothing to shard over:
+    the shardings differ only in whether a block's gathered weights are freed after its forward, as FULL_SHARD frees
+    them, so its rows stand for all (the least memory, the same step)."""
     if nproc * nnodes == 1:
-        shardings = ["FULL_SHARD"]
+        return ["FULL_SHARD"]
+    return [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
+
+
+def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
+    """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     # NF4 weights do not run offloaded yet (config.Recipe refuses it)
     offloads = (False, True) if device == "cuda" and not quantizes_base(recipe.lora) else (False,)
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads
         for ac in AC_MODES
-        for s in shardings
+        for s in shardings_of(nproc, nnodes)
     ]
+
+
+SEQ_LEN_STEP = 256
+"""plan --max_seq_len tries sequence lengths in multiples of this."""
+
+
+def fitting(recipe: Recipe, nproc: int, nnodes: int, ac: str, device: str, mem: float) -> Estimate | None:
+    """The row (without offload) recommend() takes among the shardings with activation checkpointing `ac`, if any
+    fits in `mem` GB a device."""
+    rows = [estimate(recipe, nproc, nnodes, s, ac, device) for s in shardings_of(nproc, nnodes)]
+    return recommend(rows, mem)
+
+
+def largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] for which fits(n) holds, fits being monotone (low - 1 if none)."""
+    while low <= high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if fits(middle) else (low, middle - 1)
+    return high
+
+
+def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float) -> list[tuple]:
+    """Per AC mode: (AC, the longest data.seq_len that fits at micro-batch 1, a multiple of SEQ_LEN_STEP up to
+    model.max_seq_len, and its row; the largest data.micro_batch_size that fits at the recipe's seq_len, and its
+    row), a length or size 0 and a row None where nothing fits."""
+
+    def case(seq_len: int, micro_batch_size: int) -> Recipe:
+        shaped = copy.deepcopy(recipe)
+        shaped.data.seq_len, shaped.data.micro_batch_size = seq_len, micro_batch_size
+        return shaped
+
+    found = []
+    for ac in AC_MODES:
+        steps = largest(
+            lambda n, ac=ac: fitting(case(n * SEQ_LEN_STEP, 1), nproc, nnodes, ac, device, mem) is not None,
+            1,
+            recipe.model.max_seq_len // SEQ_LEN_STEP,
+        )
+        seq_len = max(steps, 0) * SEQ_LEN_STEP
+        batch = largest(
+            lambda n, ac=ac: fitting(case(recipe.data.seq_len, n), nproc, nnodes, ac, device, mem) is not None,
+            1,
+            4096,
+        )
+        seq_row = fitting(case(seq_len, 1), nproc, nnodes, ac, device, mem) if seq_len else None
+        batch_row = fitting(case(recipe.data.seq_len, batch), nproc, nnodes, ac, device, mem) if batch else None
+        found.append((ac, seq_len, seq_row, max(batch, 0), batch_row))
+    return found
+
+
+def longest_table(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float, check: bool) -> str:
+    """longest_fits as a table; with `check`, each longest sequence's row run on fake tensors beside its estimate."""
+    if check:
+        init_fake_world(nproc * nnodes)
+    columns = ["AC", "longest data.seq_len (micro-batch 1)", "sharding", "GB / rank",
+               f"largest micro-batch at seq_len {recipe.data.seq_len}", "sharding", "GB / rank"]  # fmt: skip
+    if check:
+        columns.append("longest: planned / measured on fake tensors (GB, no runtime)")
+    rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for ac, seq_len, seq_row, batch, batch_row in longest_fits(recipe, nproc, nnodes, device, mem):
+        limit = " (model.max_seq_len)" if seq_len + SEQ_LEN_STEP > recipe.model.max_seq_len else ""
+        cells = [ac, f"{seq_len:,}{limit}", *_row_cells(seq_row), str(batch), *_row_cells(batch_row)]
+        if check:
+            cells.append("-")
+            if seq_row is not None:
+                shaped = copy.deepcopy(recipe)
+                shaped.data.seq_len, shaped.data.micro_batch_size = seq_len, 1
+                shaped.parallel.sharding, shaped.parallel.activation_checkpointing = seq_row.sharding, ac
+                planned = seq_row.total_gb - seq_row.runtime_gb
+                cells[-1] = f"{planned:.2f} / {measured_peak_gb(shaped, nproc, nnodes):.2f}"
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _row_cells(row: Estimate | None) -> list[str]:
+    return ["-", "-"] if row is None else [row.sharding, f"{row.total_gb:.1f}"]
 
 
 def recommend(
@@ -399,6 +480,16 @@ def _parser():
         help="also run one step of each row at the real shapes and world size on fake tensors and a fake process "
         "group (no memory, no devices: seconds per row) and print its measured peak beside the estimate",
     )
+    parser.add_argument(
+        "--max_seq_len",
+        type=bool,
+        nargs="?",
+        const=True,
+        default=False,
+        help="instead of the table: per AC mode, the longest data.seq_len that fits at micro-batch 1 and the largest "
+        "data.micro_batch_size at the recipe's seq_len, with the sharding that fits each (with --check, each "
+        "longest one run on fake tensors)",
+    )
     return parser
 
 
@@ -471,6 +562,9 @@ def main(argv: list[str] | None = None) -> None:
         f"({why}), micro-batch {data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} "
         f"{device} device(s) of {mem:.1f} GB"
     )
+    if args.max_seq_len:
+        print(longest_table(recipe, args.nproc, args.nnodes, device, mem, args.check))
+        return
     times = None
     if args.gpu:
         print(_gpu_line(args.gpu))
