@@ -224,7 +224,7 @@ class HFTokenizer(Tokenizer):
         self.config = json.loads(files[HF_CONFIG].read_text()) if HF_CONFIG in files else {}
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
-        self.pad_id = self._special_id("pad_token")
+        self.pad_id = self._special_id("pad_token", missing_ok=True)  # read by a reward model's export only
         self.chat_template = self.config.get("chat_template")
         if HF_CHAT_TEMPLATE in files:
             self.chat_template = files[HF_CHAT_TEMPLATE].read_text()
@@ -235,14 +235,14 @@ class HFTokenizer(Tokenizer):
             bool(self.config.get("add_bos_token")) or with_specials[:1] == [self.bos_id]
         )
 
-    def _special_id(self, key: str) -> int | None:
+    def _special_id(self, key: str, missing_ok: bool = False) -> int | None:
         token = self.config.get(key)
         if isinstance(token, dict):  # an AddedToken, serialized
             token = token.get("content")
         if token is None:
             return None
         token_id = self.tk.token_to_id(token)
-        if token_id is None:
+        if token_id is None and not missing_ok:
             raise ValueError(f"{self.path}: {HF_CONFIG} names {key}={token!r}, which the tokenizer does not have")
         return token_id
 
