@@ -96,3 +96,15 @@ def trl_setup(tmp_path_factory):
     torch.manual_seed(1)
     reference = transformers.LlamaForCausalLM(config)
     return tmp, tokenizer, policy, reference, model_config_from_hf(config.to_dict(), "test")
+
+
+@pytest.fixture
+def one_rank():
+    """A 1-rank gloo process group for the test, as `python -m fsdp_trainer.train` makes one (a step's means are
+    all-reduced), destroyed after it: none is left for another test, whichever module the worker runs next."""
+    from fsdp_trainer.config import ParallelConfig
+    from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
+
+    init_distributed(ParallelConfig(mixed_precision="fp32"))
+    yield
+    close_distributed()

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_trainer.config import ParallelConfig, PreferenceConfig
+from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.steps.kto import KTOStep
 from fsdp_trainer.steps.preference import Reference
@@ -34,14 +33,6 @@ RECORDS = [  # the pairs split into labelled answers, in an order that mixes pro
     for key in ("chosen", "rejected")
     for pair in PAIRS
 ]
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A 1-rank process group: a step's means are all-reduced."""
-    init_distributed(ParallelConfig(mixed_precision="fp32"))
-    yield
-    close_distributed()
 
 
 def our_batch(batch: dict) -> MicroBatch:

@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_trainer.config import ParallelConfig, PreferenceConfig
+from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.steps.orpo import ORPOStep
@@ -25,14 +24,6 @@ from tests.test_dpo import PAIRS, trl_first_batch
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A 1-rank process group: a step's means are all-reduced."""
-    init_distributed(ParallelConfig(mixed_precision="fp32"))
-    yield
-    close_distributed()
 
 
 def ours(hf_model, cfg) -> Transformer:

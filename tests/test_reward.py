@@ -13,8 +13,6 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from fsdp_trainer.config import ParallelConfig
-from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.steps.reward import RewardStep, rewards
 from tests.helpers import read_metrics, run_args, train_cli
@@ -27,14 +25,6 @@ datasets = pytest.importorskip("datasets")
 PAD = "<|pad|>"
 """A padding token of its own: transformers reads a reward at the last token that is not padding, and with EOS for
 padding a conversation ending in EOS would be read one token early."""
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A 1-rank process group: a step's means are all-reduced."""
-    init_distributed(ParallelConfig(mixed_precision="fp32"))
-    yield
-    close_distributed()
 
 
 def reward_model(tokenizer, family: str):
