@@ -10,6 +10,8 @@ or allocator fragmentation, which the planner's `runtime` term stands for.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -27,17 +29,28 @@ from fsdp_trainer.steps import training_kind
 from fsdp_trainer.train import train_step
 
 
-def init_fake_world(world_size: int) -> None:
-    """Make this process rank 0 of a fake process group of `world_size` ranks: collectives return at once."""
+@contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of a fake process group of `world_size` ranks (collectives return at once), destroyed
+    on leaving, so a caller in a longer-lived process (a test) is left no group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     """Peak GB one rank allocates in a steady-state optimizer step (the second: AdamW's state exists) of `recipe`, on a
-    fake world of nproc x nnodes ranks (init_fake_world first): the recipe's model with its adapters, and the step of
-    its training kind with the frozen models it holds, on that kind's data. The recipe's precision must be resolved."""
+    fake world of nproc x nnodes ranks made for it: the recipe's model with its adapters, and the step of its training
+    kind with the frozen models it holds, on that kind's data. The recipe's precision must be resolved."""
+    with fake_world(nproc * nnodes):
+        return _measured_peak_gb(recipe, nproc, nnodes)
+
+
+def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     parallel, data = recipe.parallel, recipe.data
     replicas, group = SHARDING[parallel.sharding].mesh_shape(nproc * nnodes, nproc)
     if replicas == 1:

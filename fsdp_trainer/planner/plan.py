@@ -78,7 +78,7 @@ from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
-from fsdp_trainer.planner.fake import init_fake_world, measured_peak_gb
+from fsdp_trainer.planner.fake import measured_peak_gb
 from fsdp_trainer.planner.speed import GPUS, StepTime, step_time
 from fsdp_trainer.steps import training_kind
 
@@ -353,8 +353,6 @@ def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: floa
 
 def longest_table(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float, check: bool) -> str:
     """longest_fits as a table; with `check`, each longest sequence's row run on fake tensors beside its estimate."""
-    if check:
-        init_fake_world(nproc * nnodes)
     columns = ["AC", "longest data.seq_len (micro-batch 1)", "sharding", "GB / rank",
                f"largest micro-batch at seq_len {recipe.data.seq_len}", "sharding", "GB / rank"]  # fmt: skip
     if check:
@@ -436,7 +434,6 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     """The estimate of each row without offload beside the peak one step allocates at the real shapes on fake tensors
     (planner/fake.py), both without the runtime term (CUDA context, NCCL, fragmentation), which a fake step has
     none of."""
-    init_fake_world(nproc * nnodes)
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
     for e in estimates:
