@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 import subprocess
 import sys
@@ -397,7 +396,7 @@ def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_a
     """`plan --max_seq_len`: per AC mode, the longest data.seq_len that fits at micro-batch 1 (a multiple of 256; one
     step more would not fit) and the largest micro-batch at the recipe's seq_len; with --check, each longest one run
     on fake tensors, which allocates no more than planned (to 5%)."""
-    from fsdp_trainer.planner.plan import SEQ_LEN_STEP, fitting, main
+    from fsdp_trainer.planner.plan import SEQ_LEN_STEP, fitting, main, shaped
 
     args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.max_seq_len", "65536"]
     main([*args, "--nproc", "2", "--device", "cuda", "--device_mem_gb", "1.5", "--max_seq_len", "--check"])
@@ -411,9 +410,7 @@ def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_a
         lengths.append(seq_len)
 
         def fits(length: int, micro_batch: int, ac=ac) -> bool:
-            shaped = copy.deepcopy(recipe)
-            shaped.data.seq_len, shaped.data.micro_batch_size = length, micro_batch
-            return fitting(shaped, 2, 1, ac, "cuda", 1.5) is not None
+            return fitting(shaped(recipe, length, micro_batch), 2, 1, ac, "cuda", 1.5) is not None
 
         assert fits(seq_len, 1) and not fits(seq_len + SEQ_LEN_STEP, 1), ac
         assert fits(recipe.data.seq_len, batch) and not fits(recipe.data.seq_len, batch + 1), ac

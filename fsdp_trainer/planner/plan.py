@@ -322,32 +322,28 @@ def largest(fits, low: int, high: int) -> int:
     return high
 
 
+def shaped(recipe: Recipe, seq_len: int, micro_batch_size: int) -> Recipe:
+    """A copy of `recipe` with micro-batches of micro_batch_size x seq_len tokens."""
+    copied = copy.deepcopy(recipe)
+    copied.data.seq_len, copied.data.micro_batch_size = seq_len, micro_batch_size
+    return copied
+
+
 def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float) -> list[tuple]:
     """Per AC mode: (AC, the longest data.seq_len that fits at micro-batch 1, a multiple of SEQ_LEN_STEP up to
     model.max_seq_len, and its row; the largest data.micro_batch_size that fits at the recipe's seq_len, and its
     row), a length or size 0 and a row None where nothing fits."""
-
-    def case(seq_len: int, micro_batch_size: int) -> Recipe:
-        shaped = copy.deepcopy(recipe)
-        shaped.data.seq_len, shaped.data.micro_batch_size = seq_len, micro_batch_size
-        return shaped
-
-    found = []
+    found, seq_len_now = [], recipe.data.seq_len
     for ac in AC_MODES:
-        steps = largest(
-            lambda n, ac=ac: fitting(case(n * SEQ_LEN_STEP, 1), nproc, nnodes, ac, device, mem) is not None,
-            1,
-            recipe.model.max_seq_len // SEQ_LEN_STEP,
-        )
+
+        def row(seq_len: int, micro_batch_size: int, ac: str = ac) -> Estimate | None:
+            return fitting(shaped(recipe, seq_len, micro_batch_size), nproc, nnodes, ac, device, mem)
+
+        steps = largest(lambda n: row(n * SEQ_LEN_STEP, 1) is not None, 1, recipe.model.max_seq_len // SEQ_LEN_STEP)
+        batch = largest(lambda n: row(seq_len_now, n) is not None, 1, 4096)
         seq_len = max(steps, 0) * SEQ_LEN_STEP
-        batch = largest(
-            lambda n, ac=ac: fitting(case(recipe.data.seq_len, n), nproc, nnodes, ac, device, mem) is not None,
-            1,
-            4096,
-        )
-        seq_row = fitting(case(seq_len, 1), nproc, nnodes, ac, device, mem) if seq_len else None
-        batch_row = fitting(case(recipe.data.seq_len, batch), nproc, nnodes, ac, device, mem) if batch else None
-        found.append((ac, seq_len, seq_row, max(batch, 0), batch_row))
+        seq_row = row(seq_len, 1) if seq_len else None
+        found.append((ac, seq_len, seq_row, max(batch, 0), row(seq_len_now, batch) if batch > 0 else None))
     return found
 
 
@@ -364,11 +360,10 @@ def longest_table(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: flo
         if check:
             cells.append("-")
             if seq_row is not None:
-                shaped = copy.deepcopy(recipe)
-                shaped.data.seq_len, shaped.data.micro_batch_size = seq_len, 1
-                shaped.parallel.sharding, shaped.parallel.activation_checkpointing = seq_row.sharding, ac
+                longest = shaped(recipe, seq_len, 1)
+                longest.parallel.sharding, longest.parallel.activation_checkpointing = seq_row.sharding, ac
                 planned = seq_row.total_gb - seq_row.runtime_gb
-                cells[-1] = f"{planned:.2f} / {measured_peak_gb(shaped, nproc, nnodes):.2f}"
+                cells[-1] = f"{planned:.2f} / {measured_peak_gb(longest, nproc, nnodes):.2f}"
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
