@@ -125,18 +125,15 @@ class Step(Kind):
     """The names under which the means of the terms after the first are logged, unweighted (e.g. nll_loss)."""
 
     def __init__(self) -> None:
-        self.starts: list[Start] = []
-        """The frozen models this step holds that take the weights the run started from."""
-
-    # --- one micro-batch, and the global batch ------------------------------------------------------------------------
+        self.starts: list[Start] = []  # the frozen models it holds that take the weights the run started from
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
-        """What the global batch's means are over (its targets, its pairs; one count per term), every rank's, the same
-        on all: the first is what the metrics are means over."""
+        """What the global batch's means are over (its targets, its pairs; one count per term), the same on every rank:
+        the metrics are means over the first."""
         raise NotImplementedError
 
     def batch_units(self, batch: MicroBatch) -> torch.Tensor | int:
-        """How many units one micro-batch holds (its targets, its pairs; one count per term)."""
+        """How many units one micro-batch holds (one count per term)."""
         raise NotImplementedError
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +153,8 @@ class Step(Kind):
         backward: Callable[[torch.Tensor], None],
         world: int,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-        """(the global batch's mean loss, its metrics), after backward of every micro-batch. Gradients are reduced
-        across ranks only after the last micro-batch; before that they accumulate locally."""
+        """(the global batch's mean loss, its metrics), after backward of every micro-batch; gradients are reduced
+        across ranks after the last."""
         units = self.units(micro_batches, world)  # one all-reduce, queued before the first backward
         totals = None
         for i, batch in enumerate(micro_batches):
@@ -167,11 +164,10 @@ class Step(Kind):
             self.after_backward()
             row = torch.cat([terms.detach().reshape(-1), metrics])
             totals = row if totals is None else totals + row
-        totals = sum_over_ranks(totals)  # the loss terms and the metrics: one all-reduce
-        k = len(self.weights)
-        means, metrics = totals[:k] / units, totals[k:] / (units if k == 1 else units[0])
-        numbers = {**dict(zip(self.metrics, metrics, strict=True)), **dict(zip(self.terms, means[1:], strict=True))}
-        return weighted(self.weights, means), {**self.extra(micro_batches, units), **numbers}
+        loss, numbers = global_means(
+            self, sum_over_ranks(totals), units
+        )  # the loss terms and the metrics: one all-reduce
+        return loss, {**self.extra(micro_batches, units), **numbers}
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
         """Called once before the first step, when the frozen models hold the weights the run started from (their
@@ -183,8 +179,7 @@ class Step(Kind):
         it is (on-policy distillation samples on the steps (seed, step) draws)."""
 
     def after_backward(self) -> None:
-        """Free what a micro-batch's forward kept for its backward beside the model (a teacher's gathered output
-        layer)."""
+        """Free what a micro-batch's forward kept for its backward beside the model (a teacher's output layer)."""
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:
@@ -196,11 +191,20 @@ class Step(Kind):
             row = torch.cat([terms.reshape(-1), metrics, units.reshape(-1)])
             totals = row if totals is None else totals + row
         reshard(model)
-        totals = sum_over_ranks(totals)
-        k = len(self.weights)
-        means, metrics = totals[:k] / totals[-k:], totals[k:-k] / totals[-k]
-        values = (weighted(self.weights, means), *metrics, *means[1:])
-        return dict(zip(("loss", *self.metrics, *self.terms), values, strict=True))
+        totals, k = sum_over_ranks(totals), len(self.weights)
+        loss, numbers = global_means(self, totals[:-k], totals[-k:] if k > 1 else totals[-1])
+        return {"loss": loss, **numbers}
+
+
+def global_means(
+    step: Step, totals: torch.Tensor, units: torch.Tensor | float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the loss, the step's metrics and its terms after the first, by name) from the global batch's sums of the loss
+    terms and the metrics (`totals`), and its units."""
+    k = len(step.weights)
+    means, metrics = totals[:k] / units, totals[k:] / (units if k == 1 else units[0])
+    named = {**dict(zip(step.metrics, metrics, strict=True)), **dict(zip(step.terms, means[1:], strict=True))}
+    return weighted(step.weights, means), named
 
 
 def weighted(weights: tuple[float, ...], means: torch.Tensor) -> torch.Tensor:

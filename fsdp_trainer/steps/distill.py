@@ -28,7 +28,7 @@ from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, uses_fle
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.loss import DistillationLoss
 from fsdp_trainer.model import count_params
-from fsdp_trainer.steps.base import frozen_copy
+from fsdp_trainer.steps.base import Kind, frozen_copy
 from fsdp_trainer.steps.next_token import NextTokenStep
 from fsdp_trainer.steps.on_policy import OnPolicy
 from fsdp_trainer.tokenizer import load_tokenizer
@@ -50,6 +50,11 @@ def teacher_sections(recipe: Any) -> tuple[Path, dict]:
 def saved_sections(path: Path) -> dict:
     """A checkpoint's recipe sections, parsed once a process: the planner asks the teacher's size for every row."""
     return load_sections(checkpoint_recipe(path))
+
+
+def teacher_config(recipe: Any) -> ModelConfig:
+    """The teacher's model section."""
+    return teacher_sections(recipe)[1]["model"]
 
 
 def check_teacher(recipe: Any) -> None:
@@ -97,7 +102,7 @@ STORED_TOP_K = 64
 def stored_logits_note(recipe: Any) -> str:
     """When a teacher's top-k logits computed once before training and read from disk would be cheaper than the
     teacher held beside the model (not offered): its share of a step's FLOPs, and the bytes a token they take."""
-    teacher, student = count_params(DistillStep.teacher_config(recipe)), count_params(recipe.model)
+    teacher, student = count_params(teacher_config(recipe)), count_params(recipe.model)
     share = 2 * teacher / (6 * student + 2 * teacher)  # forward 2 FLOPs a parameter a token; training 6
     return (
         f"Its top-{STORED_TOP_K} logits stored once ({STORED_TOP_K * 6} bytes a token: int32 ids, fp16 values) "
@@ -112,14 +117,59 @@ def final_hidden(hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
     return hidden
 
 
-class DistillStep(NextTokenStep):
-    """The teacher's forward (no gradient), then the model's forward and backward with DistillationLoss, micro-batch
-    by micro-batch; the loss and kd_loss / ce_loss are means over the global batch's targets."""
+class Distillation(Kind):
+    """What the house asks of distillation before its step is built: its metrics, its teacher's checks and price."""
 
     name = "distillation"
     chosen_by = "set distill.teacher to a checkpoint"
     metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")  # the last the teacher's own, on the same targets: the floor
     shown = {"kd_loss": "kd"}
+
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        return getattr(recipe, "distill", None) is not None and recipe.distill.teacher is not None
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        check_teacher(recipe)
+
+    @classmethod
+    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        return count_params(teacher_config(recipe))
+
+    @classmethod
+    def forward_params(cls, recipe: Any, n_params: int) -> int:
+        return count_params(teacher_config(recipe))
+
+    @classmethod
+    def held_gathered_params(cls, recipe: Any) -> int:
+        teacher = teacher_config(recipe)  # its FSDP root: the embedding and the output layer
+        return teacher.vocab_size * teacher.dim * (1 if teacher.tie_embeddings else 2)
+
+    @classmethod
+    def plan_note(cls, recipe: Any, estimates: list) -> str:
+        root_gb = cls.held_gathered_params(recipe) * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
+        note = (
+            f"distill.teacher: {count_params(teacher_config(recipe)):,} parameters, frozen in the compute dtype "
+            "and sharded as the model; its forward each micro-step gathers its weights again (in `sent`), and its "
+            f"embedding and output layer ({root_gb:.2f} GB) stay gathered from its forward to the model's backward "
+            "(both in `reference`). " + stored_logits_note(recipe)
+        )
+        if recipe.distill.lmbda == 0:
+            return note
+        sampling = sampling_gb(recipe)
+        over = [f"{e.sharding}/{e.ac}" for e in estimates if e.state_gb + e.reference_gb + sampling > e.total_gb]
+        return (
+            f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole and a KV cache "
+            f"(about {sampling:.2f} GB beside the sharded state: "
+            + (f"above the step's peak for {', '.join(over)})" if over else "below every row's step peak)")
+            + "; the sampling's time, a forward pass per new token, is not in the step time"
+        )
+
+
+class DistillStep(Distillation, NextTokenStep):
+    """The teacher's forward (no gradient), then the model's forward and backward with DistillationLoss, micro-batch
+    by micro-batch; the loss and kd_loss / ce_loss are means over the global batch's targets."""
 
     def __init__(
         self,
@@ -136,61 +186,16 @@ class DistillStep(NextTokenStep):
         self.step, self.sampled = 0, False
 
     @classmethod
-    def wanted(cls, recipe: Any) -> bool:
-        return getattr(recipe, "distill", None) is not None and recipe.distill.teacher is not None
-
-    @classmethod
-    def check(cls, recipe: Any) -> None:
-        check_teacher(recipe)
-
-    @classmethod
-    def teacher_config(cls, recipe: Any) -> ModelConfig:
-        return teacher_sections(recipe)[1]["model"]
-
-    @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> DistillStep:
         """The step with its teacher built on the meta device from its checkpoint's model section, parallelized as
         the policy is (build.build_step materializes it; the checkpointer loads its weights)."""
         source = resolve_checkpoint(recipe.distill.teacher)
         flex = uses_flex_attention(recipe.parallel, env.device)
-        teacher = frozen_copy(cls.teacher_config(recipe), recipe.parallel, env.mesh, flex)
+        teacher = frozen_copy(teacher_config(recipe), recipe.parallel, env.mesh, flex)
         sampler = None
         if recipe.distill.lmbda > 0:
             sampler = OnPolicy(recipe.distill, recipe.train.seed, recipe.data.tokenizer_path)
         return cls(recipe.distill, teacher, source, recipe.train.loss_chunks, sampler)
-
-    @classmethod
-    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
-        return count_params(cls.teacher_config(recipe))
-
-    @classmethod
-    def forward_params(cls, recipe: Any, n_params: int) -> int:
-        return count_params(cls.teacher_config(recipe))
-
-    @classmethod
-    def held_gathered_params(cls, recipe: Any) -> int:
-        teacher = cls.teacher_config(recipe)  # its FSDP root: the embedding and the output layer
-        return teacher.vocab_size * teacher.dim * (1 if teacher.tie_embeddings else 2)
-
-    @classmethod
-    def plan_note(cls, recipe: Any, estimates: list) -> str:
-        root_gb = cls.held_gathered_params(recipe) * compute_dtype(recipe.parallel.mixed_precision).itemsize / 1e9
-        note = (
-            f"distill.teacher: {count_params(cls.teacher_config(recipe)):,} parameters, frozen in the compute dtype "
-            "and sharded as the model; its forward each micro-step gathers its weights again (in `sent`), and its "
-            f"embedding and output layer ({root_gb:.2f} GB) stay gathered from its forward to the model's backward "
-            "(both in `reference`). " + stored_logits_note(recipe)
-        )
-        if recipe.distill.lmbda == 0:
-            return note
-        sampling = sampling_gb(recipe)
-        over = [f"{e.sharding}/{e.ac}" for e in estimates if e.state_gb + e.reference_gb + sampling > e.total_gb]
-        return (
-            f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole and a KV cache "
-            f"(about {sampling:.2f} GB beside the sharded state: "
-            + (f"above the step's peak for {', '.join(over)})" if over else "below every row's step peak)")
-            + "; the sampling's time, a forward pass per new token, is not in the step time"
-        )
 
     def begin(self, step: int) -> None:
         self.step = step

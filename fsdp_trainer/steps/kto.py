@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan
-from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.distributed.runtime import sum_over_ranks
 from fsdp_trainer.loss import IGNORE, SequenceLogProbs
 from fsdp_trainer.steps.base import Step
 from fsdp_trainer.steps.examples import examples_of, packed
-from fsdp_trainer.steps.preference import Reference, held
+from fsdp_trainer.steps.reference import AgainstReference, Reference, held
 
 SUMS = ("rewards/chosen", "logps/chosen", "rewards/rejected", "logps/rejected", "count/chosen", "count/rejected")
 """What a micro-batch sums over its answers, the desirable ones' and the undesirable ones' apart, and their counts:
@@ -49,9 +49,8 @@ def mismatched(batch: MicroBatch) -> MicroBatch:
     return packed(pairs, length, batch.inputs.device)._replace(desirable=torch.zeros(len(pairs), dtype=torch.bool))
 
 
-class KTOStep(Step):
-    """KTO's loss and TRL's metrics (kl, rewards/..., logps/...), means over the global batch's answers, the rewards and
-    log-probabilities over its desirable (chosen) or undesirable (rejected) ones."""
+class KTO(AgainstReference):
+    """What the house asks of KTO before its step is built: its data, its metrics, the reference's price."""
 
     name = "kto"
     chosen_by = "set preference.loss kto"
@@ -60,24 +59,9 @@ class KTOStep(Step):
     metrics = SUMS
     shown = {"kl": "kl", "rewards/margins": "margin"}
 
-    def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
-        super().__init__()
-        self.beta, self.weights_by_label = cfg.beta, (cfg.desirable_weight, cfg.undesirable_weight)
-        self.reference, self.chunks = reference, chunks
-        self.starts += reference.starts()
-        self.step, self.kl = 0, torch.zeros(())
-
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
         return recipe.preference.loss == "kto"
-
-    @classmethod
-    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> KTOStep:
-        return cls(recipe.preference, Reference.build(recipe, env, policy), recipe.train.loss_chunks)
-
-    @classmethod
-    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
-        return 0 if adapted else n_params  # with adapters, the reference is the policy's own weights
 
     @classmethod
     def forward_params(cls, recipe: Any, n_params: int) -> int:
@@ -101,6 +85,18 @@ class KTOStep(Step):
         sequences = torch.where(answer, torch.arange(rows)[:, None], -1)
         desirable = torch.arange(rows) % 2 == 0
         return MicroBatch(batch.inputs, batch.targets.masked_fill(~answer, IGNORE), None, sequences, 0, desirable)
+
+
+class KTOStep(KTO, Step):
+    """KTO's loss and TRL's metrics (kl, rewards/..., logps/...), means over the global batch's answers, the rewards and
+    log-probabilities over its desirable (chosen) or undesirable (rejected) ones."""
+
+    def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
+        super().__init__()
+        self.beta, self.weights_by_label = cfg.beta, (cfg.desirable_weight, cfg.undesirable_weight)
+        self.reference, self.chunks = reference, chunks
+        self.starts += reference.starts()
+        self.step, self.kl = 0, torch.zeros(())
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor:
         """The answers of the global batch, on the device (one all-reduce)."""

@@ -5,106 +5,35 @@ frozen copy (pairs.py says what every pair kind shares)."""
 
 from __future__ import annotations
 
-import json
-import logging
-import time
-from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from fsdp_trainer.adapters import has_adapters
-from fsdp_trainer.adapters.lora import adapters_disabled
-from fsdp_trainer.checkpoint.starts import LORA_BASE_FILE, Start
+from fsdp_trainer.checkpoint.starts import LORA_BASE_FILE
 from fsdp_trainer.config import PreferenceConfig
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
-from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss, SequenceLogProbs
-from fsdp_trainer.steps.base import frozen_copy
+from fsdp_trainer.loss import PREFERENCE_LOSSES, PreferenceLoss
 from fsdp_trainer.steps.pairs import REWARD_METRICS, PairStep, answer_logps, answers_objective, reward_sums
-from fsdp_trainer.steps.reference_cache import CACHE_DIR, ReferenceCache, data_fingerprint
+from fsdp_trainer.steps.reference import REFERENCE_FILE, AgainstReference, Reference, held
+from fsdp_trainer.steps.reference_cache import ReferenceCache, cached_logps
 
 METRICS = REWARD_METRICS
-logger = logging.getLogger("fsdp_trainer")
 
 
-def held(estimates: list) -> str:
-    """How the reference is held, for the planner's note (planner.plan.Estimate rows)."""
-    sharded = min((e for e in estimates if not e.offload), key=lambda e: e.reference_gb)
-    if sharded.reference_gb == 0:
-        return "the policy with its adapters off: no memory of its own"
-    return f"a frozen copy in the compute dtype, {sharded.reference_gb:.2f} GB per rank sharded (`reference`)"
-
-
-REFERENCE_FILE = "reference.json"
-"""In a full fine-tuning preference run's step directory: where its frozen reference model's weights came from, the
-model the run started from (checkpoint/starts.py)."""
-
-
-class Reference:
-    """The model the rewards are measured against: the policy with its adapters off (LoRA: no second copy of the
-    weights), or `frozen`, a copy of the model the run started from with no gradients and no optimizer state."""
-
-    def __init__(self, policy: nn.Module, frozen: nn.Module | None = None):
-        self.policy, self.frozen = policy, frozen
-
-    @torch.no_grad()
-    def logps(self, batch: MicroBatch, objective: SequenceLogProbs) -> torch.Tensor:
-        """Each answer's summed log-probability under the reference (`objective`'s, e.g. 2 x pairs, chosen and rejected
-        alternating)."""
-        model = self.frozen if self.frozen is not None else self.policy
-        with adapters_disabled(self.policy) if self.frozen is None else nullcontext():
-            logps = model(batch.inputs, batch.documents, loss=objective)
-        if self.frozen is not None:
-            reshard(self.frozen)
-        return logps
-
-    @classmethod
-    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> Reference:
-        """With adapters, the policy itself with them switched off; otherwise a frozen copy of the model, built and
-        sharded as the policy is, held in the compute dtype (what FSDP gathers anyway, so its forward is the policy's
-        at step 0, bitwise), no gradients, no optimizer state; the checkpointer loads the weights the run started from
-        into it (`starts`)."""
-        frozen = None
-        if not has_adapters(policy):  # on meta: build.build_step materializes it
-            frozen = frozen_copy(
-                recipe.model, recipe.parallel, env.mesh, uses_flex_attention(recipe.parallel, env.device)
-            )
-        return cls(policy, frozen)
-
-    def starts(self) -> list[Start]:
-        """The frozen copy, which holds the weights the run started from, as a start of the run."""
-        return [] if self.frozen is None else [Start(REFERENCE_FILE, self.frozen, "reference model is")]
-
-
-class PreferenceStep(PairStep):
-    """The losses of one optimizer step's micro-batches of preference pairs: the reference's log-probabilities
-    (no gradient), then the policy's forward and backward, micro-batch by micro-batch; the loss and TRL's reward
-    metrics are means over the global batch's pairs."""
+class Preference(AgainstReference):
+    """What the house asks of DPO and its variants before the step is built: the kind, its metrics, the reference's
+    price."""
 
     name = "preference"
     chosen_by = "set preference.loss (sigmoid for DPO, ipo or robust)"
     metrics = METRICS
     shown = {"rewards/accuracies": "reward accuracy", "rewards/margins": "margin"}
 
-    def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
-        super().__init__(cfg.nll_weight)
-        self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
-        self.reference, self.chunks, self.cached = reference, chunks, cfg.reference == "cache"
-        self.starts += reference.starts()
-        self.caches: dict[str, ReferenceCache] = {}
-        self.split = "train"
-
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
         return recipe.preference.loss in PREFERENCE_LOSSES
-
-    @classmethod
-    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> PreferenceStep:
-        return cls(recipe.preference, Reference.build(recipe, env, policy), recipe.train.loss_chunks)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -115,48 +44,8 @@ class PreferenceStep(PairStep):
             )
 
     @classmethod
-    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
-        if recipe.preference.reference == "cache":
-            return 0  # freed once its log-probabilities are cached, before the first step
-        return 0 if adapted else n_params  # with adapters, the reference is the policy's own weights
-
-    @classmethod
     def forward_params(cls, recipe: Any, n_params: int) -> int:
         return 0 if recipe.preference.reference == "cache" else n_params  # the reference's forward
-
-    def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
-        """With a cached reference: its log-probabilities of every pair of each split, read from train.out_dir or
-        computed (one sharded forward pass) and stored there; then the frozen copy's weights are freed."""
-        if not self.cached:
-            return
-        record = records.get(REFERENCE_FILE, records.get(LORA_BASE_FILE))
-        for split, tokens in files.items():
-            if tokens is None:
-                continue
-            made_from = {"reference": json.loads(record), "data": data_fingerprint(tokens)}
-            path = Path(recipe.train.out_dir) / CACHE_DIR / f"{split}.npz"
-            if path.is_file():
-                self.caches[split] = ReferenceCache.load(path, made_from)
-                if env.is_main:
-                    logger.info(f"preference.reference=cache: the reference's log-probabilities read from {path}")
-                continue
-            data, began = recipe.data, time.perf_counter()
-            if env.is_main:
-                logger.info(f"preference.reference=cache: one pass of the reference over {tokens.path} first")
-
-            def logps_of(batch: MicroBatch) -> torch.Tensor:
-                return self.reference.logps(batch, answers_objective(batch, self.chunks))
-
-            self.caches[split] = ReferenceCache.compute(logps_of, tokens, data.seq_len, data.micro_batch_size, env)
-            if env.is_main:
-                self.caches[split].save(path, made_from)
-                logger.info(
-                    f"preference.reference=cache: the reference's log-probabilities of {split}'s "
-                    f"{len(self.caches[split].values):,} answers computed in {time.perf_counter() - began:.1f} s, "
-                    f"stored in {path}"
-                )
-        if self.reference.frozen is not None:
-            self.reference.frozen.to_empty(device="meta")  # no longer read: the cache stands for it
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
@@ -176,6 +65,34 @@ class PreferenceStep(PairStep):
             f"over every pair) and the step holds and runs no reference: up to {frozen:.2f} GB a rank less, and not "
             "that third"
         )
+
+
+class PreferenceStep(Preference, PairStep):
+    """The losses of one optimizer step's micro-batches of preference pairs: the reference's log-probabilities
+    (no gradient), then the policy's forward and backward, micro-batch by micro-batch; the loss and TRL's reward
+    metrics are means over the global batch's pairs."""
+
+    def __init__(self, cfg: PreferenceConfig, reference: Reference, chunks: int = 1):
+        super().__init__(cfg.nll_weight)
+        self.loss = PreferenceLoss(cfg.loss, cfg.beta, cfg.label_smoothing)
+        self.reference, self.chunks, self.cached = reference, chunks, cfg.reference == "cache"
+        self.starts += reference.starts()
+        self.caches: dict[str, ReferenceCache] = {}
+        self.split = "train"
+
+    def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
+        """With a cached reference: its log-probabilities of every pair of each split, read from train.out_dir or
+        computed (one sharded forward pass) and stored there; then the frozen copy's weights are freed."""
+        if not self.cached:
+            return
+        record = records.get(REFERENCE_FILE, records.get(LORA_BASE_FILE))
+
+        def logps_of(batch: MicroBatch) -> torch.Tensor:
+            return self.reference.logps(batch, answers_objective(batch, self.chunks))
+
+        self.caches = cached_logps(logps_of, record, files, recipe, env)
+        if self.reference.frozen is not None:
+            self.reference.frozen.to_empty(device="meta")  # no longer read: the cache stands for it
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor]:

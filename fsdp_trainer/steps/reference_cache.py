@@ -15,8 +15,11 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,8 @@ from fsdp_trainer.data.format import META_SUFFIX, START, TARGET
 from fsdp_trainer.data.loader import MicroBatch, micro_batch
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.files import write_atomic
+
+logger = logging.getLogger("fsdp_trainer")
 
 CACHE_DIR = "reference_cache"
 """In train.out_dir: the cached log-probabilities of each split (`train.npz`, `val.npz`)."""
@@ -105,3 +110,34 @@ class ReferenceCache:
                     "this run's: delete it to compute them again, or resume with what it was made from"
                 )
             return cls(saved["offsets"], saved["values"])
+
+
+def cached_logps(
+    logps_of: Callable[[MicroBatch], torch.Tensor], record: bytes, files: dict[str, Any], recipe: Any, env: DistEnv
+) -> dict[str, ReferenceCache]:
+    """The cache of each split's token file (`files`: None for a split without one), read from train.out_dir or
+    computed with `logps_of` (one sharded pass) and stored there; `record` is the reference's start record
+    (checkpoint/starts.py), which with the file's meta says what a cache was made from."""
+    caches = {}
+    for split, tokens in files.items():
+        if tokens is None:
+            continue
+        made_from = {"reference": json.loads(record), "data": data_fingerprint(tokens)}
+        path = Path(recipe.train.out_dir) / CACHE_DIR / f"{split}.npz"
+        if path.is_file():
+            caches[split] = ReferenceCache.load(path, made_from)
+            if env.is_main:
+                logger.info(f"preference.reference=cache: the reference's log-probabilities read from {path}")
+            continue
+        data, began = recipe.data, time.perf_counter()
+        if env.is_main:
+            logger.info(f"preference.reference=cache: one pass of the reference over {tokens.path} first")
+        caches[split] = ReferenceCache.compute(logps_of, tokens, data.seq_len, data.micro_batch_size, env)
+        if env.is_main:
+            caches[split].save(path, made_from)
+            logger.info(
+                f"preference.reference=cache: the reference's log-probabilities of {split}'s "
+                f"{len(caches[split].values):,} answers computed in {time.perf_counter() - began:.1f} s, stored in "
+                f"{path}"
+            )
+    return caches
