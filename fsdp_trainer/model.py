@@ -293,20 +293,12 @@ class Transformer(nn.Module):
         fill: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        """Initialise every parameter and buffer in place; calling it twice gives the same model.
-
-        | tensor                                        | init                                      |
-        |-----------------------------------------------|-------------------------------------------|
-        | embed_tokens, q/k/v_proj, gate/up_proj, lm_head / score | truncated normal(0, init_std), +-3 std |
-        | o_proj, down_proj (write into the residual)   | truncated normal(0, init_std / sqrt(2 * n_layers)) |
-        | every RMSNorm weight                          | 1                                         |
-        | rope_cos, rope_sin                            | recomputed from the config                |
-
-        Each tensor's values come from its own generator seeded by (seed, parameter name), so the model is the same
-        however it is sharded. `fill(param, full_values)` writes a full-shape tensor into a parameter; parallelize.py
-        passes one that keeps only this rank's shard. The default copies. The values are drawn on `device` (default:
-        each parameter's own), since the same generator gives other numbers on a GPU than on a CPU.
-        """
+        """Initialise every parameter and buffer in place; calling it twice gives the same model: every RMSNorm weight
+        1, every other weight from initial_values (its own generator, so the same however the model is sharded), the
+        rotary tables recomputed from the config. `fill(param, full_values)` writes a full-shape tensor into a
+        parameter; parallelize.py passes one that keeps only this rank's shard. The default copies. The values are
+        drawn on `device` (default: each parameter's own), since the same generator gives other numbers on a GPU than
+        on a CPU."""
         fill = fill or (lambda param, values: param.copy_(values))
         cfg = self.cfg
         for name, param in self.named_parameters():
@@ -351,8 +343,9 @@ def attention_inputs(model: Transformer, tokens: torch.Tensor, documents: torch.
 
 def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
     """A weight's initial values (fp32), drawn on `device` from a generator seeded by (seed, its HF name), so the
-    model is the same however it is sharded: truncated normal(0, init_std) at +-3 std, the projections that write
-    into the residual (o_proj, down_proj) scaled by 1 / sqrt(2 * n_layers)."""
+    model is the same however it is sharded: truncated normal(0, init_std) at +-3 std (the embedding, the q/k/v, gate
+    and up projections, lm_head or score), the projections that write into the residual (o_proj, down_proj) scaled by
+    1 / sqrt(2 * n_layers)."""
     std = cfg.init_std
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         std = std / math.sqrt(2 * cfg.n_layers)

@@ -1,6 +1,6 @@
 """The recipe reference (docs/recipe_reference.md): every key of every section, its default and its meaning, which
-is the key's attribute docstring in config/sections.py, the text `--help` shows. Written by tools/recipe_reference.py;
-tests/test_config.py checks the file is what this makes, so the two cannot drift."""
+is the key's attribute docstring in config/ (sections.py, tuning.py), the text `--help` shows. Written by
+tools/recipe_reference.py; tests/test_config.py checks the file is what this makes, so the two cannot drift."""
 
 from __future__ import annotations
 
@@ -8,21 +8,28 @@ import ast
 import dataclasses
 import inspect
 import json
+import sys
 
-from fsdp_trainer.config import SECTIONS, sections
+from fsdp_trainer.config import SECTIONS
 
 HEADER = """# Recipe reference
 
 Every key of a recipe, with its default (recipes override them) and what it means: the text `--help` prints
 (`python -m fsdp_trainer.train --help`). Override any key as `--section.key value`. This file is generated from
-fsdp_trainer/config/sections.py by `python tools/recipe_reference.py`; do not edit it by hand.
+fsdp_trainer/config/ by `python tools/recipe_reference.py`; do not edit it by hand.
 """
 
 
 def attribute_docstrings() -> dict[str, dict[str, str]]:
-    """{class name: {key: its attribute docstring, whitespace folded}} of the classes in config/sections.py."""
+    """{class name: {key: its attribute docstring, whitespace folded}} of the classes in the sections' modules."""
     out = {}
-    for node in ast.parse(inspect.getsource(sections)).body:
+    modules = {sys.modules[section.__module__] for section in SECTIONS.values()}
+    nodes = [
+        node
+        for module in sorted(modules, key=lambda m: m.__name__)
+        for node in ast.parse(inspect.getsource(module)).body
+    ]
+    for node in nodes:
         if isinstance(node, ast.ClassDef):
             docs = out.setdefault(node.name, {})
             for field, doc in zip(node.body, node.body[1:], strict=False):

@@ -11,7 +11,7 @@ from fsdp_trainer.config import SECTIONS, parse_recipe, recipe_to_yaml
 from fsdp_trainer.reference import recipe_reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config" / "sections.py"
+CONFIG = Path(__file__).resolve().parents[1] / "fsdp_trainer" / "config"
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "recipe_reference.md"
 
 
@@ -92,7 +92,8 @@ def _attribute_docstrings() -> dict[str, dict[str, str]]:
     """{section: {key: its attribute docstring, whitespace folded}}: the text `--help` shows."""
     import ast
 
-    classes = {node.name: node for node in ast.parse(CONFIG.read_text()).body if isinstance(node, ast.ClassDef)}
+    nodes = [node for path in CONFIG.glob("*.py") for node in ast.parse(path.read_text()).body]
+    classes = {node.name: node for node in nodes if isinstance(node, ast.ClassDef)}
     out = {}
     for section, cls in SECTIONS.items():
         body, docs = classes[cls.__name__].body, {}
@@ -104,7 +105,7 @@ def _attribute_docstrings() -> dict[str, dict[str, str]]:
 
 
 def test_the_recipe_reference_is_the_help_text_of_every_key():
-    """docs/recipe_reference.md is what tools/recipe_reference.py makes from config/sections.py, a row per key whose
+    """docs/recipe_reference.md is what tools/recipe_reference.py makes from config/'s sections, a row per key whose
     meaning is the key's --help text, and README points to it: checked here, so they cannot drift."""
     text = REFERENCE.read_text()
     assert text == recipe_reference(), "docs/recipe_reference.md is stale: run python tools/recipe_reference.py"

@@ -1,5 +1,5 @@
-"""Recipes: typed sections (sections.py), which jsonargparse turns into the CLI and their attribute docstrings into
-`--help`, and the one parser every tool reads them with (parse.py).
+"""Recipes: typed sections (sections.py, tuning.py; recipe.py the whole), which jsonargparse turns into the CLI and
+their attribute docstrings into `--help`, and the one parser every tool reads them with (parse.py).
 
 A recipe is a YAML file with one mapping per section (model, parallel, data, optim, lora, preference, reward, distill,
 train, eval, checkpoint, wandb); any key can be overridden on the command line as `--section.key value`. Every check
@@ -19,29 +19,30 @@ from fsdp_trainer.config.parse import (
     sections_to_yaml,
     write_config,
 )
+from fsdp_trainer.config.recipe import SECTIONS, Recipe
 from fsdp_trainer.config.sections import (
     AUTO,
     COMPUTE_DTYPES,
-    LORA_PROJECTIONS,
-    LORA_TARGETS,
-    SECTIONS,
     CheckpointConfig,
     DataConfig,
-    DistillConfig,
     EvalConfig,
-    LoraConfig,
     MixtureSource,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     Precision,
-    PreferenceConfig,
-    Recipe,
-    RewardConfig,
     RopeScaling,
     TrainConfig,
     WandbConfig,
     compute_dtype,
+)
+from fsdp_trainer.config.tuning import (
+    LORA_PROJECTIONS,
+    LORA_TARGETS,
+    DistillConfig,
+    LoraConfig,
+    PreferenceConfig,
+    RewardConfig,
 )
 
 __all__ = [

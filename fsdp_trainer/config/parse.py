@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import NoReturn
 
-from fsdp_trainer.config.sections import SECTIONS, Recipe
+from fsdp_trainer.config.recipe import SECTIONS, Recipe
 from fsdp_trainer.errors import say
 from fsdp_trainer.files import CONFIG_FILE, write_atomic
 

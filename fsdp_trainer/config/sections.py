@@ -1,10 +1,11 @@
-"""The recipe's typed sections: a dataclass per section, whose attribute docstrings are `--help` and
-docs/recipe_reference.md. Every check of a key fails in its section's __post_init__ (or Recipe's, for keys of
-several sections), naming the key, before any process group exists."""
+"""The recipe's typed sections every run has (tuning.py holds those of fine-tuning methods, recipe.py the whole): a
+dataclass per section, whose attribute docstrings are `--help` and docs/recipe_reference.md. Every check of a key
+fails in its section's __post_init__ (or Recipe's, for keys of several sections), naming the key, before any process
+group exists."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -27,7 +28,8 @@ def compute_dtype(name: str) -> torch.dtype:  # noqa: F821
     return getattr(torch, COMPUTE_DTYPES[name])
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """A check of a recipe key: ValueError(message), the one line a user reads, unless `ok`."""
     if not ok:
         raise ValueError(message)
 
@@ -47,13 +49,13 @@ class RopeScaling:
     """The context length the model was pretrained with before scaling."""
 
     def __post_init__(self) -> None:
-        _require(self.factor >= 1, f"model.rope_scaling.factor={self.factor} must be >= 1")
-        _require(
+        require(self.factor >= 1, f"model.rope_scaling.factor={self.factor} must be >= 1")
+        require(
             0 < self.low_freq_factor < self.high_freq_factor,
             f"model.rope_scaling needs 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor "
             f"({self.high_freq_factor})",
         )
-        _require(
+        require(
             self.original_max_position_embeddings > 0,
             f"model.rope_scaling.original_max_position_embeddings={self.original_max_position_embeddings} must be "
             "positive",
@@ -103,32 +105,11 @@ class ModelConfig:
     weights (a fresh head) or a reward model's."""
 
     def __post_init__(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-            _require(getattr(self, key) > 0, f"model.{key}={getattr(self, key)} must be positive")
-        _require(
-            self.n_heads % self.n_kv_heads == 0,
-            f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}",
-        )
-        if self.head_dim is None:
-            _require(
-                self.dim % self.n_heads == 0,
-                f"model.n_heads={self.n_heads} must divide model.dim={self.dim} (or set model.head_dim)",
-            )
-        else:
-            _require(self.head_dim > 0, f"model.head_dim={self.head_dim} must be positive")
-        _require(self.resolved_head_dim % 2 == 0, f"model.head_dim={self.resolved_head_dim} must be even for RoPE")
-        _require(
-            self.sliding_window is None or (self.family == "mistral" and self.sliding_window > 0),
-            f"model.sliding_window={self.sliding_window}: a positive window, for the mistral family only",
-        )
-        _require(
-            self.num_labels in (None, 1),
-            f"model.num_labels={self.num_labels}: 1 (a reward model's scalar score) or null (a language model)",
-        )
+        check_model(self)
 
     def check_vocab(self, what: str, n_ids: int) -> None:
         """Refuse token ids the model could not embed: `what` (a token file, a tokenizer) holds ids up to n_ids."""
-        _require(
+        require(
             n_ids <= self.vocab_size,
             f"{what} has {n_ids} ids, more than model.vocab_size={self.vocab_size}: the model could not embed them",
         )
@@ -150,6 +131,32 @@ class ModelConfig:
     def tied_output(self) -> bool:
         """Whether the output layer is the embedding (tie_embeddings, for a language model: a score head never is)."""
         return self.tie_embeddings and self.num_labels is None
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """The model section's keys make a model: ValueError naming the key otherwise."""
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        require(getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)} must be positive")
+    require(
+        cfg.n_heads % cfg.n_kv_heads == 0,
+        f"model.n_kv_heads={cfg.n_kv_heads} must divide model.n_heads={cfg.n_heads}",
+    )
+    if cfg.head_dim is None:
+        require(
+            cfg.dim % cfg.n_heads == 0,
+            f"model.n_heads={cfg.n_heads} must divide model.dim={cfg.dim} (or set model.head_dim)",
+        )
+    else:
+        require(cfg.head_dim > 0, f"model.head_dim={cfg.head_dim} must be positive")
+    require(cfg.resolved_head_dim % 2 == 0, f"model.head_dim={cfg.resolved_head_dim} must be even for RoPE")
+    require(
+        cfg.sliding_window is None or (cfg.family == "mistral" and cfg.sliding_window > 0),
+        f"model.sliding_window={cfg.sliding_window}: a positive window, for the mistral family only",
+    )
+    require(
+        cfg.num_labels in (None, 1),
+        f"model.num_labels={cfg.num_labels}: 1 (a reward model's scalar score) or null (a language model)",
+    )
 
 
 @dataclass
@@ -189,9 +196,9 @@ class ParallelConfig:
     """Seconds a collective may wait for a peer before the run fails (instead of hanging on a dead rank)."""
 
     def __post_init__(self) -> None:
-        _require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
-        _require(self.prefetch_blocks >= 1, f"parallel.prefetch_blocks={self.prefetch_blocks} must be >= 1")
-        _require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
+        require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
+        require(self.prefetch_blocks >= 1, f"parallel.prefetch_blocks={self.prefetch_blocks} must be >= 1")
+        require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
 
 
 @dataclass
@@ -204,7 +211,7 @@ class MixtureSource:
     """Its share of the training samples, relative to the other sources' weights."""
 
     def __post_init__(self) -> None:
-        _require(self.weight > 0, f"data.mixture: the weight of {self.path} is {self.weight}; it must be positive")
+        require(self.weight > 0, f"data.mixture: the weight of {self.path} is {self.weight}; it must be positive")
 
 
 @dataclass
@@ -233,8 +240,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for key in ("seq_len", "micro_batch_size", "grad_accum_steps"):
-            _require(getattr(self, key) > 0, f"data.{key}={getattr(self, key)} must be positive")
-        _require(self.mixture is None or len(self.mixture) > 0, "data.mixture is empty; name its sources or use null")
+            require(getattr(self, key) > 0, f"data.{key}={getattr(self, key)} must be positive")
+        require(self.mixture is None or len(self.mixture) > 0, "data.mixture is empty; name its sources or use null")
 
 
 @dataclass
@@ -274,180 +281,14 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
-        _require(self.lr > 0, f"optim.lr={self.lr} must be positive")
-        _require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must lie in [0, optim.lr={self.lr}]")
-        _require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        _require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
-        _require(self.loss_scale > 0, f"optim.loss_scale={self.loss_scale} must be positive")
-        _require(self.muon_lr > 0, f"optim.muon_lr={self.muon_lr} must be positive")
-        _require(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must lie in [0, 1)")
-        _require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
-
-
-LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = (*LORA_PROJECTIONS, "lm_head", "embed_tokens")
-
-
-@dataclass
-class LoraConfig:
-    """Low-rank adapters (LoRA): train small matrices beside the frozen model's projections instead of every weight."""
-
-    rank: int | None = None
-    """Rank of each adapter; null trains every weight (full fine-tuning)."""
-    alpha: float = 16.0
-    """Scale: an adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
-    dropout: float = 0.0
-    """Dropout on an adapter's input (PEFT's lora_dropout)."""
-    targets: list[str] = field(default_factory=lambda: list(LORA_PROJECTIONS))
-    """The layers that get adapters (PEFT's target_modules): any of every block's q_proj, k_proj, v_proj, o_proj,
-    gate_proj, up_proj, down_proj, and lm_head (the output layer) and embed_tokens (the embedding), those two not
-    when they are tied."""
-    quantize_base: Literal["nf4"] | None = None
-    """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (`nf4`, through torchao:
-    about 0.52 bytes a weight instead of 2 in bf16), sharded in that form and dequantized one projection at a time
-    in forward and backward; null keeps them in the compute dtype. Checkpoints and exports are unchanged: they hold
-    the adapters, and an export merges them into the base's original weights, as PEFT does."""
-    adapter: str | None = None
-    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to start the adapters from
-    instead of their init, to train it further; its r, lora_alpha and target_modules must match the keys above."""
-
-    def __post_init__(self) -> None:
-        _require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1, or null")
-        _require(0.0 <= self.dropout < 1.0, f"lora.dropout={self.dropout} must be in [0, 1)")
-        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
-        _require(not unknown, f"lora.targets has {unknown}; choose among {', '.join(LORA_TARGETS)}")
-        _require(bool(self.targets), "lora.targets is empty; name at least one of " + ", ".join(LORA_TARGETS))
-        _require(
-            self.adapter is None or self.rank is not None,
-            f"lora.adapter={self.adapter} needs lora.rank (the adapter's r)",
-        )
-        _require(
-            self.quantize_base is None or self.rank is not None,
-            f"lora.quantize_base={self.quantize_base} needs lora.rank: it quantizes the frozen weights of a LoRA run",
-        )
-
-
-@dataclass
-class PreferenceConfig:
-    """Preference tuning on pairs of answers, prepared with prepare_data.py --format preference: the model learns to
-    rank each pair's chosen answer above its rejected one; or (kto) on single answers labelled good or bad, prepared
-    with --format unpaired. DPO, its variants and KTO measure it against a reference model, the model the run starts
-    from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy of it in the compute
-    dtype, with no gradients and no optimizer state); SimPO and ORPO need none."""
-
-    loss: Literal["sigmoid", "ipo", "robust", "simpo", "orpo", "kto"] | None = None
-    """null: not a preference run. sigmoid: DPO (Rafailov et al. 2023), with label_smoothing conservative DPO; ipo: IPO
-    (Azar et al. 2023), log-ratios averaged over each answer's tokens; robust: rDPO (Chowdhury et al. 2024), for
-    labels flipped with probability label_smoothing (TRL's DPOTrainer's losses of the same names). simpo: SimPO (Meng
-    et al. 2024; TRL's CPOTrainer loss_type simpo), length-normalized, a target margin, no reference. orpo: ORPO (Hong
-    et al. 2024; TRL's ORPOTrainer), the chosen answers' NLL plus beta x the log odds ratio, no reference. kto: KTO
-    (Ethayarajh et al. 2024; TRL's KTOTrainer) on unpaired answers, each against a KL reference point estimated from
-    the batch's prompts paired with other examples' answers."""
-    beta: float = 0.1
-    """How far from the reference the policy may move: the implicit reward is beta x (policy - reference
-    log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin). simpo: the reward scale
-    (the paper's 2.0-2.5); orpo: lambda, the weight of the odds-ratio term."""
-    label_smoothing: float = 0.0
-    """sigmoid, robust and simpo: the probability that a pair's labels are flipped, in [0, 0.5)."""
-    simpo_gamma: float = 0.5
-    """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
-    nll_weight: float = 0.0
-    """The weight of the chosen answers' negative log-likelihood (a mean over their tokens) added to the loss: DPO +
-    NLL (RPO; TRL's DPO loss_type [sigmoid, sft] with loss_weights [1, w]), or CPO's cpo_alpha with simpo. ORPO's NLL
-    term always weighs 1 (beta weighs its other)."""
-    desirable_weight: float = 1.0
-    """kto: the weight of the desirable answers' losses (TRL's desirable_weight; the paper advises weights that make
-    desirable_weight x their number over undesirable_weight x theirs between 1 and 4/3)."""
-    undesirable_weight: float = 1.0
-    """kto: the weight of the undesirable answers' losses (TRL's undesirable_weight)."""
-    reference: Literal["model", "cache"] = "model"
-    """sigmoid, ipo, robust: where the reference's log-probabilities come from. model: its forward each micro-step.
-    cache: one sharded forward pass of it over every pair of the train and validation files before training, stored
-    in train.out_dir/reference_cache with the fingerprints of the reference's weights and of the files; then no
-    reference is held, gathered or run (a resume reads the cache, and refuses one made for other data)."""
-
-    def __post_init__(self) -> None:
-        _require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
-        for key in ("desirable_weight", "undesirable_weight"):
-            _require(getattr(self, key) > 0, f"preference.{key}={getattr(self, key)} must be > 0")
-            _require(getattr(self, key) == 1 or self.loss == "kto", f"preference.{key} applies to kto; set it to 1")
-        _require(
-            0.0 <= self.label_smoothing < 0.5,
-            f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)",
-        )
-        _require(
-            self.label_smoothing == 0 or self.loss not in ("ipo", "orpo", "kto"),
-            f"preference.label_smoothing applies to the sigmoid, robust and simpo losses, not {self.loss}; set it to 0",
-        )
-        _require(self.nll_weight >= 0, f"preference.nll_weight={self.nll_weight} must be >= 0")
-        _require(
-            self.nll_weight == 0 or self.loss != "orpo",
-            "preference.nll_weight: ORPO's NLL term always weighs 1 (preference.beta weighs the odds-ratio term); "
-            "set it to 0",
-        )
-        _require(self.nll_weight == 0 or self.loss != "kto", "preference.nll_weight applies to pairs, not kto")
-        _require(
-            self.reference == "model" or self.loss in ("sigmoid", "ipo", "robust"),
-            f"preference.reference=cache applies to the sigmoid, ipo and robust losses, not {self.loss}",
-        )
-
-
-@dataclass
-class RewardConfig:
-    """A reward model (model.num_labels 1) on preference pairs, prepared with prepare_data.py --format preference:
-    each conversation's reward is the score head at its last token, and a pair's loss is Bradley-Terry's,
-    -log sigmoid(chosen - rejected), as TRL's RewardTrainer computes it."""
-
-    center_rewards_coefficient: float = 0.0
-    """Adds this x (chosen + rejected)^2 to each pair's loss, which keeps the rewards centred on zero (TRL's
-    center_rewards_coefficient; Eisenstein et al. 2023 use 0.01); 0: none."""
-
-    def __post_init__(self) -> None:
-        _require(
-            self.center_rewards_coefficient >= 0,
-            f"reward.center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0",
-        )
-
-
-@dataclass
-class DistillConfig:
-    """Knowledge distillation: the model learns the next-token distributions of a frozen teacher, which is sharded as
-    the model is and runs forward only. Off unless a teacher is named."""
-
-    teacher: str | None = None
-    """The teacher's weights: a checkpoint, or a run directory (its latest), of any world size; an HF model after
-    tools/import_hf.py. Its tokenizer and vocabulary must be the model's; its size and family may differ."""
-    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    """The divergence per target, of the distributions at `temperature`: forward_kl KL(teacher || model) (TRL's
-    generalized JSD at beta 0), reverse_kl KL(model || teacher) (beta 1), jsd the generalized Jensen-Shannon divergence
-    at `beta` (GKD)."""
-    beta: float = 0.5
-    """jsd: the teacher's weight in the mixture the two are compared with (TRL / GKD's beta)."""
-    temperature: float = 1.0
-    """Both models' logits are divided by it before the divergence (not before the cross-entropy)."""
-    alpha: float = 1.0
-    """The divergence's weight in the loss; the cross-entropy on the targets weighs 1 - alpha. Both are means over
-    the same targets (a chat run's supervised tokens), logged as kd_loss and ce_loss."""
-    lmbda: float = 0.0
-    """On-policy distillation (GKD's lmbda, Agarwal et al. 2024): the probability that a step trains on the model's
-    own answers instead of the data's: each example's last answer is replaced by one the model samples from its
-    prompt, and the teacher scores it. Chat data only (the prompts are the untrained tokens before an answer); the
-    step is drawn from (train.seed, step), so a resumed run samples the same steps. On those steps the cross-entropy
-    (alpha < 1) is on the sampled tokens: GKD has alpha 1."""
-    max_new_tokens: int = 128
-    """On-policy steps: the longest answer sampled (fewer where the example's window ends first); an answer ends
-    sooner at the chat template's end-of-turn token or the tokenizer's EOS, which it keeps."""
-    sample_temperature: float = 1.0
-    """On-policy steps: the temperature the answers are sampled at, from the whole vocabulary (1: the model's own
-    distribution; TRL's GKD defaults to 0.9; 0: greedy)."""
-
-    def __post_init__(self) -> None:
-        _require(0 < self.beta < 1 or self.loss != "jsd", f"distill.beta={self.beta}: jsd needs 0 < beta < 1")
-        _require(self.temperature > 0, f"distill.temperature={self.temperature} must be > 0")
-        _require(0 <= self.alpha <= 1, f"distill.alpha={self.alpha} must be in [0, 1]")
-        _require(0 <= self.lmbda <= 1, f"distill.lmbda={self.lmbda} must be in [0, 1]")
-        _require(self.max_new_tokens >= 1, f"distill.max_new_tokens={self.max_new_tokens} must be >= 1")
-        _require(self.sample_temperature >= 0, f"distill.sample_temperature={self.sample_temperature} must be >= 0")
+        require(self.lr > 0, f"optim.lr={self.lr} must be positive")
+        require(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr} must lie in [0, optim.lr={self.lr}]")
+        require(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        require(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0")
+        require(self.loss_scale > 0, f"optim.loss_scale={self.loss_scale} must be positive")
+        require(self.muon_lr > 0, f"optim.muon_lr={self.muon_lr} must be positive")
+        require(0 <= self.muon_momentum < 1, f"optim.muon_momentum={self.muon_momentum} must lie in [0, 1)")
+        require(all(0 <= b < 1 for b in self.betas), f"optim.betas={list(self.betas)} must lie in [0, 1)")
 
 
 @dataclass
@@ -482,12 +323,12 @@ class TrainConfig:
     many seconds pass without a log line, so a slow run shows it is alive between log steps (0 = never)."""
 
     def __post_init__(self) -> None:
-        _require(self.steps >= 0, f"train.steps={self.steps} must be >= 0")
-        _require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
-        _require(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0")
-        _require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
-        _require(self.loss_chunks >= 1, f"train.loss_chunks={self.loss_chunks} must be >= 1")
-        _require(self.progress_every_s >= 0, f"train.progress_every_s={self.progress_every_s} must be >= 0")
+        require(self.steps >= 0, f"train.steps={self.steps} must be >= 0")
+        require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        require(self.eval_every >= 0, f"train.eval_every={self.eval_every} must be >= 0")
+        require(self.eval_steps >= 1, f"train.eval_steps={self.eval_steps} must be >= 1")
+        require(self.loss_chunks >= 1, f"train.loss_chunks={self.loss_chunks} must be >= 1")
+        require(self.progress_every_s >= 0, f"train.progress_every_s={self.progress_every_s} must be >= 0")
 
 
 @dataclass
@@ -514,10 +355,10 @@ class EvalConfig:
     """A directory of task YAML files of your own (README: Evaluation)."""
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, f"eval.every={self.every} must be >= 0")
-        _require(self.limit is None or self.limit > 0, f"eval.limit={self.limit} must be > 0")
-        _require(self.batch_size >= 1, f"eval.batch_size={self.batch_size} must be >= 1")
-        _require(self.max_gen_toks >= 1, f"eval.max_gen_toks={self.max_gen_toks} must be >= 1")
+        require(self.every >= 0, f"eval.every={self.every} must be >= 0")
+        require(self.limit is None or self.limit > 0, f"eval.limit={self.limit} must be > 0")
+        require(self.batch_size >= 1, f"eval.batch_size={self.batch_size} must be >= 1")
+        require(self.max_gen_toks >= 1, f"eval.max_gen_toks={self.max_gen_toks} must be >= 1")
 
 
 @dataclass
@@ -542,8 +383,8 @@ class CheckpointConfig:
     save stops it either way)."""
 
     def __post_init__(self) -> None:
-        _require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
-        _require(self.keep_last >= 0, f"checkpoint.keep_last={self.keep_last} must be >= 0")
+        require(self.every >= 0, f"checkpoint.every={self.every} must be >= 0")
+        require(self.keep_last >= 0, f"checkpoint.keep_last={self.keep_last} must be >= 0")
 
 
 @dataclass
@@ -564,65 +405,3 @@ class WandbConfig:
     """A resumed run rewinds its W&B run to the checkpoint's step (resume_from), so the steps an interrupted attempt
     logged after it are replaced, not kept. Needs W&B's run rewind, in private preview: ask W&B support to enable it.
     Off: the run resumes (resume=allow) and those steps keep their first values, each logged once."""
-
-
-@dataclass
-class Recipe:
-    """A whole training run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-
-    def __post_init__(self) -> None:
-        _require(
-            not (self.checkpoint.export_hf and self.lora.rank is not None),
-            "checkpoint.export_hf writes the model without adapters; with lora.rank set, export with "
-            "tools/consolidate.py RUN OUT (merged) or --lora adapter (PEFT)",
-        )
-        _require(
-            self.lora.quantize_base is None or not self.parallel.cpu_offload,
-            "lora.quantize_base nf4 does not run with parallel.cpu_offload yet; set one of them off",
-        )
-        tied = sorted({"lm_head", "embed_tokens"} & set(self.lora.targets)) if self.model.tied_output else []
-        _require(
-            self.lora.rank is None or not tied,
-            f"lora.targets has {', '.join(tied)}, but model.tie_embeddings ties the output layer to the embedding: an "
-            f"adapter on one could not be merged into the weight they share; leave {' and '.join(tied)} out",
-        )
-        _require(
-            self.model.num_labels is None or (self.preference.loss is None and self.distill.teacher is None),
-            "model.num_labels 1 trains a reward model (on preference pairs, as TRL's RewardTrainer); preference.loss "
-            "and distill.teacher train a language model: set them null, or model.num_labels null",
-        )
-        _require(
-            self.model.num_labels is None or not self.eval.tasks,
-            "eval.tasks score a language model, and a reward model (model.num_labels) has no output layer: set "
-            "eval.tasks []",
-        )
-        _require(
-            self.model.num_labels is None or "lm_head" not in self.lora.targets,
-            "lora.targets has lm_head, and a reward model (model.num_labels) has none: its score head trains whole; "
-            "leave lm_head out",
-        )
-        _require(
-            self.data.seq_len <= self.model.max_seq_len,
-            f"data.seq_len={self.data.seq_len} must be <= model.max_seq_len={self.model.max_seq_len}",
-        )
-        _require(
-            self.parallel.ac_every == 1 or self.parallel.activation_checkpointing != "none",
-            f"parallel.ac_every={self.parallel.ac_every} needs parallel.activation_checkpointing full or selective",
-        )
-
-
-# `from __future__ import annotations` makes field types strings; resolve them once here.
-SECTIONS = {f.name: globals()[f.type] for f in fields(Recipe)}

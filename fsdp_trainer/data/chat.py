@@ -17,6 +17,7 @@ out; the model attends block-causally within each window, so an example never se
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from typing import NamedTuple
 
@@ -121,6 +122,39 @@ def preference_of(record: object) -> tuple[list[dict], list[dict], list[dict]]:
     return prompt, chosen, rejected
 
 
+def answer_spans(
+    render: Callable[..., str], text: str, messages: list[dict], trained_from: int = 0
+) -> list[tuple[int, int]]:
+    """Where in the conversation `text` (rendered by `render`, ChatEncoder.render) each assistant turn (from message
+    `trained_from` on) lies, as character spans: from the end of the conversation before it with the generation
+    prompt, to the end of the conversation through it, less the whitespace after its end-of-turn token."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i < trained_from:
+            continue
+        before = render(messages[:i], add_generation_prompt=True)
+        through = render(messages[: i + 1])
+        if not text.startswith(before) or not through.startswith(before):
+            raise BadConversation(
+                f"the chat template does not render message {i} (assistant) after the conversation before it "
+                "and its generation prompt, so its tokens cannot be told apart"
+            )
+        end = len(through)
+        if not text.startswith(through):
+            # Templates that render the last turn differently (Qwen3 gives it an empty <think> block): the turn
+            # ends where its content, followed by the text the template closes the turn with, ends.
+            content = message["content"].strip()
+            closing = through[through.rfind(content) + len(content) :] if content else ""
+            at = text.find(content, len(before)) if content else -1
+            if at < 0 or not text.startswith(closing, at + len(content)):
+                raise BadConversation(f"cannot find where the chat template puts message {i} (assistant)")
+            end = at + len(content) + len(closing)
+        # The answer ends with its end-of-turn token; the whitespace a template writes after it (ChatML's newline
+        # after <|im_end|>) is the next turn's business, as in TRL and axolotl.
+        spans.append((len(before), max(len(before), len(text[:end].rstrip()))))
+    return spans
+
+
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and says which tokens are trained on."""
 
@@ -144,36 +178,6 @@ class ChatEncoder:
             raise
         except Exception as e:  # a template is code: any error it raises is this record's
             raise BadConversation(f"the chat template failed: {type(e).__name__}: {e}") from e
-
-    def answer_spans(self, text: str, messages: list[dict], trained_from: int = 0) -> list[tuple[int, int]]:
-        """Where in the rendered conversation `text` each assistant turn (from message `trained_from` on) lies, as
-        character spans: from the end of the conversation before it with the generation prompt, to the end of the
-        conversation through it, less the whitespace after its end-of-turn token."""
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i < trained_from:
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
-            if not text.startswith(before) or not through.startswith(before):
-                raise BadConversation(
-                    f"the chat template does not render message {i} (assistant) after the conversation before it "
-                    "and its generation prompt, so its tokens cannot be told apart"
-                )
-            end = len(through)
-            if not text.startswith(through):
-                # Templates that render the last turn differently (Qwen3 gives it an empty <think> block): the turn
-                # ends where its content, followed by the text the template closes the turn with, ends.
-                content = message["content"].strip()
-                closing = through[through.rfind(content) + len(content) :] if content else ""
-                at = text.find(content, len(before)) if content else -1
-                if at < 0 or not text.startswith(closing, at + len(content)):
-                    raise BadConversation(f"cannot find where the chat template puts message {i} (assistant)")
-                end = at + len(content) + len(closing)
-            # The answer ends with its end-of-turn token; the whitespace a template writes after it (ChatML's newline
-            # after <|im_end|>) is the next turn's business, as in TRL and axolotl.
-            spans.append((len(before), max(len(before), len(text[:end].rstrip()))))
-        return spans
 
     def margin(self, record: object) -> float | None:
         """What a record says of its example beside its tokens: a preference pair's margin (PreferenceEncoder)."""
@@ -201,7 +205,7 @@ class ChatEncoder:
         text = self.render(messages)
         ids, trained = list(self.start), [False] * len(self.start)
         position = 0
-        for start, end in self.answer_spans(text, messages, trained_from):
+        for start, end in answer_spans(self.render, text, messages, trained_from):
             prompt = self.tokenizer.encode(text[position:start])
             answer = self.tokenizer.encode(text[start:end]) + self.end_of_answer
             ids += prompt + answer

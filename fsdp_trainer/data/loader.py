@@ -244,6 +244,22 @@ def micro_batch(
     return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
 
 
+def _read_mixture(
+    sources: list[_Epochs], which: np.ndarray, local: np.ndarray, seq_len: int, packed: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the rows, their margins or None) of samples drawn from a mixture's `sources`: sample i is sample local[i] of
+    source which[i]."""
+    shape = (2, seq_len) if packed else (seq_len + 1,)
+    rows, margins = np.empty((len(which), *shape), dtype=np.int64), None
+    if any(getattr(source.tokens, "margins", None) is not None for source in sources):
+        margins = np.zeros((len(which), seq_len), np.float32)  # a source without: 0
+    for source in np.unique(which):
+        rows[which == source] = sources[source].read(local[which == source])
+        if margins is not None and (read := sources[source].margins(local[which == source])) is not None:
+            margins[which == source] = read
+    return rows, margins
+
+
 class TokenLoader:
     """Batches of (inputs, targets) for one rank, in an order fixed by the seed; checkpointable by state_dict()."""
 
@@ -282,14 +298,7 @@ class TokenLoader:
             margins = self.sources[0].margins(global_ids)
         else:
             which, local = self.mixture.assign(global_ids)
-            shape = (2, self.seq_len) if self.packed else (self.seq_len + 1,)
-            rows = np.empty((len(global_ids), *shape), dtype=np.int64)
-            if any(getattr(source.tokens, "margins", None) is not None for source in self.sources):
-                margins = np.zeros((len(global_ids), self.seq_len), np.float32)  # a source without: 0
-            for source in np.unique(which):
-                rows[which == source] = self.sources[source].read(local[which == source])
-                if margins is not None and (read := self.sources[source].margins(local[which == source])) is not None:
-                    margins[which == source] = read
+            rows, margins = _read_mixture(self.sources, which, local, self.seq_len, self.packed)
         return micro_batch(rows, self.packed, self.records, self.device, windows, margins)
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:

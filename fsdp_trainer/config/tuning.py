@@ -1,0 +1,175 @@
+"""The recipe's sections of fine-tuning methods: low-rank adapters, preference tuning (DPO's family, KTO), reward
+models and distillation. As in sections.py, each key's attribute docstring is its `--help`, and each check fails in
+its section's __post_init__ naming the key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fsdp_trainer.config.sections import require
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_PROJECTIONS, "lm_head", "embed_tokens")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA): train small matrices beside the frozen model's projections instead of every weight."""
+
+    rank: int | None = None
+    """Rank of each adapter; null trains every weight (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale: an adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on an adapter's input (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_PROJECTIONS))
+    """The layers that get adapters (PEFT's target_modules): any of every block's q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj, and lm_head (the output layer) and embed_tokens (the embedding), those two not
+    when they are tied."""
+    quantize_base: Literal["nf4"] | None = None
+    """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (`nf4`, through torchao:
+    about 0.52 bytes a weight instead of 2 in bf16), sharded in that form and dequantized one projection at a time
+    in forward and backward; null keeps them in the compute dtype. Checkpoints and exports are unchanged: they hold
+    the adapters, and an export merges them into the base's original weights, as PEFT does."""
+    adapter: str | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to start the adapters from
+    instead of their init, to train it further; its r, lora_alpha and target_modules must match the keys above."""
+
+    def __post_init__(self) -> None:
+        require(self.rank is None or self.rank >= 1, f"lora.rank={self.rank} must be >= 1, or null")
+        require(0.0 <= self.dropout < 1.0, f"lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+        require(not unknown, f"lora.targets has {unknown}; choose among {', '.join(LORA_TARGETS)}")
+        require(bool(self.targets), "lora.targets is empty; name at least one of " + ", ".join(LORA_TARGETS))
+        require(
+            self.adapter is None or self.rank is not None,
+            f"lora.adapter={self.adapter} needs lora.rank (the adapter's r)",
+        )
+        require(
+            self.quantize_base is None or self.rank is not None,
+            f"lora.quantize_base={self.quantize_base} needs lora.rank: it quantizes the frozen weights of a LoRA run",
+        )
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning on pairs of answers, prepared with prepare_data.py --format preference: the model learns to
+    rank each pair's chosen answer above its rejected one; or (kto) on single answers labelled good or bad, prepared
+    with --format unpaired. DPO, its variants and KTO measure it against a reference model, the model the run starts
+    from (with LoRA, the same weights with the adapters off; otherwise a frozen, sharded copy of it in the compute
+    dtype, with no gradients and no optimizer state); SimPO and ORPO need none."""
+
+    loss: Literal["sigmoid", "ipo", "robust", "simpo", "orpo", "kto"] | None = None
+    """null: not a preference run. sigmoid: DPO (Rafailov et al. 2023), with label_smoothing conservative DPO; ipo: IPO
+    (Azar et al. 2023), log-ratios averaged over each answer's tokens; robust: rDPO (Chowdhury et al. 2024), for
+    labels flipped with probability label_smoothing (TRL's DPOTrainer's losses of the same names). simpo: SimPO (Meng
+    et al. 2024; TRL's CPOTrainer loss_type simpo), length-normalized, a target margin, no reference. orpo: ORPO (Hong
+    et al. 2024; TRL's ORPOTrainer), the chosen answers' NLL plus beta x the log odds ratio, no reference. kto: KTO
+    (Ethayarajh et al. 2024; TRL's KTOTrainer) on unpaired answers, each against a KL reference point estimated from
+    the batch's prompts paired with other examples' answers."""
+    beta: float = 0.1
+    """How far from the reference the policy may move: the implicit reward is beta x (policy - reference
+    log-probability) of an answer (IPO: the regularization, 1 / (2 beta) the target margin). simpo: the reward scale
+    (the paper's 2.0-2.5); orpo: lambda, the weight of the odds-ratio term."""
+    label_smoothing: float = 0.0
+    """sigmoid, robust and simpo: the probability that a pair's labels are flipped, in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
+    nll_weight: float = 0.0
+    """The weight of the chosen answers' negative log-likelihood (a mean over their tokens) added to the loss: DPO +
+    NLL (RPO; TRL's DPO loss_type [sigmoid, sft] with loss_weights [1, w]), or CPO's cpo_alpha with simpo. ORPO's NLL
+    term always weighs 1 (beta weighs its other)."""
+    desirable_weight: float = 1.0
+    """kto: the weight of the desirable answers' losses (TRL's desirable_weight; the paper advises weights that make
+    desirable_weight x their number over undesirable_weight x theirs between 1 and 4/3)."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of the undesirable answers' losses (TRL's undesirable_weight)."""
+    reference: Literal["model", "cache"] = "model"
+    """sigmoid, ipo, robust: where the reference's log-probabilities come from. model: its forward each micro-step.
+    cache: one sharded forward pass of it over every pair of the train and validation files before training, stored
+    in train.out_dir/reference_cache with the fingerprints of the reference's weights and of the files; then no
+    reference is held, gathered or run (a resume reads the cache, and refuses one made for other data)."""
+
+    def __post_init__(self) -> None:
+        require(self.beta > 0, f"preference.beta={self.beta} must be > 0")
+        for key in ("desirable_weight", "undesirable_weight"):
+            require(getattr(self, key) > 0, f"preference.{key}={getattr(self, key)} must be > 0")
+            require(getattr(self, key) == 1 or self.loss == "kto", f"preference.{key} applies to kto; set it to 1")
+        require(
+            0.0 <= self.label_smoothing < 0.5,
+            f"preference.label_smoothing={self.label_smoothing} must be in [0, 0.5)",
+        )
+        require(
+            self.label_smoothing == 0 or self.loss not in ("ipo", "orpo", "kto"),
+            f"preference.label_smoothing applies to the sigmoid, robust and simpo losses, not {self.loss}; set it to 0",
+        )
+        require(self.nll_weight >= 0, f"preference.nll_weight={self.nll_weight} must be >= 0")
+        require(
+            self.nll_weight == 0 or self.loss != "orpo",
+            "preference.nll_weight: ORPO's NLL term always weighs 1 (preference.beta weighs the odds-ratio term); "
+            "set it to 0",
+        )
+        require(self.nll_weight == 0 or self.loss != "kto", "preference.nll_weight applies to pairs, not kto")
+        require(
+            self.reference == "model" or self.loss in ("sigmoid", "ipo", "robust"),
+            f"preference.reference=cache applies to the sigmoid, ipo and robust losses, not {self.loss}",
+        )
+
+
+@dataclass
+class RewardConfig:
+    """A reward model (model.num_labels 1) on preference pairs, prepared with prepare_data.py --format preference:
+    each conversation's reward is the score head at its last token, and a pair's loss is Bradley-Terry's,
+    -log sigmoid(chosen - rejected), as TRL's RewardTrainer computes it."""
+
+    center_rewards_coefficient: float = 0.0
+    """Adds this x (chosen + rejected)^2 to each pair's loss, which keeps the rewards centred on zero (TRL's
+    center_rewards_coefficient; Eisenstein et al. 2023 use 0.01); 0: none."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.center_rewards_coefficient >= 0,
+            f"reward.center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0",
+        )
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation: the model learns the next-token distributions of a frozen teacher, which is sharded as
+    the model is and runs forward only. Off unless a teacher is named."""
+
+    teacher: str | None = None
+    """The teacher's weights: a checkpoint, or a run directory (its latest), of any world size; an HF model after
+    tools/import_hf.py. Its tokenizer and vocabulary must be the model's; its size and family may differ."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    """The divergence per target, of the distributions at `temperature`: forward_kl KL(teacher || model) (TRL's
+    generalized JSD at beta 0), reverse_kl KL(model || teacher) (beta 1), jsd the generalized Jensen-Shannon divergence
+    at `beta` (GKD)."""
+    beta: float = 0.5
+    """jsd: the teacher's weight in the mixture the two are compared with (TRL / GKD's beta)."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence (not before the cross-entropy)."""
+    alpha: float = 1.0
+    """The divergence's weight in the loss; the cross-entropy on the targets weighs 1 - alpha. Both are means over
+    the same targets (a chat run's supervised tokens), logged as kd_loss and ce_loss."""
+    lmbda: float = 0.0
+    """On-policy distillation (GKD's lmbda, Agarwal et al. 2024): the probability that a step trains on the model's
+    own answers instead of the data's: each example's last answer is replaced by one the model samples from its
+    prompt, and the teacher scores it. Chat data only (the prompts are the untrained tokens before an answer); the
+    step is drawn from (train.seed, step), so a resumed run samples the same steps. On those steps the cross-entropy
+    (alpha < 1) is on the sampled tokens: GKD has alpha 1."""
+    max_new_tokens: int = 128
+    """On-policy steps: the longest answer sampled (fewer where the example's window ends first); an answer ends
+    sooner at the chat template's end-of-turn token or the tokenizer's EOS, which it keeps."""
+    sample_temperature: float = 1.0
+    """On-policy steps: the temperature the answers are sampled at, from the whole vocabulary (1: the model's own
+    distribution; TRL's GKD defaults to 0.9; 0: greedy)."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.beta < 1 or self.loss != "jsd", f"distill.beta={self.beta}: jsd needs 0 < beta < 1")
+        require(self.temperature > 0, f"distill.temperature={self.temperature} must be > 0")
+        require(0 <= self.alpha <= 1, f"distill.alpha={self.alpha} must be in [0, 1]")
+        require(0 <= self.lmbda <= 1, f"distill.lmbda={self.lmbda} must be in [0, 1]")
+        require(self.max_new_tokens >= 1, f"distill.max_new_tokens={self.max_new_tokens} must be >= 1")
+        require(self.sample_temperature >= 0, f"distill.sample_temperature={self.sample_temperature} must be >= 0")
