@@ -1,7 +1,8 @@
 """The package is built in floors, and an import points down: a room (a top-level file, or a folder and its files)
 imports only rooms on floors below its own, and a folder's files import each other without a cycle. model.py stays
 free of torch.distributed, tools/ and benchmarks/ are never imported by the package, and data preparation never
-imports torch."""
+imports torch. And the rooms stay a size a reader takes in: no package file over 600 lines, no class or function over
+80."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ FLOORS = [
     {"launch", "__main__", "planner"},  # the planner reads the trainer; nothing reads it
 ]
 """Rooms, bottom floor first."""
+
+LONGEST_FILE, LONGEST_DEFINITION = 600, 80
+"""The house's sizes, in lines: a package file, and a class or function (docstrings and comments counted)."""
 
 
 def imports_of(path: Path) -> set[str]:
@@ -123,3 +127,17 @@ def test_preparing_data_never_imports_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout[:500]
+
+
+def test_no_package_file_class_or_function_outgrows_the_house():
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        if source.count("\n") > LONGEST_FILE:
+            too_long.append(f"{_module(path)}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_DEFINITION:
+                    too_long.append(f"{_module(path)}.{node.name}: {lines} lines")
+    assert not too_long, f"over {LONGEST_FILE} lines a file or {LONGEST_DEFINITION} a definition: {too_long}"
