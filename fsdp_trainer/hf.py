@@ -19,11 +19,43 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype
+from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype, local_layers
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from fsdp_trainer.tokenizer import Tokenizer
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+MODEL_TYPES = {"gemma3": "gemma3_text"}
+"""config.json's model_type where it is not the family's name (Gemma 3's text model)."""
+FAMILIES = {MODEL_TYPES.get(family, family): family for family in ARCHITECTURES}
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+"""transformers' Gemma3TextConfig defaults: the published multimodal checkpoints (4B-27B) spell only the fields of
+their text_config that differ from them."""
+MULTIMODAL = "gemma3"
+"""model_type of Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration, 4B-27B): their text_config and
+language model's weights are a Gemma3ForCausalLM; the vision tower and its projector are left out."""
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.", "language_model.": ""}
+"""Where a multimodal checkpoint keeps the language model's tensors (the Hub's layout; transformers 5's in memory)."""
 CLASSIFIER = "ForSequenceClassification"
 """What a reward model's architecture ends with (Qwen3ForSequenceClassification), in place of ForCausalLM."""
 
@@ -39,10 +71,12 @@ def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) 
     *ForSequenceClassification (one label, and the tokenizer's pad id, by which transformers finds each padded
     sequence's last token), with the `tokenizer`'s special ids. Every field HF would otherwise default is spelled out:
     a missing head_dim, rms_norm_eps, rope_theta or tie_word_embeddings loads without error and gives wrong logits."""
-    scaling = {"rope_type": "llama3", **asdict(cfg.rope_scaling)} if cfg.rope_scaling else {}
+    scaling = asdict(cfg.rope_scaling) if cfg.rope_scaling else {}
+    if scaling.get("rope_type") == "linear":
+        scaling = {"rope_type": "linear", "factor": scaling["factor"]}
     config = {
         "architectures": [architecture(cfg)],
-        "model_type": cfg.family,
+        "model_type": MODEL_TYPES.get(cfg.family, cfg.family),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
@@ -69,6 +103,8 @@ def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) 
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if cfg.family == "mistral":
         config["sliding_window"] = cfg.sliding_window
+    if cfg.family == "gemma3":
+        config.update(gemma3_fields(cfg, scaling))
     if tokenizer is not None and tokenizer.bos_id is not None:
         config["bos_token_id"] = tokenizer.bos_id
     if tokenizer is not None and tokenizer.eos_id is not None:
@@ -80,31 +116,78 @@ def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) 
     return config
 
 
+def gemma3_fields(cfg: ModelConfig, scaling: dict) -> dict:
+    """What Gemma 3's config.json says beyond Llama's: its activation, attention scale, local and global layers and
+    their rotary bases, for transformers 5 (`rope_parameters` per layer type, `layer_types`) and 4.x."""
+    local_theta = cfg.rope_local_theta or cfg.rope_theta
+    types = ["sliding_attention" if i in local_layers(cfg) else "full_attention" for i in range(cfg.n_layers)]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
+        "sliding_window": cfg.sliding_window,
+        "sliding_window_pattern": cfg.sliding_window_pattern,
+        "layer_types": types,
+        "rope_local_base_freq": local_theta,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+def gemma3_config(config: dict, source: str) -> dict:
+    """ModelConfig's Gemma 3 keys from its config.json; ValueError for what our model lacks (soft-capping, layer types
+    that do not repeat)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if config.get(key) is not None:
+            raise ValueError(f"{source}: {key}={config[key]} is not supported (Gemma 3 has none; Gemma 2 does)")
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: use_bidirectional_attention is not supported (a causal language model only)")
+    n_layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    pattern = config.get("sliding_window_pattern", 6)
+    types = config.get("layer_types")
+    if types is not None:
+        full = [i for i, kind in enumerate(types) if kind == "full_attention"]
+        pattern = full[0] + 1 if full else n_layers + 1
+        wanted = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+        if types != wanted:
+            raise ValueError(f"{source}: layer_types do not repeat one local:global pattern, which this model needs")
+    rope = config.get("rope_parameters") or {}
+    local = (rope.get("sliding_attention") or {}).get("rope_theta", config.get("rope_local_base_freq", 10000.0))
+    return {
+        "sliding_window_pattern": pattern if window else None,
+        "rope_local_theta": local,
+        "query_pre_attn_scalar": config.get("query_pre_attn_scalar", 256),
+    }
+
+
 def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConfig:
     """ModelConfig for an HF Llama / Qwen3 / Mistral config.json; refuses (ValueError naming the field) what our model
     lacks."""
-    family = config.get("model_type")
-    if family not in ARCHITECTURES:
-        raise ValueError(f"{source}: model_type {family!r} is not supported (only {sorted(ARCHITECTURES)})")
-    # transformers 4.x writes `rope_scaling` (rope_type, or `type` before 4.45) and `rope_theta`; 5.x writes
-    # `rope_parameters`, with the theta inside.
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    if config.get("model_type") == MULTIMODAL and "text_config" in config:
+        config = {**config["text_config"], "model_type": MODEL_TYPES["gemma3"]}
+    family = FAMILIES.get(config.get("model_type"))
+    if family == "gemma3":
+        config = {**GEMMA3_TEXT_DEFAULTS, **config}
+    if family is None:
         raise ValueError(
-            f"{source}: rope_scaling.rope_type={rope_type!r} is not supported (only llama3 scaling, or none)"
+            f"{source}: model_type {config.get('model_type')!r} is not supported (only {sorted(FAMILIES)})"
         )
-    scaling = None
-    if rope_type == "llama3":
-        try:
-            scaling = RopeScaling(**{f.name: rope[f.name] for f in fields(RopeScaling)})
-        except KeyError as e:
-            raise ValueError(f"{source}: llama3 rope scaling lacks {e.args[0]}") from None
+    # transformers 4.x writes `rope_scaling` (rope_type, or `type` before 4.45) and `rope_theta`; 5.x writes
+    # `rope_parameters`, with the theta inside (Gemma 3: per layer type, the global layers' scaled).
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope) if family == "gemma3" else rope
+    scaling = rope_scaling_from_hf(rope, source)
     for key, unsupported in (("attention_bias", True), ("mlp_bias", True), ("use_sliding_window", True)):
         if config.get(key) == unsupported:
             raise ValueError(f"{source}: {key}={unsupported} is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={config['hidden_act']!r} is not supported (only silu)")
+    activation = "gelu_pytorch_tanh" if family == "gemma3" else "silu"
+    for key in ("hidden_act", "hidden_activation"):
+        if config.get(key, activation) != activation:
+            raise ValueError(f"{source}: {key}={config[key]!r} is not supported ({family}: {activation})")
     n_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
     num_labels = None
@@ -122,13 +205,29 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         ffn_dim=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
         rope_scaling=scaling,
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=config.get("sliding_window") if family == "mistral" else None,
+        sliding_window=config.get("sliding_window") if family in ("mistral", "gemma3") else None,
         num_labels=num_labels,
+        **(gemma3_config(config, source) if family == "gemma3" else {}),
     )
+
+
+def rope_scaling_from_hf(rope: dict, source: str) -> RopeScaling | None:
+    """RopeScaling from config.json's rope_scaling / rope_parameters: llama3, linear, or none (default)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type == "linear":
+        return RopeScaling(rope_type="linear", factor=rope["factor"])
+    if rope_type != "llama3":
+        raise ValueError(f"{source}: rope_scaling.rope_type={rope_type!r} is not supported (llama3, linear or none)")
+    try:
+        return RopeScaling(**{f.name: rope[f.name] for f in fields(RopeScaling) if f.name != "rope_type"})
+    except KeyError as e:
+        raise ValueError(f"{source}: llama3 rope scaling lacks {e.args[0]}") from None
 
 
 PEFT_PREFIX = "base_model.model."
@@ -312,8 +411,19 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
 
 
 def hf_stored_tensors(hf_dir: str | os.PathLike) -> dict[str, StoredTensor]:
-    """Every tensor of an HF directory (single file or index + shards), by name, without reading any."""
-    return {name: entry for file in _safetensors_files(Path(hf_dir)) for name, entry in stored_tensors(file).items()}
+    """Every tensor of an HF directory (single file or index + shards), by name, without reading any; of a multimodal
+    Gemma 3, its language model's, under a causal LM's names."""
+    hf_dir = Path(hf_dir)
+    stored = {name: entry for file in _safetensors_files(hf_dir) for name, entry in stored_tensors(file).items()}
+    config = hf_dir / "config.json"
+    if not config.is_file() or json.loads(config.read_text()).get("model_type") != MULTIMODAL:
+        return stored
+    language_model = {}
+    for name, entry in stored.items():
+        prefix = next((p for p in LANGUAGE_MODEL_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:  # the vision tower and the projector stay behind
+            language_model[LANGUAGE_MODEL_PREFIXES[prefix] + name.removeprefix(prefix)] = entry
+    return language_model
 
 
 def load_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:

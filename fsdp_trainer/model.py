@@ -1,14 +1,19 @@
-"""The decoder-only Transformer of Llama 3 and Qwen3, in plain PyTorch.
+"""The decoder-only Transformer of Llama 3, Qwen3, Mistral and Gemma 3, in plain PyTorch.
 
 Read top to bottom: RMSNorm -> rotary embedding -> attention -> feed-forward -> block -> model. Module and parameter
-names are those of Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM (`model.layers.0.self_attn.q_proj.weight`,
+names are those of Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM / ... (`model.layers.0.self_attn.q_proj.weight`,
 ...) and RoPE uses HF's rotate-half layout, so a checkpoint converts to HF by copying tensors, never permuting them.
+
+Gemma 3 is Llama's block with five switches, each marked where it acts: norms that scale by 1 + weight, a norm after
+each sublayer too, GELU (tanh) in the feed-forward, embeddings scaled by sqrt(dim), and attention scores scaled by
+query_pre_attn_scalar; its local layers (a sliding window, a rotary base of their own) and global layers alternate.
 
 Nothing here knows about processes or sharding: distributed/parallelize.py wraps a built model from the outside.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -18,22 +23,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from fsdp_trainer.config import ModelConfig, RopeScaling
+from fsdp_trainer.config import ModelConfig, RopeScaling, local_layers
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain, computed in fp32 whatever the input dtype (as HF does)."""
+    """Root-mean-square norm with a learned gain, computed in fp32 whatever the input dtype (as HF does). Gemma 3's
+    (`offset`) scales by 1 + weight (its weights start at 0), and casts back after the scaling, not before."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma 3
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over `dim` (default: the residual stream's width)."""
+    return RMSNorm(dim or cfg.dim, cfg.norm_eps, offset=cfg.family == "gemma3")
 
 
 def rope_tables(
@@ -41,7 +54,9 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (max_seq_len, head_dim), frequencies repeated for the two halves."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor  # every position divided by factor
+    elif scaling is not None:
         inv_freq = llama3_scaled(inv_freq, scaling)
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (T, head_dim / 2)
@@ -75,24 +90,25 @@ Remember = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; Qwen3 adds an RMSNorm on each query and key head. Given a
-    `mask`, a query attends only to the keys it marks (packed examples: block-causal): a boolean (B, 1, T, T) through
-    scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks the mask empties. Given
-    `remember` (a KVCache's layer, when generating), the queries attend to the keys and values it returns: the
-    earlier positions' followed by these."""
+    """Causal self-attention with grouped-query heads; Qwen3 and Gemma 3 add an RMSNorm on each query and key head.
+    Given a `mask`, a query attends only to the keys it marks (packed examples: block-causal; a sliding window): a
+    boolean (B, 1, T, T) through scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks
+    the mask empties. Given `remember` (a KVCache's layer, when generating), the queries attend to the keys and values
+    it returns: the earlier positions' followed by these."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.resolved_head_dim
+        # Gemma 3 scales the scores by query_pre_attn_scalar; None is SDPA's own 1 / sqrt(head_dim).
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar**-0.5
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.q_norm, self.k_norm = norm(cfg, self.head_dim), norm(cfg, self.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
@@ -108,7 +124,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalises each head before the rotation
+        if self.q_norm is not None:  # Qwen3 and Gemma 3 normalise each head before the rotation
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -117,35 +133,44 @@ class Attention(nn.Module):
         # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
         gqa = self.n_kv_heads != self.n_heads
         if isinstance(mask, BlockMask):
-            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+            y = flex_attention(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            causal = mask is None
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+            )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o_proj(y)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma 3's GeGLU has GELU (tanh approximation) in place of silu."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.family == "gemma3" else F.silu
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP shards and AC recomputes."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP shards and AC recomputes.
+    Gemma 3 normalizes each sublayer's output too: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))), where HF's
+    post_attention_layernorm is the attention output's norm and two more surround the feed-forward."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = norm(cfg)
         self.mlp = FeedForward(cfg)
+        self.sandwich = cfg.family == "gemma3"
+        if self.sandwich:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
 
     def forward(
         self,
@@ -155,6 +180,9 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         remember: Remember | None = None,
     ) -> torch.Tensor:
+        if self.sandwich:  # Gemma 3
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, remember))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, remember)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,7 +195,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index keeps FQNs (`model.layers.3.`) stable when blocks get wrapped.
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = norm(cfg)
 
 
 def block_causal(
@@ -237,7 +265,7 @@ class KVCache:
 
 
 class Transformer(nn.Module):
-    """Llama 3 / Qwen3 / Mistral causal language model: token ids (B, T) -> logits (B, T, vocab_size). With
+    """Llama 3 / Qwen3 / Mistral / Gemma 3 causal language model: token ids (B, T) -> logits (B, T, vocab_size). With
     cfg.num_labels, a reward model (HF's *ForSequenceClassification): the same decoder with a score head (`score`) in
     place of the output layer, (B, T, num_labels), of which a sequence's last position is its score."""
 
@@ -254,10 +282,10 @@ class Transformer(nn.Module):
         self.flex_attention = flex_attention
         """Packed examples through flex_attention instead of a boolean mask: fast only compiled (on GPUs, when the
         blocks are compiled)."""
+        self.local_layers = local_layers(cfg)
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
-        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        for name, buffer in derived_buffers(cfg).items():
+            self.register_buffer(name, buffer, persistent=False)
 
     def forward(
         self,
@@ -270,10 +298,13 @@ class Transformer(nn.Module):
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0 (see block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
-        cos, sin, mask = attention_inputs(self, tokens, documents, cache)
+        kinds = {i in self.local_layers for i in range(self.cfg.n_layers)}  # local (a sliding window), global, or both
+        inputs = {local: attention_inputs(self, tokens, documents, cache, local) for local in kinds}
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
+        if self.cfg.family == "gemma3":  # scaled by sqrt(dim), the scale rounded to the embeddings' dtype (as HF)
+            x = x * self.embed_scale.to(x.dtype)
         for i, block in enumerate(self.model.layers.values()):
-            x = block(x, cos, sin, mask, None if cache is None else cache.layer(i))
+            x = block(x, *inputs[i in self.local_layers], None if cache is None else cache.layer(i))
         if cache is not None:
             cache.length += tokens.shape[1]
         x = self.model.norm(x)
@@ -304,41 +335,56 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             # Wrappers (activation checkpointing, compile) insert `_`-prefixed path parts; drop them for the HF name.
             name = unwrapped_name(name)
-            if name.endswith("norm.weight"):
-                fill(param, torch.ones(param.shape, dtype=param.dtype, device=param.device))
+            if name.endswith("norm.weight"):  # the gain 1: Gemma 3's norms scale by 1 + weight
+                gain = torch.zeros if cfg.family == "gemma3" else torch.ones
+                fill(param, gain(param.shape, dtype=param.dtype, device=param.device))
                 continue
             fill(param, initial_values(cfg, name, param.shape, seed, device or param.device).to(param.dtype))
-        cos, sin = rope_tables(
-            cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, device=self.rope_cos.device
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for name, buffer in derived_buffers(cfg, self.rope_cos.device).items():
+            getattr(self, name).copy_(buffer)
 
 
-def attention_inputs(model: Transformer, tokens: torch.Tensor, documents: torch.Tensor | None, cache: KVCache | None):
-    """(cos, sin, mask) for the blocks of `model`: each position's rotary angles and what it attends to (see
-    Transformer.forward)."""
-    T, window = tokens.shape[1], model.cfg.sliding_window
+def derived_buffers(cfg: ModelConfig, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The model's tensors that follow from its config, by buffer name: the rotary tables (rope_cos, rope_sin), and
+    Gemma 3's local layers' own (rope_local_cos, rope_local_sin: their base, no scaling) and its embedding scale."""
+    head_dim, length = cfg.resolved_head_dim, cfg.max_seq_len
+    cos, sin = rope_tables(head_dim, length, cfg.rope_theta, cfg.rope_scaling, device)
+    buffers = {"rope_cos": cos, "rope_sin": sin}
+    if cfg.family == "gemma3":
+        local = rope_tables(head_dim, length, cfg.rope_local_theta or cfg.rope_theta, None, device)
+        buffers.update(rope_local_cos=local[0], rope_local_sin=local[1])
+        buffers["embed_scale"] = torch.tensor(cfg.dim**0.5, device=device)
+    return buffers
+
+
+def attention_inputs(
+    model: Transformer, tokens: torch.Tensor, documents: torch.Tensor | None, cache: KVCache | None, local: bool
+):
+    """(cos, sin, mask) for the global or the `local` blocks of `model`: each position's rotary angles and what it
+    attends to (see Transformer.forward)."""
+    T, window = tokens.shape[1], model.cfg.sliding_window if local else None
+    prefix = "rope_local" if local and model.cfg.family == "gemma3" else "rope"  # Gemma 3's local layers: their own
+    rope_cos, rope_sin = getattr(model, f"{prefix}_cos"), getattr(model, f"{prefix}_sin")
     if cache is not None:
         start = cache.length
         mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left
         if cache.pads is None:
-            return model.rope_cos[start : start + T], model.rope_sin[start : start + T], mask
+            return rope_cos[start : start + T], rope_sin[start : start + T], mask
         # Left-padded rows: a row's positions count from its first real token, and no query sees the padding but a
         # padding query sees itself (a query that sees nothing gets NaN from softmax, and its output is never read).
         # A row that has ended runs on beside the others, past the table's end for all it matters.
         queries = torch.arange(start, start + T, device=tokens.device)
-        positions = (queries - cache.pads[:, None]).clamp(0, len(model.rope_cos) - 1)  # (B, T)
+        positions = (queries - cache.pads[:, None]).clamp(0, len(rope_cos) - 1)  # (B, T)
         keys = torch.arange(start + T, device=tokens.device)
         real = (keys >= cache.pads[:, None, None]) | (keys == queries[:, None])  # (B, T, start + T)
-        return model.rope_cos[positions][:, None], model.rope_sin[positions][:, None], mask & real[:, None]
+        return rope_cos[positions][:, None], rope_sin[positions][:, None], mask & real[:, None]
     if documents is None:
         mask = None  # plain causal attention, unless a sliding window is shorter than the sequence
         if window and window < T:
             mask = sliding_causal(T, window, tokens.device, model.flex_attention)
-        return model.rope_cos[:T], model.rope_sin[:T], mask
+        return rope_cos[:T], rope_sin[:T], mask
     positions, mask = block_causal(documents, model.flex_attention, window)
-    return model.rope_cos[positions][:, None], model.rope_sin[positions][:, None], mask  # (B, 1, T, head_dim)
+    return rope_cos[positions][:, None], rope_sin[positions][:, None], mask  # (B, 1, T, head_dim)
 
 
 def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:

@@ -86,6 +86,69 @@ def test_assistant_tokens_and_nothing_else_are_trained(chatml_tokenizer):
     assert all_ids.tolist() == ids.tolist() and all_trained.all()
 
 
+# Gemma 3's published template (gemma-3-1b-it's tokenizer_config.json), its image branch aside: the system prompt goes
+# into the first user turn, the assistant is "model", every turn ends with <end_of_turn> and a newline.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim -}}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
+
+def test_gemma3s_template_trains_each_answer_through_its_end_of_turn(tmp_path):
+    """Gemma 3's template, for SFT and for preference pairs: the model's turns and their <end_of_turn> are trained,
+    not the newline after it, the prompts, nor the BOS its template writes; and roles that do not alternate are
+    refused in one line."""
+    from fsdp_trainer.data.chat import TRAINED, BadConversation, PreferenceEncoder
+
+    hf = save_hf_tokenizer(tmp_path, "gemma3", GEMMA3_TEMPLATE)
+    tokenizer = load_tokenizer(tmp_path)
+    ids, trained = ChatEncoder(tokenizer).encode({"messages": CONVERSATION})
+    text = hf.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids.tolist() == hf(text, add_special_tokens=False).input_ids and ids[0] == hf.bos_token_id
+    pieces = [
+        ("<bos><start_of_turn>user\nAnswer in verse.\n\nWho goes there?<end_of_turn>\n<start_of_turn>model\n", False),
+        ("Nay, answer me: stand, and unfold yourself.<end_of_turn>", True),
+        ("\n<start_of_turn>user\nLong live the king!<end_of_turn>\n<start_of_turn>model\n", False),
+        ("Bernardo?<end_of_turn>", True),
+        ("\n", False),
+    ]
+    assert "".join(piece for piece, _ in pieces) == text
+    assert trained.tolist() == [flag for piece, flag in pieces for _ in hf(piece, add_special_tokens=False).input_ids]
+
+    pair = {
+        "prompt": CONVERSATION[:4],
+        "chosen": [CONVERSATION[4]],
+        "rejected": [{"role": "assistant", "content": "Who?"}],
+    }
+    ids, marks = PreferenceEncoder(tokenizer).encode(pair)
+    answers = hf.decode(ids[(marks & TRAINED) > 0].tolist())
+    assert answers == "Bernardo?<end_of_turn>Who?<end_of_turn>"
+    with pytest.raises(BadConversation, match="roles must alternate"):
+        ChatEncoder(tokenizer).encode({"messages": CONVERSATION[2:]})
+
+
 def test_prompt_response_pairs_and_the_default_template(chatml_tokenizer, tiny_data):
     path, hf = chatml_tokenizer
     pair = ChatEncoder(load_tokenizer(path)).encode({"prompt": "Who goes there?", "response": "Bernardo?"})
@@ -152,12 +215,16 @@ def test_a_window_of_two_examples_gives_each_the_logits_it_would_get_alone():
         assert torch.allclose(model(packed, documents, loss=objective) / objective.count(), expected, rtol=1e-5)
 
 
-def test_a_sliding_window_holds_within_each_packed_example():
-    """Mistral's window (4 positions here, the query included) in a window packed with two examples: each gets the
-    logits it gets alone with the window, which differ from those without it."""
-    cfg = ModelConfig(family="mistral", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
-                      max_seq_len=16, sliding_window=4)  # fmt: skip
-    model, unwindowed = Transformer(cfg), Transformer(replace(cfg, sliding_window=None))
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_holds_within_each_packed_example(family):
+    """A window of 4 positions (the query included) in a window packed with two examples, on every layer (Mistral) or
+    on Gemma 3's local layers between global ones: each example gets the logits it gets alone with the window, which
+    differ from those without it."""
+    pattern = {"sliding_window_pattern": 2} if family == "gemma3" else {}
+    cfg = ModelConfig(family=family, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=16, sliding_window=4, **pattern)  # fmt: skip
+    unwindowed = replace(cfg, sliding_window=None, sliding_window_pattern=None)
+    model, unwindowed = Transformer(cfg), Transformer(unwindowed)
     model.init_weights(seed=0)
     unwindowed.load_state_dict(model.state_dict())
     a, b = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 9))

@@ -210,11 +210,15 @@ def test_chunked_loss_never_keeps_the_whole_logits_for_backward():
     assert saved[1] - saved[8] > 0.9 * logits_bytes, saved
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma3"])
 def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(family):
     """Reading a prompt into a KVCache and then a token at a time gives each position the logits the whole sequence
-    gives it (QK-norm and RoPE at the cached offsets; a sliding window shorter than the sequence, Mistral's)."""
-    window = {"mistral": {"sliding_window": 5}}.get(family, {})
+    gives it (QK-norm and RoPE at the cached offsets; a sliding window shorter than the sequence, Mistral's on every
+    layer, Gemma 3's on its local layers, with their own rotary base)."""
+    window = {
+        "mistral": {"sliding_window": 5},
+        "gemma3": {"sliding_window": 5, "sliding_window_pattern": 2, "rope_local_theta": 100.0},
+    }.get(family, {})
     cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, **window)
     model = Transformer(cfg)
     model.init_weights(seed=3)

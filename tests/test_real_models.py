@@ -1,5 +1,6 @@
 """Published checkpoints with their own tokenizers, in their real layout, built here (no downloads): an HF Llama 3.1 /
-3.2 (rope scaling, tied or not), Qwen3 (explicit head_dim, qk-norm) or Mistral (a sliding window) saved sharded by
+3.2 (rope scaling, tied or not), Qwen3 (explicit head_dim, qk-norm), Mistral (a sliding window) or Gemma 3 (local and
+global layers, linear rope scaling on the global ones, an attention scale of its own) saved sharded by
 save_pretrained, and a byte-level BPE tokenizer trained with `tokenizers` on the bundled corpus and saved by
 transformers. The README's walk-through: import -> prepare data with the model's tokenizer -> train -> consolidate
 -> transformers."""
@@ -27,6 +28,7 @@ SPECIALS = {  # (BOS or None, EOS, other added tokens), as the published tokeniz
     "llama": ("<|begin_of_text|>", "<|end_of_text|>", ["<|eot_id|>"]),
     "qwen3": (None, "<|endoftext|>", ["<|im_start|>", "<|im_end|>"]),
     "mistral": ("<s>", "</s>", ["[INST]", "[/INST]"]),
+    "gemma3": ("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]),
 }
 VARIANTS = {
     "llama3.1": dict(family="llama", rope_scaling=LLAMA3_SCALING["llama3.1"], tie_word_embeddings=False, bf16=True),
@@ -34,6 +36,8 @@ VARIANTS = {
     "qwen3": dict(family="qwen3", rope_scaling=None, tie_word_embeddings=True),
     # A sliding window shorter than the training windows (32) and the export check (64): it changes the logits.
     "mistral": dict(family="mistral", rope_scaling=None, tie_word_embeddings=False, sliding_window=8),
+    # Both layer types, a window shorter than the sequences, the global layers' rope scaled as from Gemma 3 4B on.
+    "gemma3": dict(family="gemma3", rope_scaling=None, tie_word_embeddings=True, sliding_window=8),
 }
 
 
@@ -75,7 +79,9 @@ def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32 if v["family"] in ("qwen3", "mistral") else 16,  # as Qwen3's and Nemo's: wider than dim / heads
+        head_dim=32
+        if v["family"] in ("qwen3", "mistral", "gemma3")
+        else 16,  # as Qwen3's and Nemo's: wider than dim / heads
         max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_theta=500000.0,
@@ -85,11 +91,29 @@ def save_hf_checkpoint(out_dir, variant: str, vocab_size: int):
         config["rope_scaling"] = dict(v["rope_scaling"])
     if v["family"] == "mistral":
         config["sliding_window"] = v["sliding_window"]
-    config_cls = {"qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}.get(
-        v["family"], transformers.LlamaConfig
-    )
+    if v["family"] == "gemma3":
+        del config["rope_theta"]
+        config.update(
+            sliding_window=v["sliding_window"],
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,  # not head_dim: the scores' scale is its own
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        )
+    config_cls = {
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+        "gemma3": transformers.Gemma3TextConfig,
+    }.get(v["family"], transformers.LlamaConfig)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**config)).eval()
+    if v["family"] == "gemma3":  # its norms start at 0 (a gain of 1 + weight): move them, as training does
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.2)
     if v.get("bf16"):  # published in bf16, as Llama 3 is
         model = model.to(torch.bfloat16)
     # Sampling defaults as published models ship them (Llama 3.2: temperature 0.6, top_p 0.9).
@@ -275,3 +299,40 @@ def test_an_existing_tokenizer_is_used_as_it_is_never_retrained(tiny_data, tmp_p
     ids = TokenFile(tmp_path / "t.bin").tokens
     fast = transformers.AutoTokenizer.from_pretrained(llama_tokenizer_dir)
     assert ids[0] == fast.bos_token_id and ids[-1] == fast.eos_token_id
+
+
+def test_a_multimodal_gemma3_checkpoint_imports_its_language_model(tmp_path):
+    """Gemma 3 from 4B on is published as an image-text model (Gemma3ForConditionalGeneration): its text_config, which
+    spells only what differs from transformers' defaults, and its language model's weights, under the Hub's prefix, are
+    imported as a Gemma3ForCausalLM (the vision tower left behind): the same logits on text, and the export is the
+    text model transformers loads with them."""
+    from fsdp_trainer.convert import load_model
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=64, query_pre_attn_scalar=24,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in original.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.2)
+    original.save_pretrained(tmp_path / "hf_in", max_shard_size="100KB")
+    tool("import_hf.py", tmp_path / "hf_in", tmp_path / "imported")
+    model_yaml = yaml.safe_load((tmp_path / "imported" / "model.yaml").read_text())["model"]
+    assert model_yaml["family"] == "gemma3" and model_yaml["sliding_window_pattern"] == 2
+    ours, _ = load_model(tmp_path / "imported")
+    tokens = torch.randint(0, 296, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = original(input_ids=tokens).logits
+        assert (ours(tokens) - expected).abs().max() <= 1e-5
+
+    tool("consolidate.py", tmp_path / "imported", tmp_path / "hf_out")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    assert type(exported).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert (exported(tokens).logits - expected).abs().max() <= 1e-5

@@ -35,6 +35,7 @@ from fsdp_trainer.config.sections import (
     TrainConfig,
     WandbConfig,
     compute_dtype,
+    local_layers,
 )
 from fsdp_trainer.config.tuning import (
     LORA_PROJECTIONS,
@@ -69,6 +70,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "compute_dtype",
+    "local_layers",
     "fail",
     "load_sections",
     "one_line_errors",

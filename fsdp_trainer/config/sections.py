@@ -36,9 +36,12 @@ def require(ok: bool, message: str) -> None:
 
 @dataclass
 class RopeScaling:
-    """Llama 3.1 / 3.2 rotary scaling (HF rope_type `llama3`): rotary wavelengths longer than the pretraining context
-    are stretched by `factor`, short ones kept, and those in between interpolated."""
+    """Rotary scaling. llama3 (Llama 3.1 / 3.2): rotary wavelengths longer than the pretraining context are stretched
+    by `factor`, short ones kept, and those in between interpolated. linear (Gemma 3 from 4B, on its global layers):
+    every position divided by `factor`."""
 
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    """HF's rope_type: llama3, or linear (which reads only `factor`)."""
     factor: float = 8.0
     """How much the long wavelengths are stretched (Llama 3.1: 8, Llama 3.2: 32)."""
     low_freq_factor: float = 1.0
@@ -66,9 +69,10 @@ class RopeScaling:
 class ModelConfig:
     """Shape of the decoder-only Transformer (Llama 3 / Qwen3 vocabulary)."""
 
-    family: Literal["llama", "qwen3", "mistral"] = "llama"
-    """Architecture: `llama` (Llama 3), `qwen3` (Llama plus RMSNorm on each head's queries and keys) or `mistral`
-    (Llama's block, with `sliding_window`)."""
+    family: Literal["llama", "qwen3", "mistral", "gemma3"] = "llama"
+    """Architecture: `llama` (Llama 3), `qwen3` (Llama plus RMSNorm on each head's queries and keys), `mistral`
+    (Llama's block, with `sliding_window`) or `gemma3` (Gemma 3's text model: qk-norm, norms around both sublayers,
+    GELU, scaled embeddings, local layers with a sliding window between global ones)."""
     dim: int = 256
     """Width of the residual stream (HF hidden_size)."""
     n_layers: int = 4
@@ -97,7 +101,15 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal init of embeddings and projections (see Transformer.init_weights)."""
     sliding_window: int | None = None
-    """mistral: a query attends to at most this many positions, itself included (HF's sliding_window); null: all."""
+    """mistral, gemma3's local layers: a query attends to at most this many positions, itself included (HF's
+    sliding_window); null: all."""
+    sliding_window_pattern: int | None = None
+    """gemma3: layer i is global (full attention, rope_theta and rope_scaling) when i + 1 is a multiple of it, local
+    otherwise (sliding_window, rope_local_theta): HF's sliding_window_pattern, 6 in every Gemma 3."""
+    rope_local_theta: float | None = None
+    """gemma3: the rotary base of the local layers (HF's rope_local_base_freq, 10000); null: rope_theta."""
+    query_pre_attn_scalar: int | None = None
+    """Attention scores are scaled by 1 / sqrt(this) (Gemma 3's query_pre_attn_scalar); null: head_dim."""
     num_labels: int | None = None
     """null: a language model, whose output layer (lm_head) predicts the next token. 1: a reward model (HF's
     *ForSequenceClassification, num_labels 1): a score head (`score`) in place of the output layer, read at each
@@ -120,7 +132,7 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "gemma3")
 
     @property
     def output_size(self) -> int:
@@ -150,13 +162,30 @@ def check_model(cfg: ModelConfig) -> None:
         require(cfg.head_dim > 0, f"model.head_dim={cfg.head_dim} must be positive")
     require(cfg.resolved_head_dim % 2 == 0, f"model.head_dim={cfg.resolved_head_dim} must be even for RoPE")
     require(
-        cfg.sliding_window is None or (cfg.family == "mistral" and cfg.sliding_window > 0),
-        f"model.sliding_window={cfg.sliding_window}: a positive window, for the mistral family only",
+        cfg.sliding_window is None or (cfg.family in ("mistral", "gemma3") and cfg.sliding_window > 0),
+        f"model.sliding_window={cfg.sliding_window}: a positive window, for the mistral and gemma3 families only",
+    )
+    gemma3 = ("sliding_window_pattern", "rope_local_theta")
+    for key in gemma3:
+        require(getattr(cfg, key) is None or cfg.family == "gemma3", f"model.{key} applies to gemma3 only; set null")
+        require(getattr(cfg, key) is None or getattr(cfg, key) > 0, f"model.{key}={getattr(cfg, key)} must be > 0")
+    require(
+        cfg.family != "gemma3" or (cfg.sliding_window is None) == (cfg.sliding_window_pattern is None),
+        "model.sliding_window and model.sliding_window_pattern: gemma3 sets both (local layers) or neither",
     )
     require(
         cfg.num_labels in (None, 1),
         f"model.num_labels={cfg.num_labels}: 1 (a reward model's scalar score) or null (a language model)",
     )
+
+
+def local_layers(cfg: ModelConfig) -> frozenset[int]:
+    """The layers that attend through a sliding window: all of a Mistral model with one, and Gemma 3's local layers
+    (all but every sliding_window_pattern-th)."""
+    if cfg.sliding_window is None:
+        return frozenset()
+    pattern = cfg.sliding_window_pattern or 1
+    return frozenset(i for i in range(cfg.n_layers) if pattern == 1 or (i + 1) % pattern)
 
 
 @dataclass
