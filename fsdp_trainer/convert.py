@@ -43,6 +43,7 @@ from fsdp_trainer.hf import (
     save_safetensors,
     write_tokenizer_files,
 )
+from fsdp_trainer.hf_experts import per_expert
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.tokenizer import (
     HF_GENERATION_CONFIG,
@@ -203,7 +204,7 @@ def consolidate(
     read = read_saved_model(ckpt_dir)
     ckpt, cfg, tokenizer_path = read.path, read.model, read.tokenizer
     out = _new_output_dir(out_dir)
-    shapes, tensors = weight_stream(read)
+    shapes, tensors = per_expert(*weight_stream(read))  # an MoE's experts in the Hub's layout
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     torch_dtype = compute_dtype(dtype)
     model_bytes = sum(shape.numel() for shape in shapes.values()) * torch_dtype.itemsize

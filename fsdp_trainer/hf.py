@@ -19,13 +19,23 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from fsdp_trainer.config import COMPUTE_DTYPES, LoraConfig, ModelConfig, RopeScaling, compute_dtype, local_layers
+from fsdp_trainer.config import (
+    COMPUTE_DTYPES,
+    LoraConfig,
+    ModelConfig,
+    MoEConfig,
+    RopeScaling,
+    compute_dtype,
+    local_layers,
+)
+from fsdp_trainer.hf_experts import stacked_experts
 from fsdp_trainer.tokenizer import FILE_NAME as TOKENIZER_FILE
 from fsdp_trainer.tokenizer import Tokenizer
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
@@ -99,8 +109,13 @@ def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) 
         "initializer_range": cfg.init_std,
         "use_cache": True,
     }
-    if cfg.family == "qwen3":
+    if cfg.family in ("qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.moe is not None:
+        moe = cfg.moe
+        config.update(num_experts=moe.experts, num_experts_per_tok=moe.top_k, moe_intermediate_size=moe.ffn_dim,
+                      norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=moe.sparse_step,
+                      mlp_only_layers=list(moe.dense_layers), router_aux_loss_coef=moe.aux_loss_coef)  # fmt: skip
     if cfg.family == "mistral":
         config["sliding_window"] = cfg.sliding_window
     if cfg.family == "gemma3":
@@ -212,6 +227,20 @@ def model_config_from_hf(config: dict, source: str = "config.json") -> ModelConf
         sliding_window=config.get("sliding_window") if family in ("mistral", "gemma3") else None,
         num_labels=num_labels,
         **(gemma3_config(config, source) if family == "gemma3" else {}),
+        moe=moe_config(config) if family == "qwen3_moe" else None,
+    )
+
+
+def moe_config(config: dict) -> MoEConfig:
+    """A Qwen3-MoE config.json's mixture of experts (transformers' defaults for what it omits)."""
+    return MoEConfig(
+        experts=config.get("num_experts", config.get("num_local_experts", 128)),  # transformers 5 writes the second
+        top_k=config.get("num_experts_per_tok", 8),
+        ffn_dim=config.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sparse_step=config.get("decoder_sparse_step", 1),
+        dense_layers=list(config.get("mlp_only_layers") or []),
+        aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
     )
 
 
@@ -415,6 +444,7 @@ def hf_stored_tensors(hf_dir: str | os.PathLike) -> dict[str, StoredTensor]:
     Gemma 3, its language model's, under a causal LM's names."""
     hf_dir = Path(hf_dir)
     stored = {name: entry for file in _safetensors_files(hf_dir) for name, entry in stored_tensors(file).items()}
+    stored = stacked_experts(stored, str(hf_dir))  # the Hub's per-expert tensors of an MoE, stacked as ours
     config = hf_dir / "config.json"
     if not config.is_file() or json.loads(config.read_text()).get("model_type") != MULTIMODAL:
         return stored

@@ -1,4 +1,4 @@
-"""The decoder-only Transformer of Llama 3, Qwen3, Mistral and Gemma 3, in plain PyTorch.
+"""The decoder-only Transformer of Llama 3, Qwen3 (dense and MoE: moe.py), Mistral and Gemma 3, in plain PyTorch.
 
 Read top to bottom: RMSNorm -> rotary embedding -> attention -> feed-forward -> block -> model. Module and parameter
 names are those of Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM / ... (`model.layers.0.self_attn.q_proj.weight`,
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fsdp_trainer.config import ModelConfig, RopeScaling, local_layers
+from fsdp_trainer.moe import MixtureOfExperts, moe_layers
 
 
 class RMSNorm(nn.Module):
@@ -162,12 +163,12 @@ class Block(nn.Module):
     Gemma 3 normalizes each sublayer's output too: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))), where HF's
     post_attention_layernorm is the attention output's norm and two more surround the feed-forward."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = norm(cfg)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = norm(cfg)
-        self.mlp = FeedForward(cfg)
+        self.mlp = MixtureOfExperts(cfg) if layer in moe_layers(cfg) else FeedForward(cfg)  # Qwen3-MoE: moe.py
         self.sandwich = cfg.family == "gemma3"
         if self.sandwich:
             self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg), norm(cfg)
@@ -194,7 +195,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index keeps FQNs (`model.layers.3.`) stable when blocks get wrapped.
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = norm(cfg)
 
 
@@ -393,7 +394,7 @@ def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, de
     and up projections, lm_head or score), the projections that write into the residual (o_proj, down_proj) scaled by
     1 / sqrt(2 * n_layers)."""
     std = cfg.init_std
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std = std / math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     values = torch.empty(shape, dtype=torch.float32, device=device)

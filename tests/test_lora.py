@@ -29,14 +29,21 @@ peft = pytest.importorskip("peft")
 LORA = LoraConfig(rank=4, alpha=8.0)
 
 
-def _hf_model(seed: int = 0):
-    config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6, rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+def _hf_model(seed: int = 0, family: str = "llama"):
+    shape = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6)  # fmt: skip
+    if family == "gemma3":  # both layer types, a window shorter than the tokens, norms moved off their start
+        config = transformers.Gemma3TextConfig(**shape, head_dim=8, query_pre_attn_scalar=12, sliding_window=6,
+                                               layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(**shape, rope_theta=10000.0, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval(), model_config_from_hf(config.to_dict(), "test")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if family == "gemma3" and "norm" in name:
+                param.normal_(0.0, 0.2)
+    return model, model_config_from_hf(config.to_dict(), "test")
 
 
 def _peft_name(name: str) -> str:
@@ -47,9 +54,13 @@ def _peft_name(name: str) -> str:
     return "base_model.model." + name.replace(".weight", ".default.weight")
 
 
-@pytest.mark.parametrize("targets", [LORA_PROJECTIONS, LORA_TARGETS], ids=["blocks", "and_lm_head_embed_tokens"])
-def test_adapters_give_peft_logits_and_gradients(targets):
-    hf, cfg = _hf_model()
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("llama", LORA_PROJECTIONS), ("llama", LORA_TARGETS), ("gemma3", LORA_PROJECTIONS)],
+    ids=["blocks", "and_lm_head_embed_tokens", "gemma3"],
+)
+def test_adapters_give_peft_logits_and_gradients(family, targets):
+    hf, cfg = _hf_model(family=family)
     ours = Transformer(cfg)
     missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
     assert not unexpected and all(name.startswith("rope_") for name in missing)

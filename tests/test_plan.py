@@ -53,12 +53,16 @@ def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tupl
         dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=160),
         dict(dim=96, n_heads=6, n_kv_heads=6, ffn_dim=256),
         dict(family="qwen3", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=160),  # QK-norm, q wider than d
+        # Gemma 3: four norms that scale by 1 + weight in fp32, QK-norm too, GELU, its own attention scale
+        dict(family="gemma3", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=160, query_pre_attn_scalar=24),
     ],
 )
 def test_activation_formula_counts_what_a_block_saves(dtype, shape):
     cfg = ModelConfig(n_layers=1, vocab_size=32, max_seq_len=64, **shape)
     B, T = 2, 64
     measured = _saved_bytes_of_one_block(cfg, dtype, (B, T))
+    if cfg.family == "gemma3":  # each norm's 1 + weight in fp32: the weight's size, whatever the tokens (not priced)
+        measured -= 4 * (4 * cfg.dim + 2 * cfg.resolved_head_dim)
     per_token, _ = activation_bytes_per_token(cfg, dtype.itemsize, "none")
     assert per_token * B * T == measured
 

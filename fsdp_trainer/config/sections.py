@@ -66,11 +66,39 @@ class RopeScaling:
 
 
 @dataclass
+class MoEConfig:
+    """A mixture of experts in place of the feed-forward (Qwen3-MoE): a router picks `top_k` of `experts` SwiGLU
+    experts for each token and weighs their outputs by its probabilities."""
+
+    experts: int = 128
+    """Experts per MoE layer (HF's num_experts)."""
+    top_k: int = 8
+    """Experts each token goes through (HF's num_experts_per_tok)."""
+    ffn_dim: int = 768
+    """Hidden width of each expert (HF's moe_intermediate_size)."""
+    norm_topk_prob: bool = True
+    """Renormalize a token's top_k probabilities to sum to 1 (HF's norm_topk_prob; Qwen3-MoE: true)."""
+    sparse_step: int = 1
+    """Every sparse_step-th layer is a mixture of experts (HF's decoder_sparse_step), the others dense (ffn_dim)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers kept dense whatever sparse_step says (HF's mlp_only_layers)."""
+    aux_loss_coef: float = 0.001
+    """The weight of the router's load-balancing loss in the loss (HF's router_aux_loss_coef); logged as aux_loss."""
+
+    def __post_init__(self) -> None:
+        for key in ("experts", "top_k", "ffn_dim", "sparse_step"):
+            require(getattr(self, key) > 0, f"model.moe.{key}={getattr(self, key)} must be positive")
+        require(self.top_k <= self.experts, f"model.moe.top_k={self.top_k} must be <= model.moe.experts")
+        require(self.aux_loss_coef >= 0, f"model.moe.aux_loss_coef={self.aux_loss_coef} must be >= 0")
+
+
+@dataclass
 class ModelConfig:
     """Shape of the decoder-only Transformer (Llama 3 / Qwen3 vocabulary)."""
 
-    family: Literal["llama", "qwen3", "mistral", "gemma3"] = "llama"
-    """Architecture: `llama` (Llama 3), `qwen3` (Llama plus RMSNorm on each head's queries and keys), `mistral`
+    family: Literal["llama", "qwen3", "qwen3_moe", "mistral", "gemma3"] = "llama"
+    """Architecture: `llama` (Llama 3), `qwen3` (Llama plus RMSNorm on each head's queries and keys), `qwen3_moe`
+    (Qwen3 with a mixture of experts, `moe`), `mistral`
     (Llama's block, with `sliding_window`) or `gemma3` (Gemma 3's text model: qk-norm, norms around both sublayers,
     GELU, scaled embeddings, local layers with a sliding window between global ones)."""
     dim: int = 256
@@ -110,6 +138,8 @@ class ModelConfig:
     """gemma3: the rotary base of the local layers (HF's rope_local_base_freq, 10000); null: rope_theta."""
     query_pre_attn_scalar: int | None = None
     """Attention scores are scaled by 1 / sqrt(this) (Gemma 3's query_pre_attn_scalar); null: head_dim."""
+    moe: MoEConfig | None = None
+    """qwen3_moe: the mixture of experts (`experts`, `top_k`, `ffn_dim`, ...); null: every feed-forward dense."""
     num_labels: int | None = None
     """null: a language model, whose output layer (lm_head) predicts the next token. 1: a reward model (HF's
     *ForSequenceClassification, num_labels 1): a score head (`score`) in place of the output layer, read at each
@@ -132,7 +162,7 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "gemma3")
+        return self.family in ("qwen3", "qwen3_moe", "gemma3")
 
     @property
     def output_size(self) -> int:
@@ -164,6 +194,10 @@ def check_model(cfg: ModelConfig) -> None:
     require(
         cfg.sliding_window is None or (cfg.family in ("mistral", "gemma3") and cfg.sliding_window > 0),
         f"model.sliding_window={cfg.sliding_window}: a positive window, for the mistral and gemma3 families only",
+    )
+    require(
+        (cfg.moe is not None) == (cfg.family == "qwen3_moe"),
+        f"model.moe: the qwen3_moe family has one and no other family does (model.family={cfg.family})",
     )
     gemma3 = ("sliding_window_pattern", "rope_local_theta")
     for key in gemma3:

@@ -182,17 +182,22 @@ def activation_bytes_per_token(
     RMSNorm its fp32 input, the normalized input and its output (4d + 2ad); attention the rotated q and k, v and the
     output (a(2q + 2kv), q = n_heads x head_dim) plus the log-sum-exp; the SwiGLU gate, up, silu(gate) and product
     (4af); Qwen3's RMSNorm on each query and key head its fp32 input and the normalized one ((4 + a)(q + kv)), its
-    output going to the rotation, which keeps nothing of it. Selective AC keeps the block input and the matmul and
+    output going to the rotation, which keeps nothing of it. Gemma 3's norms (1 + weight, in fp32) keep the fp32 input
+    and the fp32 normalized input, four a block (8d each) and those before a matmul their output (ad), its QK-norm
+    8(q + kv). Selective AC keeps the block input and the matmul and
     attention outputs, and of each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as
     wide as the projection's output); full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
     kv = cfg.n_kv_heads * cfg.resolved_head_dim
-    small = 8 + 4 * h  # RMSNorm's fp32 rsqrt per norm, attention's fp32 log-sum-exp per head
-    full = 8 * d + 4 * a * d + a * (2 * q + 2 * kv) + 4 * a * f + small
+    gemma3 = cfg.family == "gemma3"
+    small = (16 if gemma3 else 8) + 4 * h  # RMSNorm's fp32 rsqrt per norm, attention's fp32 log-sum-exp per head
+    # Gemma 3's four norms keep their fp32 input and normalized input, the two before a matmul their output too.
+    norms = 32 * d + 2 * a * d if gemma3 else 8 * d + 4 * a * d
+    full = norms + a * (2 * q + 2 * kv) + 4 * a * f + small
     if cfg.qk_norm:
-        full += (4 + a) * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
+        full += (8 if gemma3 else 4 + a) * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
     saved = {"none": full, "full": a * d, "selective": a * (3 * d + 2 * q + 2 * kv + 2 * f) + 4 * h}
     if lora is not None and lora.rank is not None:
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}

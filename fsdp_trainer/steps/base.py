@@ -36,6 +36,7 @@ from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, resh
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.loss import share_of_global_mean
 from fsdp_trainer.model import Transformer
+from fsdp_trainer.moe import aux_loss, forget_routing
 
 DataKind = Literal["tokens", "pairs", "unpaired"]
 """What a token file holds: token windows or packed examples, packed preference pairs, or packed unpaired answers."""
@@ -153,21 +154,8 @@ class Step(Kind):
         backward: Callable[[torch.Tensor], None],
         world: int,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-        """(the global batch's mean loss, its metrics), after backward of every micro-batch; gradients are reduced
-        across ranks after the last."""
-        units = self.units(micro_batches, world)  # one all-reduce, queued before the first backward
-        totals = None
-        for i, batch in enumerate(micro_batches):
-            set_gradient_sync(model, plan, i == len(micro_batches) - 1)
-            terms, metrics = self.sums(model, batch)
-            backward(weighted(self.weights, share_of_global_mean(terms.reshape(-1), units, world)))
-            self.after_backward()
-            row = torch.cat([terms.detach().reshape(-1), metrics])
-            totals = row if totals is None else totals + row
-        loss, numbers = global_means(
-            self, sum_over_ranks(totals), units
-        )  # the loss terms and the metrics: one all-reduce
-        return loss, {**self.extra(micro_batches, units), **numbers}
+        """(the global batch's mean loss, its metrics), after backward of every micro-batch (accumulate)."""
+        return accumulate(self, model, micro_batches, plan, backward, world)
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
         """Called once before the first step, when the frozen models hold the weights the run started from (their
@@ -194,6 +182,42 @@ class Step(Kind):
         totals, k = sum_over_ranks(totals), len(self.weights)
         loss, numbers = global_means(self, totals[:-k], totals[-k:] if k > 1 else totals[-1])
         return {"loss": loss, **numbers}
+
+
+def accumulate(
+    step: Step,
+    model: nn.Module,
+    micro_batches: list[MicroBatch],
+    plan: ShardingPlan,
+    backward: Callable[[torch.Tensor], None],
+    world: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """Step.__call__: each micro-batch's forward and backward, its loss terms scaled to their share of the global
+    batch's means; gradients are reduced across ranks only after the last micro-batch, accumulated locally before.
+    A mixture of experts adds its router's load-balancing loss, moe.aux_loss_coef x its mean over the global batch's
+    micro-batches (each micro-batch's as transformers computes it for one batch), logged as aux_loss."""
+    units = step.units(micro_batches, world)  # one all-reduce, queued before the first backward
+    totals, routed = None, False
+    for i, batch in enumerate(micro_batches):
+        set_gradient_sync(model, plan, i == len(micro_batches) - 1)
+        terms, metrics = step.sums(model, batch)
+        loss = weighted(step.weights, share_of_global_mean(terms.reshape(-1), units, world))
+        router = aux_loss(model)  # None for a dense model
+        if router is not None:
+            routed, coef = True, model.cfg.moe.aux_loss_coef
+            loss = loss + coef * share_of_global_mean(router, len(micro_batches) * world, world)
+        backward(loss)
+        step.after_backward()
+        forget_routing(model)
+        row = torch.cat([terms.detach().reshape(-1), metrics, *([] if router is None else [router.detach()[None]])])
+        totals = row if totals is None else totals + row
+    totals = sum_over_ranks(totals)  # the loss terms, the metrics and the router's loss: one all-reduce
+    if not routed:
+        loss, numbers = global_means(step, totals, units)
+        return loss, {**step.extra(micro_batches, units), **numbers}
+    loss, numbers = global_means(step, totals[:-1], units)
+    aux = totals[-1] / (len(micro_batches) * world)
+    return loss + model.cfg.moe.aux_loss_coef * aux, {**step.extra(micro_batches, units), **numbers, "aux_loss": aux}
 
 
 def global_means(

@@ -1,0 +1,124 @@
+"""A mixture of experts in place of the feed-forward (Qwen3-MoE), in plain PyTorch.
+
+A router scores each token against every expert (a linear layer, softmax in fp32), keeps the top k and weighs their
+outputs by those probabilities (renormalized to sum to 1 with norm_topk_prob). Each expert is a SwiGLU feed-forward;
+the experts' weights are held as one stacked tensor per projection, transformers' own layout in memory:
+`experts.gate_up_proj` (experts, 2 x ffn, dim: the gate's rows, then the up projection's) and `experts.down_proj`
+(experts, dim, ffn), so FSDP shards them like any weight (along the experts). A forward sorts the token copies by
+expert and computes each projection for all experts in one grouped matmul (torch._grouped_mm): no loop over
+experts and no host sync, so its shapes are static (a step on fake tensors runs it as a GPU would).
+
+The router's load-balancing loss (Switch Transformer's, as transformers computes it: experts x sum over experts of the
+fraction of token copies routed to each times its mean probability, over every MoE layer's tokens) is kept from the
+last forward that built a graph (`aux_loss`), for the step to add with moe.aux_loss_coef.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_trainer.config import ModelConfig
+
+
+class Experts(nn.Module):
+    """`experts` SwiGLU feed-forwards, their weights stacked: each token copy goes through its own expert."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.experts, 2 * moe.ffn_dim, cfg.dim))
+        self.down_proj = nn.Parameter(torch.empty(moe.experts, cfg.dim, moe.ffn_dim))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x (copies, dim) sorted by expert, expert e's rows ending at offsets[e] (int32) -> (copies, dim)."""
+        gate, up = grouped_linear(x, self.gate_up_proj, offsets).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each group of rows of x times its expert's weight (experts, out, in) transposed, as F.linear does, in one
+    grouped matmul. CPU's grouped matmul differentiates only a contiguous (experts, in, out) weight: a copy there."""
+    weight = weight.transpose(-2, -1)
+    if x.device.type == "cpu":
+        weight = weight.contiguous()
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
+class Router(nn.Module):
+    """Scores a token against each expert: HF's `mlp.gate` (experts, dim)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.moe.experts, cfg.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class MixtureOfExperts(nn.Module):
+    """HF's Qwen3MoeSparseMoeBlock: the router (`gate`) and the experts, (B, T, dim) -> (B, T, dim)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.n_experts = cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.moe.experts
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.router_logits: torch.Tensor | None = None
+        """The last forward's router logits (tokens, experts), kept where autograd records: for the load-balancing
+        loss (aux_loss)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.gate(x)  # (tokens, experts)
+        if torch.is_grad_enabled():
+            self.router_logits = logits
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)  # (tokens, k) each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        copies = chosen.reshape(-1)  # token t's k copies at t * k ... t * k + k - 1
+        order = torch.argsort(copies, stable=True)
+        per_expert = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
+        per_expert.scatter_add_(0, copies, torch.ones_like(copies, dtype=torch.int32))
+        offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
+        token = order // self.top_k
+        out = self.experts(x[token], offsets) * weights.to(x.dtype).reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, out).reshape(shape)
+
+
+def moe_layers(cfg: ModelConfig) -> frozenset[int]:
+    """The layers whose feed-forward is a mixture of experts: every moe.sparse_step-th, but moe.dense_layers."""
+    if cfg.moe is None:
+        return frozenset()
+    step, dense = cfg.moe.sparse_step, set(cfg.moe.dense_layers)
+    return frozenset(i for i in range(cfg.n_layers) if (i + 1) % step == 0 and i not in dense)
+
+
+def forget_routing(model: nn.Module) -> None:
+    """Drop the router logits a forward kept: after backward, whose recomputation (activation checkpointing) keeps
+    them again, with the graph they hang from."""
+    for module in model.modules():
+        if isinstance(module, MixtureOfExperts):
+            module.router_logits = None
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The load-balancing loss of `model`'s last forward with autograd on (None without experts), as transformers'
+    load_balancing_loss_func: the fractions and mean probabilities over every MoE layer's tokens together."""
+    layers = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.router_logits is not None]
+    if not layers:
+        return None
+    n_experts, top_k = layers[0].n_experts, layers[0].top_k
+    counts = torch.zeros(n_experts, device=layers[0].router_logits.device)
+    probabilities, rows = torch.zeros_like(counts), 0
+    for layer in layers:
+        routed = torch.softmax(layer.router_logits.float(), dim=-1)
+        chosen = torch.topk(routed, top_k, dim=-1).indices.reshape(-1)
+        counts = counts.scatter_add(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
+        probabilities = probabilities + routed.sum(dim=0)
+        rows += routed.shape[0]
+        layer.router_logits = None
+    return n_experts * torch.sum((counts / rows) * (probabilities / rows))

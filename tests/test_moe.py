@@ -1,0 +1,146 @@
+"""Qwen3-MoE against transformers built from a config (several experts, top-2, a dense layer among them by
+mlp_only_layers, renormalized top-k probabilities): both published layouts import to the same weights, the logits and
+the loss with the router's load-balancing term are transformers', the export loads back in transformers, and 2 ranks
+train as 1 process with accumulation (the same router choices), resuming bitwise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import SHARDING
+from fsdp_trainer.hf import load_safetensors, model_config_from_hf
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.moe import MixtureOfExperts, moe_layers
+from fsdp_trainer.steps.next_token import NextTokenStep
+from tests.helpers import read_metrics, run_args, train_cli
+from tests.test_hf import tool
+
+transformers = pytest.importorskip("transformers")
+
+MOE = {"experts": 6, "top_k": 2, "ffn_dim": 48, "dense_layers": [1], "aux_loss_coef": 0.01}
+"""The recipes' moe section of the tests' model: six experts, top-2, layer 1 dense."""
+
+
+def published(tmp_path, tie: bool = False):
+    """A Qwen3-MoE saved by save_pretrained (sharded, the Hub's per-expert layout), its routers moved off their init
+    so that tokens spread over the experts; and the model, in fp32."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=64, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1], router_aux_loss_coef=0.01,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    return model
+
+
+def test_both_layouts_import_with_transformers_logits_loss_and_export(tmp_path, one_rank):
+    original = published(tmp_path / "hub")
+    # transformers 5's own layout: the experts stacked, as it holds them in memory.
+    (tmp_path / "fused").mkdir()
+    save_file({k: v.contiguous() for k, v in original.state_dict().items()}, tmp_path / "fused" / "model.safetensors")
+    shutil.copy(tmp_path / "hub" / "config.json", tmp_path / "fused" / "config.json")
+    hub, fused = load_safetensors(tmp_path / "hub"), load_safetensors(tmp_path / "fused")
+    assert sorted(hub) == sorted(fused) and all(torch.equal(hub[k], fused[k]) for k in hub)
+    assert any(name.endswith("experts.0.gate_proj.weight") for name in json.loads(
+        (tmp_path / "hub" / "model.safetensors.index.json").read_text())["weight_map"])  # fmt: skip
+
+    cfg = model_config_from_hf(json.loads((tmp_path / "hub" / "config.json").read_text()))
+    assert moe_layers(cfg) == {0, 2} and cfg.moe.top_k == 2 and cfg.moe.norm_topk_prob
+    ours = Transformer(cfg)
+    ours.load_state_dict(hub, strict=True)
+    assert isinstance(ours.model.layers["0"].mlp, MixtureOfExperts)
+    assert not isinstance(ours.model.layers["1"].mlp, MixtureOfExperts)
+
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    inputs = tokens[:, :-1]
+    reference = original(input_ids=inputs, labels=inputs, output_router_logits=True)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(inputs), reference.logits, rtol=1e-5, atol=1e-5)
+    # The step's loss: the cross-entropy plus 0.01 x the load-balancing loss, transformers' `loss` on the same batch
+    # (its labels shifted inside; ours given as targets).
+    # One example a row (documents): the targets are counted, the last position has none, as transformers' labels.
+    targets = torch.cat([inputs[:, 1:], torch.full((2, 1), -100)], dim=1)
+    batch = MicroBatch(inputs, targets, documents=torch.zeros_like(inputs))
+    ours.set_requires_gradient_sync = lambda enabled: None  # one process, no FSDP: nothing to reduce
+    loss, numbers = NextTokenStep()(ours, [batch], SHARDING["NO_SHARD"], lambda loss: loss.backward(), 1)
+    assert loss.item() == pytest.approx(reference.loss.item(), rel=1e-5)
+    assert numbers["aux_loss"].item() == pytest.approx(reference.aux_loss.item(), rel=1e-5)
+    assert ours.model.layers["0"].mlp.gate.weight.grad.abs().sum() > 0  # the router learns through the aux loss
+
+    tool("import_hf.py", tmp_path / "hub", tmp_path / "imported")
+    tool("consolidate.py", tmp_path / "imported", tmp_path / "hf_out")
+    with safe_open(tmp_path / "hf_out" / "model.safetensors", "pt") as exported:
+        assert "model.layers.0.mlp.experts.5.down_proj.weight" in exported.keys()  # the Hub's layout
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(inputs).logits, reference.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_equal_a_loop_over_experts():
+    """The grouped matmul gives each token copy its own expert's SwiGLU, weighted by the router: as a plain loop over
+    experts computes it (transformers' way), forward and gradients."""
+    from fsdp_trainer.config import ModelConfig, MoEConfig
+
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      moe=MoEConfig(experts=5, top_k=2, ffn_dim=24))  # fmt: skip
+    layer = MixtureOfExperts(cfg)
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    out = layer(x)
+    probabilities = torch.softmax(layer.gate(x.reshape(-1, 32)).float(), dim=-1)
+    weights, chosen = torch.topk(probabilities, 2)
+    weights = weights / weights.sum(-1, keepdim=True)
+    rows = x.reshape(-1, 32)
+    expected = torch.zeros_like(rows)
+    for e in range(5):
+        token, slot = torch.where(chosen == e)
+        gate, up = F.linear(rows[token], layer.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, layer.experts.down_proj[e]) * weights[token, slot, None]
+        expected = expected.index_add(0, token, y)
+    torch.testing.assert_close(out.reshape(-1, 32), expected, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), [x, layer.experts.gate_up_proj, layer.gate.weight])
+    expected_grads = torch.autograd.grad(expected.square().sum(), [x, layer.experts.gate_up_proj, layer.gate.weight])
+    for ours, theirs in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_with_accumulation_and_resume_bitwise(tiny_data, tmp_path):
+    """A Qwen3-MoE from scratch: 2 ranks FULL_SHARD (the experts sharded) equal 1 process x accumulation 2 over 10
+    steps, the loss, the load-balancing loss and the validation loss; a resume from step 5 is bitwise."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
+    every = {"every": 5, "keep_last": 0}
+    two, one = tmp_path / "two", tmp_path / "one"
+    train = {"eval_every": 5}
+    train_cli(run_args(tiny_data, two, 10, model=model, checkpoint=every, train=train), nproc=2)
+    # One process evaluates the batches both ranks did: twice as many.
+    train_cli(run_args(tiny_data, one, 10, model=model, data={"grad_accum_steps": 2}, train={**train, "eval_steps": 4}))
+    records_two, records_one = read_metrics(two), read_metrics(one)
+    assert sum("aux_loss" in r for r in records_two) == 10 and any("val_loss" in r for r in records_two)
+    for a, b in zip(records_two, records_one, strict=True):
+        for key in {"loss", "aux_loss", "val_loss"} & set(a):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
+
+    shutil.rmtree(two / "checkpoints" / "step_00000010")
+    (two / "checkpoints" / "latest").write_text("step_00000005\n")
+    train_cli(run_args(tiny_data, two, 10, model=model, checkpoint=every, train=train), nproc=2)
+    resumed = {r["step"]: r for r in read_metrics(two) if "loss" in r}
+    for record in (r for r in records_two if "loss" in r and r["step"] > 5):
+        assert (resumed[record["step"]]["loss"], resumed[record["step"]]["aux_loss"]) == (
+            record["loss"], record["aux_loss"]), record["step"]  # fmt: skip
