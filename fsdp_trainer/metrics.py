@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_trainer.config import ModelConfig, Recipe
 from fsdp_trainer.distributed.runtime import DistEnv, max_over_ranks
 from fsdp_trainer.model import count_params
+from fsdp_trainer.moe import moe_layers
 from fsdp_trainer.sinks import STATE_KEYS, Sinks
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ logger = logging.getLogger("fsdp_trainer")
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus causal-free attention scores.
+    """Training FLOPs per token: 6 per matmul weight (forward 2, backward 4) plus causal-free attention scores. Of a
+    mixture of experts, the weights a token goes through: its router and its top_k experts.
 
     The embedding lookup is no matmul and is left out; the output projection always is one, tied or not. Attention
     adds 12 * n_layers * n_heads * head_dim * seq_len (QK^T and AV, forward and backward), the convention of PaLM
@@ -40,7 +42,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     head_dim = cfg.resolved_head_dim
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.dim * cfg.ffn_dim
-    matmul_params = cfg.n_layers * (attn + mlp) + cfg.dim * cfg.output_size
+    # A mixture of experts' layer: the router, and the top_k experts a token goes through (its active parameters).
+    routed = 0 if cfg.moe is None else cfg.dim * (cfg.moe.experts + 3 * cfg.moe.top_k * cfg.moe.ffn_dim)
+    n_moe = len(moe_layers(cfg))
+    matmul_params = cfg.n_layers * attn + (cfg.n_layers - n_moe) * mlp + n_moe * routed + cfg.dim * cfg.output_size
     return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
 
 

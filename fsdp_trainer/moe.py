@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from fsdp_trainer.config import ModelConfig
 
@@ -39,9 +40,10 @@ class Experts(nn.Module):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Each group of rows of x times its expert's weight (experts, out, in) transposed, as F.linear does, in one
-    grouped matmul. CPU's grouped matmul differentiates only a contiguous (experts, in, out) weight: a copy there."""
+    grouped matmul. CPU's grouped matmul differentiates only a contiguous (experts, in, out) weight: a copy there,
+    but for the planner's step on fake tensors, which stands for a GPU's (it multiplies the transposed view)."""
     weight = weight.transpose(-2, -1)
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and not is_fake(x):
         weight = weight.contiguous()
     return torch._grouped_mm(x, weight, offs=offsets)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_trainer.adapters.lora import apply_lora
-from fsdp_trainer.config import ModelConfig, Recipe, parse_recipe
+from fsdp_trainer.config import ModelConfig, MoEConfig, Recipe, parse_recipe
 from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.plan import activation_bytes_per_token, estimate, plan, recommend
@@ -55,6 +55,15 @@ def _saved_bytes_of_one_block(cfg: ModelConfig, dtype: torch.dtype, tokens: tupl
         dict(family="qwen3", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=160),  # QK-norm, q wider than d
         # Gemma 3: four norms that scale by 1 + weight in fp32, QK-norm too, GELU, its own attention scale
         dict(family="gemma3", dim=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=160, query_pre_attn_scalar=24),
+        # Qwen3-MoE: a router and top-3 of 8 experts in place of the feed-forward
+        dict(
+            family="qwen3_moe",
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=32,
+            moe=MoEConfig(experts=8, top_k=3, ffn_dim=32),
+        ),
     ],
 )
 def test_activation_formula_counts_what_a_block_saves(dtype, shape):
@@ -63,6 +72,9 @@ def test_activation_formula_counts_what_a_block_saves(dtype, shape):
     measured = _saved_bytes_of_one_block(cfg, dtype, (B, T))
     if cfg.family == "gemma3":  # each norm's 1 + weight in fp32: the weight's size, whatever the tokens (not priced)
         measured -= 4 * (4 * cfg.dim + 2 * cfg.resolved_head_dim)
+    if cfg.moe is not None:  # the experts' offsets, and on a CPU the experts' weights copied for its grouped matmul
+        experts, ffn = cfg.moe.experts, cfg.moe.ffn_dim
+        measured -= 4 * experts + dtype.itemsize * experts * 3 * ffn * cfg.dim
     per_token, _ = activation_bytes_per_token(cfg, dtype.itemsize, "none")
     assert per_token * B * T == measured
 

@@ -33,6 +33,7 @@ EXPECTED_PARAMS = {
     "reward_qwen3_0.6b.yaml": 596_050_944,  # no output layer (it was the embedding), a score head of 1024
     "mistral_nemo_lora.yaml": 12_247_782_400,  # Mistral-Nemo-Base-2407
     "gemma3_1b_sft.yaml": 999_885_952,  # gemma-3-1b-pt
+    "qwen3_30b_a3b_lora.yaml": 30_532_122_624,  # Qwen3-30B-A3B: 30.5B in all, 3.3B active
     "gemma3_12b_lora.yaml": 11_766_034_176,  # gemma-3-12b-it's language model (its text_config), tied output
     "distill_qwen3_8b_to_0.6b.yaml": 596_049_920,
     "distill_llama3_1_8b_to_3_2_1b.yaml": 1_235_814_400,

@@ -220,6 +220,17 @@ def test_bench_block_causal_times_both_attentions(tiny_data):
     assert all(float(r[1]) >= 0 and float(r[2]) >= 0 and float(r[3]) > 0 for r in rows)  # ms to 0.1, ratio exact
 
 
+def test_bench_moe_times_grouped_experts_against_transformers_loop(tmp_path):
+    model = {"family": "qwen3_moe", "dim": 64, "n_heads": 4, "n_kv_heads": 2,
+             "moe": {"experts": 8, "top_k": 2, "ffn_dim": 32}}  # fmt: skip
+    (tmp_path / "moe.yaml").write_text(json.dumps({"model": model}))
+    proc = run_bench("bench_moe.py", "--recipe", tmp_path / "moe.yaml", "--tokens", 64, "--repeats", 2, "--steps", 1)
+    assert float(proc.stdout.split("max |ours - transformers'| = ")[1].split()[0]) <= 1e-5  # the same layer
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| grouped", "| loop"))]
+    assert [r[0].strip() for r in rows] == ["grouped (ours)", "loop over experts (transformers)"]
+    assert float(rows[1][3].strip().rstrip("x")) == 1.0 and float(rows[0][3].strip().rstrip("x")) > 0
+
+
 @pytest.mark.slow
 def test_bench_optimizer_times_adamw_and_muon_under_torchrun(tiny_data):
     proc = run_bench("bench_optimizer.py", "--recipe", tiny_data, "--repeats", 2, "--steps", 1, nproc=2)

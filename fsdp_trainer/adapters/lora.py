@@ -81,12 +81,20 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
             param.data = param.data.to(frozen_dtype)
     if model.cfg.num_labels is not None:
         model.score.float().requires_grad_(True)
+    found = set()
     for block in model.model.layers.children():
         for name, module in list(block.named_modules()):
             if name.rsplit(".", 1)[-1] in cfg.targets and isinstance(module, nn.Linear):
                 parent_name, _, child = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
                 setattr(parent, child, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
+                found.add(child)
+    missing = sorted(set(cfg.targets) - found - {"lm_head", "embed_tokens"})
+    if missing:  # a mixture of experts has no gate_proj, up_proj or down_proj layer but in its dense layers
+        raise ValueError(
+            f"lora.targets has {', '.join(missing)}, which no block of this model has (a mixture of experts' "
+            "feed-forward takes no adapters yet): leave them out"
+        )
     outside = {"lm_head", "embed_tokens"} & set(cfg.targets)
     if outside and model.cfg.tied_output:  # the recipe refuses it (config.Recipe)
         raise ValueError(f"{sorted(outside)[0]} is tied: an adapter on it could not be merged into the shared weight")
