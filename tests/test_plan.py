@@ -14,7 +14,8 @@ from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, MoEConfig, Recipe, parse_recipe
 from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
-from fsdp_trainer.planner.plan import activation_bytes_per_token, estimate, plan, recommend
+from fsdp_trainer.planner.activations import activation_bytes_per_token
+from fsdp_trainer.planner.plan import estimate, plan, recommend
 from fsdp_trainer.planner.speed import ACHIEVED, COMPILED, step_time
 from tests.helpers import REPO
 
