@@ -267,11 +267,33 @@ SCORE_HEAD = "score.weight"
 adapter file holds it under this name (after PEFT_PREFIX)."""
 
 
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""PEFT's target_parameters for lora.targets `experts`, in this order: PEFT nests a wrapper per parameter, the first
+innermost, so gate_up_proj's adapter is `mlp.experts.base_layer.lora_A` and down_proj's `mlp.experts.lora_A`."""
+EXPERT_ADAPTERS = {".experts.gate_up_lora.": ".experts.base_layer.", ".experts.down_lora.": ".experts."}
+"""Our names of an MoE's experts' adapters (adapters/lora.py: LoRAExperts) and PEFT's."""
+
+
+def peft_name(name: str) -> str:
+    """An adapter tensor's name in a PEFT adapter file, from ours."""
+    for ours, theirs in EXPERT_ADAPTERS.items():
+        name = name.replace(ours, theirs)
+    return PEFT_PREFIX + name
+
+
+def our_name(peft: str) -> str:
+    """An adapter tensor's name here, from a PEFT adapter file's."""
+    name = peft.removeprefix(PEFT_PREFIX).replace(".default.", ".")
+    if ".experts.base_layer." in name:
+        return name.replace(".experts.base_layer.", ".experts.gate_up_lora.")
+    return name.replace(".experts.lora_", ".experts.down_lora.lora_")
+
+
 def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_dir: Path, dtype: str) -> None:
     """A PEFT LoRA adapter directory: adapter_model.safetensors under PEFT's names and adapter_config.json, which
     `peft.PeftModel.from_pretrained(base_model, out_dir)` loads."""
     torch_dtype = compute_dtype(dtype)
-    tensors = {PEFT_PREFIX + name: t.to(torch_dtype).contiguous() for name, t in adapters.items()}
+    tensors = {peft_name(name): t.to(torch_dtype).contiguous() for name, t in adapters.items()}
     _save_file(tensors, out_dir / "adapter_model.safetensors")
     classifier = SCORE_HEAD in adapters
     config = {
@@ -280,7 +302,8 @@ def save_peft_adapter(adapters: dict[str, torch.Tensor], lora: LoraConfig, out_d
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": sorted(lora.targets),
+        "target_modules": sorted(set(lora.targets) - {"experts"}),
+        "target_parameters": EXPERT_PARAMETERS if "experts" in lora.targets else None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -303,7 +326,15 @@ def check_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> Path
             raise FileNotFoundError(f"lora.adapter={adapter_dir} has no {path.name}: not a PEFT adapter directory")
     config = json.loads(config_path.read_text())
     targets = config.get("target_modules")
-    targets = sorted([targets] if isinstance(targets, str) else targets or [])
+    targets = [targets] if isinstance(targets, str) else targets or []
+    if config.get("target_parameters"):
+        if sorted(config["target_parameters"]) != sorted(EXPERT_PARAMETERS):
+            raise ValueError(f"{config_path} adapts the parameters {config['target_parameters']}: only a mixture of "
+                             f"experts' {EXPERT_PARAMETERS} together (lora.targets experts)")  # fmt: skip
+        if config["target_parameters"] != EXPERT_PARAMETERS:
+            raise ValueError(f"{config_path} nests its experts' adapters in another order than {EXPERT_PARAMETERS}")
+        targets.append("experts")
+    targets = sorted(targets)
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{config_path} is a {config.get('peft_type')} adapter, not LoRA")
     for theirs, ours in (("r", "rank"), ("lora_alpha", "alpha")):
@@ -324,7 +355,7 @@ def load_peft_adapter(adapter_dir: str | os.PathLike, lora: LoraConfig) -> dict[
     for name, tensor in read_safetensors_one_by_one(weights):
         if not name.startswith(PEFT_PREFIX) or (".lora_" not in name and name != PEFT_PREFIX + SCORE_HEAD):
             raise ValueError(f"{weights} holds {name}, not a LoRA matrix or a reward model's head under PEFT's names")
-        tensors[name.removeprefix(PEFT_PREFIX).replace(".default.", ".")] = tensor.float()
+        tensors[our_name(name)] = tensor.float()
     return tensors
 
 

@@ -144,3 +144,78 @@ def test_two_ranks_equal_one_process_with_accumulation_and_resume_bitwise(tiny_d
     for record in (r for r in records_two if "loss" in r and r["step"] > 5):
         assert (resumed[record["step"]]["loss"], resumed[record["step"]]["aux_loss"]) == (
             record["loss"], record["aux_loss"]), record["step"]  # fmt: skip
+
+
+def test_lora_on_the_experts_equals_peft_and_exports_in_its_format(tmp_path):
+    """Adapters on attention and on every expert (PEFT's target_parameters on the stacked experts): the same logits
+    and adapter gradients as peft on the transformers model; our adapter file loads in peft with those logits, and
+    the merged weights are peft's merge_and_unload's."""
+    import peft
+
+    from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
+    from fsdp_trainer.config import LoraConfig
+    from fsdp_trainer.hf import EXPERT_PARAMETERS, peft_name, save_peft_adapter
+
+    original = published(tmp_path / "hub")
+    cfg = model_config_from_hf(json.loads((tmp_path / "hub" / "config.json").read_text()))
+    ours = Transformer(cfg)
+    ours.load_state_dict(load_safetensors(tmp_path / "hub"))
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["q_proj", "v_proj", "experts"])
+    apply_lora(ours, lora)
+    reference = peft.get_peft_model(original, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERT_PARAMETERS))  # fmt: skip
+    theirs = dict(reference.named_parameters())
+
+    def peft_param(name: str) -> torch.Tensor:
+        return theirs[peft_name(name).replace(".weight", ".default.weight")]
+
+    generator = torch.Generator().manual_seed(2)
+    adapters = {name: param for name, param in ours.named_parameters() if is_adapter(name)}
+    assert {n for n, p in ours.named_parameters() if p.requires_grad} == set(adapters)
+    assert "model.layers.0.mlp.experts.gate_up_lora.lora_A.weight" in adapters  # layer 1 is dense: none there
+    assert not any(name.startswith("model.layers.1.mlp") for name in adapters)
+    with torch.no_grad():
+        for name, param in adapters.items():
+            peft_param(name).copy_(torch.randn(param.shape, generator=generator) * 0.1)
+            param.copy_(peft_param(name))
+    tokens = torch.randint(0, 300, (2, 20), generator=generator)
+    logits, reference_logits = ours(tokens), reference(input_ids=tokens).logits
+    torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    F.cross_entropy(reference_logits.flatten(0, 1), tokens.flatten()).backward()
+    for name, param in adapters.items():
+        torch.testing.assert_close(param.grad, peft_param(name).grad, rtol=1e-5, atol=1e-7)
+
+    (tmp_path / "adapter").mkdir()
+    save_peft_adapter({n: p.detach() for n, p in adapters.items()}, lora, tmp_path / "adapter", "fp32")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub").eval()
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, logits, rtol=1e-5, atol=1e-5)
+        folded = reference.merge_and_unload().state_dict()
+    state = {n: p.detach() for n, p in ours.named_parameters()}
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+        torch.testing.assert_close(merged(name, state[name], state, lora), folded[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_on_the_experts_trains_sharded_as_one_process_and_consolidates(tiny_data, tmp_path):
+    """LoRA on attention and the experts of a Qwen3-MoE: 2 ranks FULL_SHARD equal 1 process x accumulation 2, and
+    the run consolidates to a PEFT adapter (target_parameters) and to a merged model transformers computes as we do."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "experts"]}
+    optim = {"lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 0}
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(tiny_data, two, 6, model=model, lora=lora, optim=optim, checkpoint={"every": 6}), nproc=2)
+    train_cli(run_args(tiny_data, one, 6, model=model, lora=lora, optim=optim, data={"grad_accum_steps": 2}))
+    losses_two = [r["loss"] for r in read_metrics(two) if "loss" in r]
+    losses_one = [r["loss"] for r in read_metrics(one) if "loss" in r]
+    assert losses_two == pytest.approx(losses_one, rel=1e-5) and losses_two[-1] < losses_two[0]
+
+    tool("consolidate.py", two, tmp_path / "adapter", "--lora", "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    # The adapters merged into the experts and written per expert; transformers' logits checked against ours.
+    printed = tool("consolidate.py", two, tmp_path / "merged", "--check_logits").stdout
+    assert "max |logits(transformers) - logits(ours)|" in printed

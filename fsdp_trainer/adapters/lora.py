@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from fsdp_trainer.config import LoraConfig
 from fsdp_trainer.hf import SCORE_HEAD
 from fsdp_trainer.model import unwrapped_name
+from fsdp_trainer.moe import Experts, grouped_linear
 
 
 class LoRALinear(nn.Module):
@@ -70,6 +71,50 @@ class LoRAEmbedding(nn.Module):
         return F.embedding(ids, self.weight) + update * self.scaling
 
 
+class ExpertsAdapter(nn.Module):
+    """One low-rank adapter per expert on a stacked experts weight (experts, out, in), in PEFT's layout for it
+    (target_parameters): `lora_A` (rank x experts, in), expert e's rows e x rank ...; `lora_B` (out, rank x experts),
+    expert e's columns e, e + experts, ... So expert e's update is (alpha / rank) B_e A_e."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, rank: int, device: torch.device):
+        super().__init__()
+        self.experts, self.rank = experts, rank
+        self.lora_A = nn.Linear(in_features, rank * experts, bias=False, device=device)
+        self.lora_B = nn.Linear(rank * experts, out_features, bias=False, device=device)
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A as (experts, rank, in), B as (experts, out, rank)): weights for grouped_linear."""
+        a = self.lora_A.weight.view(self.experts, self.rank, -1)
+        b = self.lora_B.weight.view(-1, self.rank, self.experts).permute(2, 0, 1)
+        return a, b
+
+
+class LoRAExperts(nn.Module):
+    """A mixture of experts' frozen experts (moe.Experts, their weights under the same names) plus an adapter per
+    expert on each projection: gate_up_lora on gate_up_proj, down_lora on down_proj."""
+
+    def __init__(self, base: Experts, rank: int, alpha: float):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        experts, gate_up, dim = base.gate_up_proj.shape
+        device = base.gate_up_proj.device
+        self.gate_up_lora = ExpertsAdapter(experts, dim, gate_up, rank, device)
+        self.down_lora = ExpertsAdapter(experts, gate_up // 2, dim, rank, device)
+        self.scaling = alpha / rank
+        self.enabled = True
+
+    def adapted(self, x: torch.Tensor, weight: torch.Tensor, adapter: ExpertsAdapter, offsets: torch.Tensor):
+        y = grouped_linear(x, weight, offsets)
+        if not self.enabled:
+            return y
+        a, b = adapter.factors()
+        return y + grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * self.scaling
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        gate, up = self.adapted(x, self.gate_up_proj, self.gate_up_lora, offsets).chunk(2, dim=-1)
+        return self.adapted(F.silu(gate) * up, self.down_proj, self.down_lora, offsets)
+
+
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:
     """Freeze every parameter of `model`, held in `frozen_dtype` from now on (the compute dtype: with no fp32 master
     copy, a frozen weight is stored as FSDP would all-gather it anyway, so the forward is unchanged and its memory
@@ -84,17 +129,23 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
     found = set()
     for block in model.model.layers.children():
         for name, module in list(block.named_modules()):
-            if name.rsplit(".", 1)[-1] in cfg.targets and isinstance(module, nn.Linear):
-                parent_name, _, child = name.rpartition(".")
+            parent_name, _, child = name.rpartition(".")
+            if child in cfg.targets and isinstance(module, (nn.Linear, Experts)):
                 parent = block.get_submodule(parent_name) if parent_name else block
-                setattr(parent, child, LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout))
+                if isinstance(module, Experts):
+                    adapted = LoRAExperts(module, cfg.rank, cfg.alpha)
+                else:
+                    adapted = LoRALinear(module, cfg.rank, cfg.alpha, cfg.dropout)
+                setattr(parent, child, adapted)
                 found.add(child)
     missing = sorted(set(cfg.targets) - found - {"lm_head", "embed_tokens"})
     if missing:  # a mixture of experts has no gate_proj, up_proj or down_proj layer but in its dense layers
         raise ValueError(
             f"lora.targets has {', '.join(missing)}, which no block of this model has (a mixture of experts' "
-            "feed-forward takes no adapters yet): leave them out"
+            "feed-forward is adapted as `experts`): leave them out"
         )
+    if cfg.dropout and "experts" in cfg.targets:
+        raise ValueError("lora.dropout applies to no expert's adapter (PEFT's neither): set it to 0")
     outside = {"lm_head", "embed_tokens"} & set(cfg.targets)
     if outside and model.cfg.tied_output:  # the recipe refuses it (config.Recipe)
         raise ValueError(f"{sorted(outside)[0]} is tied: an adapter on it could not be merged into the shared weight")
@@ -108,7 +159,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | No
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Within it the model computes as its base, every adapter off: a LoRA preference run's reference model, with no
     second copy of the weights."""
-    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding, LoRAExperts))]
     for module in adapted:
         module.enabled = False
     try:
@@ -155,6 +206,14 @@ def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], c
     """The weight `name` with its adapter among `adapters` (if it has one) folded in, in fp32: what the model computes
     with. A linear layer's is W + (alpha / rank) B A, an embedding's W + (alpha / rank) (B A)^T."""
     prefix = name.removesuffix(".weight")
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # each expert's adapter: W_e + s B_e A_e
+        adapter = name.replace("_proj", "_lora")
+        if f"{adapter}.lora_A.weight" not in adapters:
+            return weight
+        a, b = adapters[f"{adapter}.lora_A.weight"].float(), adapters[f"{adapter}.lora_B.weight"].float()
+        experts = weight.shape[0]
+        a, b = a.view(experts, cfg.rank, -1), b.view(-1, cfg.rank, experts).permute(2, 0, 1)
+        return weight.float() + cfg.alpha / cfg.rank * (b @ a)
     if f"{prefix}.lora_A.weight" in adapters:
         a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
         return weight.float() + cfg.alpha / cfg.rank * (b.float() @ a.float())

@@ -10,7 +10,7 @@ from typing import Literal
 from fsdp_trainer.config.sections import require
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = (*LORA_PROJECTIONS, "lm_head", "embed_tokens")
+LORA_TARGETS = (*LORA_PROJECTIONS, "lm_head", "embed_tokens", "experts")
 
 
 @dataclass
@@ -26,7 +26,8 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: list(LORA_PROJECTIONS))
     """The layers that get adapters (PEFT's target_modules): any of every block's q_proj, k_proj, v_proj, o_proj,
     gate_proj, up_proj, down_proj, and lm_head (the output layer) and embed_tokens (the embedding), those two not
-    when they are tied."""
+    when they are tied; `experts`: a mixture of experts' stacked gate_up_proj and down_proj, an adapter per expert
+    (PEFT's target_parameters)."""
     quantize_base: Literal["nf4"] | None = None
     """QLoRA: store the frozen weights of the adapted projections in 4-bit NormalFloat (`nf4`, through torchao:
     about 0.52 bytes a weight instead of 2 in bf16), sharded in that form and dequantized one projection at a time
