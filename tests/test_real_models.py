@@ -17,7 +17,7 @@ import yaml
 
 from fsdp_trainer.data.format import TokenFile
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
-from tests.helpers import read_metrics, train_cli
+from tests.helpers import read_metrics, run_args, train_cli
 from tests.test_hf import LLAMA3_SCALING, tool
 
 transformers = pytest.importorskip("transformers")
@@ -336,3 +336,18 @@ def test_a_multimodal_gemma3_checkpoint_imports_its_language_model(tmp_path):
     assert type(exported).__name__ == "Gemma3ForCausalLM"
     with torch.no_grad():
         assert (exported(tokens).logits - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_gemma3_trains_on_two_ranks_as_one_process(tiny_data, tmp_path):
+    """Gemma 3 (local layers with a window shorter than the sequence between global ones) on 2 ranks FULL_SHARD: the
+    same losses as 1 process with accumulation 2, validation included."""
+    model = {"family": "gemma3", "head_dim": 32, "tie_embeddings": True, "sliding_window": 8,
+             "sliding_window_pattern": 2, "rope_local_theta": 10000.0, "query_pre_attn_scalar": 24}  # fmt: skip
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(tiny_data, two, 6, model=model, train={"eval_every": 6}), nproc=2)
+    train_cli(run_args(tiny_data, one, 6, model=model, data={"grad_accum_steps": 2},
+                       train={"eval_every": 6, "eval_steps": 4}))  # fmt: skip
+    for a, b in zip(read_metrics(two), read_metrics(one), strict=True):
+        for key in {"loss", "val_loss"} & set(a):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (key, a["step"])
