@@ -305,7 +305,7 @@ def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatc
     build.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora"])
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "moe"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -313,10 +313,27 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     by 22% at most at 8B on 64 ranks (docs/benchmarks.md); it must not fall more than 5% below it, or a plan it
     calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's, here over
     2 micro-batches (the accumulated gradients counted). Under LoRA, selective AC keeps each adapter's two matmul
-    outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes)."""
+    outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes). A mixture of experts with
+    LoRA on its experts runs its grouped matmuls as a GPU would (selective AC keeps their outputs)."""
     extra = {
         "dpo": ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
+        "moe": [
+            "--model.family",
+            "qwen3_moe",
+            "--model.head_dim",
+            "32",
+            "--model.moe.experts",
+            "8",
+            "--model.moe.top_k",
+            "2",
+            "--model.moe.ffn_dim",
+            "256",
+            "--lora.rank",
+            "8",
+            "--lora.targets",
+            "[q_proj, v_proj, experts]",
+        ],  # fmt: skip
     }.get(kind, [])
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),

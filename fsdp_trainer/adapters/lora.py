@@ -83,9 +83,11 @@ class ExpertsAdapter(nn.Module):
         self.lora_B = nn.Linear(rank * experts, out_features, bias=False, device=device)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A as (experts, rank, in), B as (experts, out, rank)): weights for grouped_linear."""
+        """(A as (experts, rank, in), B as (experts, out, rank)): weights for grouped_linear. B's experts are its
+        fastest-moving columns, so it is copied into that order (a grouped matmul needs a unit stride within an
+        expert's matrix; the copy is as small as the adapter)."""
         a = self.lora_A.weight.view(self.experts, self.rank, -1)
-        b = self.lora_B.weight.view(-1, self.rank, self.experts).permute(2, 0, 1)
+        b = self.lora_B.weight.view(-1, self.rank, self.experts).permute(2, 0, 1).contiguous()
         return a, b
 
 

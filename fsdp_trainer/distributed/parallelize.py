@@ -64,6 +64,7 @@ for _name in (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
+    "_grouped_mm",  # a mixture of experts' projections (moe.py)
 ):
     if hasattr(torch.ops.aten, _name):
         _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)

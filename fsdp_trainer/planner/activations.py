@@ -49,7 +49,7 @@ def moe_feed_forward(cfg: ModelConfig, a: int) -> tuple[float, float]:
     copies: the gathered input, the gate_up output, silu(gate), the product and the down output, and its routing
     weight (a(3kd + 4kI + k)); the fp32 router probabilities (4E); the top-k indices and values, the sort order and
     each copy's token (28k), and the weights' sum (4). Selective AC keeps the matmuls' outputs: the router logits,
-    gate_up and the experts' outputs, and the gathered input (a(E + 2kI + 2kd))."""
+    gate_up and the experts' outputs (a(E + 2kI + kd))."""
     k, ffn, d, experts = cfg.moe.top_k, cfg.moe.ffn_dim, cfg.dim, cfg.moe.experts
     full = 4 * experts + 28 * k + 4 + a * (3 * k * d + 4 * k * ffn + k)
-    return full, a * (experts + 2 * k * ffn + 2 * k * d)
+    return full, a * (experts + 2 * k * ffn + k * d)
