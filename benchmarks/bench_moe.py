@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_block_causal import timed
 
 from fsdp_trainer.config import compute_dtype, parse_recipe
 from fsdp_trainer.moe import MixtureOfExperts
@@ -33,13 +33,6 @@ def transformers_block(cfg, ours: MixtureOfExperts):
     block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
     block.load_state_dict(ours.state_dict())
     return block
-
-
-def timed(fn, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - start) / steps
 
 
 def main(argv: list[str] | None = None) -> None:

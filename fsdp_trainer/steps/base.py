@@ -146,16 +146,10 @@ class Step(Kind):
         """Numbers about the global batch to log beside the loss (its supervised tokens, its pairs)."""
         return {}
 
-    def __call__(
-        self,
-        model: nn.Module,
-        micro_batches: list[MicroBatch],
-        plan: ShardingPlan,
-        backward: Callable[[torch.Tensor], None],
-        world: int,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-        """(the global batch's mean loss, its metrics), after backward of every micro-batch (accumulate)."""
-        return accumulate(self, model, micro_batches, plan, backward, world)
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """(the global batch's mean loss, its metrics), after backward of every micro-batch: accumulate(self, model,
+        micro_batches, plan, backward, world)."""
+        return accumulate(self, *args, **kwargs)
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
         """Called once before the first step, when the frozen models hold the weights the run started from (their
