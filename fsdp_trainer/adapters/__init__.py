@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn as nn
 
-from fsdp_trainer.adapters.lora import LoRAEmbedding, LoRALinear, apply_lora, load_adapters
+from fsdp_trainer.adapters.lora import LoRAEmbedding, LoRAExperts, LoRALinear, apply_lora, load_adapters
 from fsdp_trainer.adapters.nf4 import check_nf4_shapes, quantize_frozen, require_torchao
 from fsdp_trainer.config import LoraConfig, ModelConfig, ParallelConfig
 from fsdp_trainer.distributed.parallelize import SHARDING, fill_local_shard
@@ -39,7 +39,7 @@ def meta_model(
 
 def has_adapters(model: nn.Module) -> bool:
     """Whether a model carries adapters: it trains them alone, and its checkpoints hold them alone."""
-    return any(isinstance(module, (LoRALinear, LoRAEmbedding)) for module in model.modules())
+    return any(isinstance(module, (LoRALinear, LoRAEmbedding, LoRAExperts)) for module in model.modules())
 
 
 def adapter_kind(lora: LoraConfig) -> str:

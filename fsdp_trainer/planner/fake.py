@@ -60,8 +60,10 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     parallel.compile = False  # nothing to compile for fake tensors
     env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"))
     kind = training_kind(recipe)
+    # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
+    # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
+    model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
         applied = parallelize(model, parallel, mesh)
         model.to_empty(device="cpu")
         optimizer = build_optimizer(model, recipe.optim)
