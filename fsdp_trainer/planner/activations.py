@@ -20,7 +20,7 @@ def activation_bytes_per_token(
     and the fp32 normalized input, four a block (8d each) and those before a matmul their output (ad), its QK-norm
     8(q + kv). A mixture of experts' layer: moe_feed_forward. Selective AC keeps the block input and the matmul and
     attention outputs, and of each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as
-    wide as the projection's output); full AC only the block input.
+    wide as the projection's output), for an expert adapter each token copy's; full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
@@ -41,6 +41,9 @@ def activation_bytes_per_token(
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
         adapted = [widths[target] for target in lora.targets if target in widths]
         saved["selective"] += a * (sum(adapted) + lora.rank * len(adapted))
+        if cfg.moe is not None and "experts" in lora.targets:  # each copy's two grouped matmuls a projection more
+            k, share = cfg.moe.top_k, len(moe_layers(cfg)) / cfg.n_layers
+            saved["selective"] += share * a * k * (2 * lora.rank + 2 * cfg.moe.ffn_dim + d)
     return saved[ac], full
 
 
