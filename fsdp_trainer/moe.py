@@ -6,7 +6,8 @@ the experts' weights are held as one stacked tensor per projection, transformers
 `experts.gate_up_proj` (experts, 2 x ffn, dim: the gate's rows, then the up projection's) and `experts.down_proj`
 (experts, dim, ffn), so FSDP shards them like any weight (along the experts). A forward sorts the token copies by
 expert and computes each projection for all experts in one grouped matmul (torch._grouped_mm): no loop over
-experts and no host sync, so its shapes are static (a step on fake tensors runs it as a GPU would).
+experts and no host sync, so its shapes are static (a step on fake tensors runs it as a GPU would). A GPU's grouped
+matmul takes bf16 only: in fp32 or fp16 there, a matmul per expert.
 
 The router's load-balancing loss (Switch Transformer's, as transformers computes it: experts x sum over experts of the
 fraction of token copies routed to each times its mean probability, over every MoE layer's tokens) is kept from the
@@ -43,9 +44,19 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     grouped matmul. CPU's grouped matmul differentiates only a contiguous (experts, in, out) weight: a copy there,
     but for the planner's step on fake tensors, which stands for a GPU's (it multiplies the transposed view)."""
     weight = weight.transpose(-2, -1)
+    if x.device.type != "cpu" and x.dtype != torch.bfloat16:  # torch's GPU grouped matmul takes bf16 alone
+        return looped_linear(x, weight, offsets)
     if x.device.type == "cpu" and not is_fake(x):
         weight = weight.contiguous()
     return torch._grouped_mm(x, weight, offs=offsets)
+
+
+def looped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grouped_linear as a matmul per expert, for a dtype the grouped matmul does not take (fp32, fp16 on a GPU):
+    reading where each expert's rows end is a host sync. `weight` is (experts, in, out)."""
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.cat([x[start:end] @ weight[e] for e, (start, end) in enumerate(zip(starts, ends, strict=True))])
 
 
 class Router(nn.Module):
