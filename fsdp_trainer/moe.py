@@ -10,8 +10,9 @@ experts and no host sync, so its shapes are static (a step on fake tensors runs 
 matmul takes bf16 only: in fp32 or fp16 there, a matmul per expert.
 
 The router's load-balancing loss (Switch Transformer's, as transformers computes it: experts x sum over experts of the
-fraction of token copies routed to each times its mean probability, over every MoE layer's tokens) is kept from the
-last forward that built a graph (`aux_loss`), for the step to add with moe.aux_loss_coef.
+fraction of token copies routed to each times its mean probability, over every MoE layer's tokens) comes from the
+counts and probabilities each layer's forward routed with, kept by the last forward that built a graph (`aux_loss`),
+for the step to add with moe.aux_loss_coef.
 """
 
 from __future__ import annotations
@@ -78,17 +79,14 @@ class MixtureOfExperts(nn.Module):
         self.top_k, self.norm_topk_prob, self.n_experts = cfg.moe.top_k, cfg.moe.norm_topk_prob, cfg.moe.experts
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
-        self.router_logits: torch.Tensor | None = None
-        """The last forward's router logits (tokens, experts), kept where autograd records: for the load-balancing
-        loss (aux_loss)."""
+        self.routing: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        """The last forward's token copies per expert, router probabilities summed per expert (with their graph) and
+        tokens, kept where autograd records: for the load-balancing loss (aux_loss)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.gate(x)  # (tokens, experts)
-        if torch.is_grad_enabled():
-            self.router_logits = logits
-        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        probabilities = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # (tokens, experts)
         weights, chosen = torch.topk(probabilities, self.top_k, dim=-1)  # (tokens, k) each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -96,6 +94,8 @@ class MixtureOfExperts(nn.Module):
         order = torch.argsort(copies, stable=True)
         per_expert = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
         per_expert.scatter_add_(0, copies, torch.ones_like(copies, dtype=torch.int32))
+        if torch.is_grad_enabled():
+            self.routing = per_expert, probabilities.sum(dim=0), len(probabilities)
         offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
         token = order // self.top_k
         out = self.experts(x[token], offsets) * weights.to(x.dtype).reshape(-1)[order, None]
@@ -110,28 +110,28 @@ def moe_layers(cfg: ModelConfig) -> frozenset[int]:
     return frozenset(i for i in range(cfg.n_layers) if (i + 1) % step == 0 and i not in dense)
 
 
+def routed_layers(model: nn.Module) -> list[MixtureOfExperts]:
+    """`model`'s mixture of experts layers (none for a dense model, found without walking it)."""
+    if model.cfg.moe is None:
+        return []
+    return [module for module in model.modules() if isinstance(module, MixtureOfExperts)]
+
+
 def forget_routing(model: nn.Module) -> None:
-    """Drop the router logits a forward kept: after backward, whose recomputation (activation checkpointing) keeps
-    them again, with the graph they hang from."""
-    for module in model.modules():
-        if isinstance(module, MixtureOfExperts):
-            module.router_logits = None
+    """Drop the routing a forward kept: after backward, whose recomputation (activation checkpointing) keeps it
+    again, with the graph it hangs from."""
+    for layer in routed_layers(model):
+        layer.routing = None
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The load-balancing loss of `model`'s last forward with autograd on (None without experts), as transformers'
     load_balancing_loss_func: the fractions and mean probabilities over every MoE layer's tokens together."""
-    layers = [m for m in model.modules() if isinstance(m, MixtureOfExperts) and m.router_logits is not None]
-    if not layers:
+    routings = [layer.routing for layer in routed_layers(model) if layer.routing is not None]
+    if not routings:
         return None
-    n_experts, top_k = layers[0].n_experts, layers[0].top_k
-    counts = torch.zeros(n_experts, device=layers[0].router_logits.device)
-    probabilities, rows = torch.zeros_like(counts), 0
-    for layer in layers:
-        routed = torch.softmax(layer.router_logits.float(), dim=-1)
-        chosen = torch.topk(routed, top_k, dim=-1).indices.reshape(-1)
-        counts = counts.scatter_add(0, chosen, torch.ones_like(chosen, dtype=counts.dtype))
-        probabilities = probabilities + routed.sum(dim=0)
-        rows += routed.shape[0]
-        layer.router_logits = None
-    return n_experts * torch.sum((counts / rows) * (probabilities / rows))
+    forget_routing(model)
+    counts = sum(per_expert.float() for per_expert, _, _ in routings)
+    probabilities = sum(summed for _, summed, _ in routings)
+    rows = sum(tokens for _, _, tokens in routings)
+    return len(counts) * torch.sum((counts / rows) * (probabilities / rows))

@@ -83,12 +83,17 @@ class ExpertsAdapter(nn.Module):
         self.lora_B = nn.Linear(rank * experts, out_features, bias=False, device=device)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A as (experts, rank, in), B as (experts, out, rank)): weights for grouped_linear. B's experts are its
-        fastest-moving columns, so it is copied into that order (a grouped matmul needs a unit stride within an
-        expert's matrix; the copy is as small as the adapter)."""
-        a = self.lora_A.weight.view(self.experts, self.rank, -1)
-        b = self.lora_B.weight.view(-1, self.rank, self.experts).permute(2, 0, 1).contiguous()
-        return a, b
+        """expert_factors of the adapter's weights, for grouped_linear: B's experts are its fastest-moving columns, so
+        it is copied into their order (a grouped matmul needs a unit stride within an expert's matrix; the copy is as
+        small as the adapter)."""
+        a, b = expert_factors(self.lora_A.weight, self.lora_B.weight, self.experts, self.rank)
+        return a, b.contiguous()
+
+
+def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's stacked experts' adapter factors `a` (rank x experts, in) and `b` (out, rank x experts) per expert:
+    (A as (experts, rank, in), B as (experts, out, rank)), views."""
+    return a.view(experts, rank, -1), b.view(-1, rank, experts).permute(2, 0, 1)
 
 
 class LoRAExperts(nn.Module):
@@ -213,8 +218,7 @@ def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], c
         if f"{adapter}.lora_A.weight" not in adapters:
             return weight
         a, b = adapters[f"{adapter}.lora_A.weight"].float(), adapters[f"{adapter}.lora_B.weight"].float()
-        experts = weight.shape[0]
-        a, b = a.view(experts, cfg.rank, -1), b.view(-1, cfg.rank, experts).permute(2, 0, 1)
+        a, b = expert_factors(a, b, weight.shape[0], cfg.rank)
         return weight.float() + cfg.alpha / cfg.rank * (b @ a)
     if f"{prefix}.lora_A.weight" in adapters:
         a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]

@@ -206,12 +206,12 @@ def accumulate(
         row = torch.cat([terms.detach().reshape(-1), metrics, *([] if router is None else [router.detach()[None]])])
         totals = row if totals is None else totals + row
     totals = sum_over_ranks(totals)  # the loss terms, the metrics and the router's loss: one all-reduce
+    loss, numbers = global_means(step, totals[:-1] if routed else totals, units)
+    numbers = {**step.extra(micro_batches, units), **numbers}
     if not routed:
-        loss, numbers = global_means(step, totals, units)
-        return loss, {**step.extra(micro_batches, units), **numbers}
-    loss, numbers = global_means(step, totals[:-1], units)
+        return loss, numbers
     aux = totals[-1] / (len(micro_batches) * world)
-    return loss + model.cfg.moe.aux_loss_coef * aux, {**step.extra(micro_batches, units), **numbers, "aux_loss": aux}
+    return loss + coef * aux, {**numbers, "aux_loss": aux}
 
 
 def global_means(
