@@ -308,13 +308,13 @@ def test_a_multimodal_gemma3_checkpoint_imports_its_language_model(tmp_path):
     text model transformers loads with them."""
     from fsdp_trainer.convert import load_model
 
-    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    text = dict(vocab_size=640, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, max_position_embeddings=64, query_pre_attn_scalar=24,
                 sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)  # fmt: skip
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)  # fmt: skip
+                                       image_token_index=639, boi_token_index=637, eoi_token_index=638)  # fmt: skip
     torch.manual_seed(0)
     original = transformers.Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -322,6 +322,7 @@ def test_a_multimodal_gemma3_checkpoint_imports_its_language_model(tmp_path):
             if "norm" in name:
                 param.normal_(0.0, 0.2)
     original.save_pretrained(tmp_path / "hf_in", max_shard_size="100KB")
+    save_hf_tokenizer(tmp_path / "hf_in", "gemma3")  # published with its tokenizer, which the import carries
     tool("import_hf.py", tmp_path / "hf_in", tmp_path / "imported")
     model_yaml = yaml.safe_load((tmp_path / "imported" / "model.yaml").read_text())["model"]
     assert model_yaml["family"] == "gemma3" and model_yaml["sliding_window_pattern"] == 2
