@@ -416,23 +416,31 @@ def test_parquet_conversations_pack_as_jsonl_ones(tmp_path, chatml_tokenizer):
         assert (tmp_path / "parquet" / "data" / name).read_bytes() == (tmp_path / "jsonl" / "data" / name).read_bytes()
 
 
-def test_flex_attention_block_mask_gives_the_boolean_masks_logits():
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_flex_attention_block_mask_gives_the_boolean_masks_logits(family):
     """The BlockMask that compiled GPU runs attend through (parallelize() turns it on with compile on CUDA) marks the
     same keys as the boolean mask: checked on CPU in eager forward (torch 2.13 has no flex_attention backward on
-    CPU), over 3 blocks of 128 positions, some of which the mask leaves empty."""
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=320)
+    CPU), over 3 blocks of 128 positions, some of which the mask leaves empty; packed and unpacked, with a sliding
+    window of 50 shorter than the examples on every layer (Mistral) or on Gemma 3's local layers between global ones."""
+    window = {
+        "mistral": {"sliding_window": 50},
+        "gemma3": {"sliding_window": 50, "sliding_window_pattern": 2, "head_dim": 8},
+    }.get(family, {})
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=320, **window)  # fmt: skip
     model = Transformer(cfg)
     model.init_weights(seed=0)
     tokens = torch.randint(0, 64, (2, 300), generator=torch.Generator().manual_seed(0))
     lengths = [[140, 100, 60], [7, 200, 93]]
     documents = torch.tensor([[k for k, n in enumerate(row) for _ in range(n)] for row in lengths])
-    _, block_mask = block_causal(documents, flex=True)
+    _, block_mask = block_causal(documents, flex=True, window=window.get("sliding_window"))
     assert block_mask.sparsity() > 0  # whole blocks skipped
     with torch.no_grad():
-        boolean = model(tokens, documents=documents)
+        boolean = model(tokens, documents=documents), model(tokens)
         model.flex_attention = True
-        flex = model(tokens, documents=documents)
-    assert (flex - boolean).abs().max() <= 1e-5
+        flex = model(tokens, documents=documents), model(tokens)
+    for ours, expected in zip(flex, boolean, strict=True):
+        assert (ours - expected).abs().max() <= 1e-5
 
 
 def test_a_mixture_of_packed_files_reads_whole_windows_with_their_targets(tmp_path, chatml_tokenizer):
