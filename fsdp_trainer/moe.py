@@ -47,7 +47,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     weight = weight.transpose(-2, -1)
     if x.device.type != "cpu" and x.dtype != torch.bfloat16:  # torch's GPU grouped matmul takes bf16 alone
         return looped_linear(x, weight, offsets)
-    if x.device.type == "cpu" and not is_fake(x):
+    if x.device.type == "cpu" and not (torch.compiler.is_compiling() or is_fake(x)):  # compiled, torch lays it out
         weight = weight.contiguous()
     return torch._grouped_mm(x, weight, offs=offsets)
 
@@ -94,12 +94,21 @@ class MixtureOfExperts(nn.Module):
         order = torch.argsort(copies, stable=True)
         per_expert = torch.zeros(self.n_experts, dtype=torch.int32, device=x.device)
         per_expert.scatter_add_(0, copies, torch.ones_like(copies, dtype=torch.int32))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not recomputing():
             self.routing = per_expert, probabilities.sum(dim=0), len(probabilities)
         offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
         token = order // self.top_k
         out = self.experts(x[token], offsets) * weights.to(x.dtype).reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out).reshape(shape)
+
+
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recomputation of a block in backward. It must not keep its
+    routing: the recomputed graph that would hang from it holds the block's recomputed activations (its attention's,
+    up to the router) until the step's backward ends, every layer's, which was 0.45 GB a layer at Qwen3-30B-A3B's
+    shapes. A compiled block's recomputation is its compiled backward's, which replays no side effect
+    (parallelize.apply_compile)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1  # inside a backward
 
 
 def moe_layers(cfg: ModelConfig) -> frozenset[int]:
@@ -118,8 +127,8 @@ def routed_layers(model: nn.Module) -> list[MixtureOfExperts]:
 
 
 def forget_routing(model: nn.Module) -> None:
-    """Drop the routing a forward kept: after backward, whose recomputation (activation checkpointing) keeps it
-    again, with the graph it hangs from."""
+    """Drop the routing a forward kept (a forward the step takes no aux_loss of, a reward model's say), with the graph
+    it hangs from."""
     for layer in routed_layers(model):
         layer.routing = None
 

@@ -129,6 +129,59 @@ def test_the_loop_a_gpu_runs_in_fp32_equals_the_grouped_matmul():
     torch.testing.assert_close(looped_linear(x, weight.transpose(-2, -1), offsets), grouped_linear(x, weight, offsets))
 
 
+def tiny_moe(n_layers: int = 2):
+    from fsdp_trainer.config import ModelConfig, MoEConfig
+
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                      vocab_size=64, moe=MoEConfig(experts=4, top_k=2, ffn_dim=16))  # fmt: skip
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
+def test_a_checkpointed_block_recomputed_in_backward_keeps_no_routing():
+    """Activation checkpointing recomputes each block's forward in backward. The recomputation must not keep its
+    routing as the step's forward does for the load-balancing loss: the recomputed graph hanging from it would hold
+    each layer's recomputed activations (its attention's, up to the router) until backward ends, 0.45 GB a layer at
+    Qwen3-30B-A3B's shapes. The gradients are those of the block without checkpointing."""
+    from fsdp_trainer.distributed.parallelize import apply_ac
+    from fsdp_trainer.moe import aux_loss, routed_layers
+
+    checkpointed, plain = tiny_moe(), tiny_moe()
+    apply_ac(checkpointed, "full")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model in (checkpointed, plain):
+        (model(tokens).square().mean() + aux_loss(model)).backward()
+        assert all(layer.routing is None for layer in routed_layers(model))
+    for (name, ours), theirs in zip(checkpointed.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refused():
+    """parallel.compile with full AC (the 30B recipe's): the router keeps its routing through dynamo (not replayed
+    in the compiled recomputation), so the loss, the load-balancing loss and the router's gradient are eager's to bf16
+    rounding. torch compiles the grouped matmuls in bf16 only: fp32 is refused in one line naming the keys."""
+    from fsdp_trainer.config import parse_recipe
+    from fsdp_trainer.distributed.parallelize import apply_ac, apply_compile
+    from fsdp_trainer.moe import aux_loss
+
+    compiled, eager = tiny_moe(1).to(torch.bfloat16), tiny_moe(1).to(torch.bfloat16)
+    apply_ac(compiled, "full")
+    apply_compile(compiled, "bf16")
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (compiled, eager):
+        logits, router = model(tokens).float(), aux_loss(model)
+        (logits.square().mean() + router).backward()
+        results.append((logits, router, model.model.layers["0"].mlp.gate.weight.grad.float()))
+    for ours, theirs in zip(*results, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="compile with a mixture of experts .* mixed_precision is fp32"):
+        apply_compile(tiny_moe(1), "fp32")  # auto resolved to fp32 (a CPU without bf16)
+    with pytest.raises(SystemExit):
+        parse_recipe(["--recipe", "recipes/qwen3_30b_a3b_lora.yaml", "--parallel.mixed_precision", "fp32"])
+
+
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_with_accumulation_and_resume_bitwise(tiny_data, tmp_path):
     """A Qwen3-MoE from scratch: 2 ranks FULL_SHARD (the experts sharded) equal 1 process x accumulation 2 over 10

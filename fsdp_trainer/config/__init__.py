@@ -19,7 +19,7 @@ from fsdp_trainer.config.parse import (
     sections_to_yaml,
     write_config,
 )
-from fsdp_trainer.config.recipe import SECTIONS, Recipe
+from fsdp_trainer.config.recipe import SECTIONS, Recipe, compiles_experts
 from fsdp_trainer.config.sections import (
     AUTO,
     COMPUTE_DTYPES,
@@ -71,6 +71,7 @@ __all__ = [
     "SECTIONS",
     "TrainConfig",
     "WandbConfig",
+    "compiles_experts",
     "compute_dtype",
     "local_layers",
     "fail",

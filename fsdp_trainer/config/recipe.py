@@ -70,10 +70,23 @@ class Recipe:
             self.data.seq_len <= self.model.max_seq_len,
             f"data.seq_len={self.data.seq_len} must be <= model.max_seq_len={self.model.max_seq_len}",
         )
+        if self.parallel.mixed_precision != "auto":  # auto is checked once resolved (parallelize.apply_compile)
+            require(*compiles_experts(self.model, self.parallel.compile, self.parallel.mixed_precision))
         require(
             self.parallel.ac_every == 1 or self.parallel.activation_checkpointing != "none",
             f"parallel.ac_every={self.parallel.ac_every} needs parallel.activation_checkpointing full or selective",
         )
+
+
+def compiles_experts(model: ModelConfig, compile: bool, mixed_precision: str) -> tuple[bool, str]:
+    """(whether the blocks compile in this precision, the error line if not): a mixture of experts' grouped matmuls
+    compile in bf16 only (torch's meta kernel refuses other dtypes)."""
+    ok = not compile or model.moe is None or mixed_precision == "bf16"
+    return ok, (
+        f"parallel.compile with a mixture of experts (model.moe) computes in bf16 only (torch compiles its grouped "
+        f"matmuls for bf16 alone), and parallel.mixed_precision is {mixed_precision}: set it bf16, or "
+        "parallel.compile false"
+    )
 
 
 # `from __future__ import annotations` makes field types strings; resolve them once here.

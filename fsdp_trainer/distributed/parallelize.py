@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from fsdp_trainer.config import ParallelConfig, compute_dtype
+from fsdp_trainer.config import ParallelConfig, compiles_experts, compute_dtype
 from fsdp_trainer.model import Transformer
 
 
@@ -93,8 +93,17 @@ def apply_ac(model: Transformer, mode: str, every: int = 1) -> None:
             layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
 
 
-def apply_compile(model: Transformer) -> None:
-    """torch.compile each block separately: same graph for all blocks, so one compile serves them all."""
+def apply_compile(model: Transformer, mixed_precision: str) -> None:
+    """torch.compile each block separately: same graph for all blocks, so one compile serves them all.
+
+    A mixture of experts' block keeps its routing for the load-balancing loss (moe.py), a side effect that dynamo
+    refuses inside a checkpointed block unless told not to replay it in the recomputation, which is what the routing
+    needs (moe.recomputing). Its grouped matmuls compile in bf16 only (torch's meta kernel refuses other dtypes)."""
+    if model.cfg.moe is not None:
+        compiles, why = compiles_experts(model.cfg, True, mixed_precision)
+        if not compiles:
+            raise ValueError(why)
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = model.model.layers
     for name, block in list(layers.items()):
         layers[name] = torch.compile(block, fullgraph=True)
@@ -185,7 +194,7 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> Pa
     """
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(model, cfg.mixed_precision)
     apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
     return Parallelized(SHARDING[cfg.sharding], cfg.cpu_offload)
 
