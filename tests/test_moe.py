@@ -176,7 +176,7 @@ def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refus
         results.append((logits, router, model.model.layers["0"].mlp.gate.weight.grad.float()))
     for ours, theirs in zip(*results, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="compile with a mixture of experts .* mixed_precision is fp32"):
+    with pytest.raises(ValueError, match="compile with a mixture of experts .* and parallel.mixed_precision is fp32"):
         apply_compile(tiny_moe(1), "fp32")  # auto resolved to fp32 (a CPU without bf16)
     with pytest.raises(SystemExit):
         parse_recipe(["--recipe", "recipes/qwen3_30b_a3b_lora.yaml", "--parallel.mixed_precision", "fp32"])
