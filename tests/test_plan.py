@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import subprocess
 import sys
@@ -12,11 +14,11 @@ import torch
 
 from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, MoEConfig, Recipe, parse_recipe
-from fsdp_trainer.metrics import PEAK_FLOPS, flops_per_token
+from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
 from fsdp_trainer.planner.plan import estimate, plan, recommend
-from fsdp_trainer.planner.speed import ACHIEVED, COMPILED, step_time
+from fsdp_trainer.planner.speed import CALIBRATION, seconds_per_token, step_time
 from tests.helpers import REPO
 
 shutil_usage = namedtuple("usage", "total used free")
@@ -268,16 +270,12 @@ def test_a_preference_run_prices_its_reference_model(lora):
         assert b.total_gb == pytest.approx(a.total_gb + b.reference_gb)
         assert b.sent_gb == pytest.approx(a.sent_gb + 2 * 2 * gathered * (group - 1) / group / 1e9)
         slower, faster = (step_time(r, e, "H100", 8, 1) for r, e in ((preference, b), (plain, a)))
-        data = plain.data
-        forward = (
-            data.micro_batch_size
-            * data.seq_len
-            * data.grad_accum_steps
-            * flops_per_token(plain.model, data.seq_len)
-            / 3
-        )
-        efficiency = PEAK_FLOPS["H100"]["bf16"] * ACHIEVED * (COMPILED if plain.parallel.compile else 1)
-        assert slower.compute_s - faster.compute_s == pytest.approx(forward / efficiency)
+        data, cfg = plain.data, plain.model
+        tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps
+        weights = (flops_per_token(cfg, data.seq_len) - attention_flops_per_token(cfg, data.seq_len)) / 3  # 2 a weight
+        size, c = data.micro_batch_size * data.seq_len * cfg.dim, CALIBRATION
+        efficiency = PEAK_FLOPS["H100"]["bf16"] * c.matmul_peak * size / (size + c.matmul_half)
+        assert slower.compute_s - faster.compute_s == pytest.approx(tokens * weights / efficiency)
 
 
 def test_qlora_prices_the_adapted_projections_in_nf4_and_fits_8b_on_one_24gb_gpu():
@@ -350,48 +348,87 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     assert all(0.95 <= ratio <= 1.3 for ratio in ratios.values()), ratios
 
 
-# Published runs on H100s: (recipe overrides, AC, tokens/s per GPU, how far the model may be from it). torchtitan's
-# Llama 3.1 8B on 8 GPUs is what planner/speed.py is calibrated on; OLMo-core's README figures check it (their
-# micro-batch is not published: 16K tokens a GPU assumed; the prediction barely depends on it).
 _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "null"]
-_OLMO = ["--model.n_heads", "16", "--model.n_kv_heads", "16", "--model.vocab_size", "100352", "--data.seq_len", "4096"]
-PUBLISHED = {
-    "torchtitan 8B eager": ([*_8B, "--parallel.compile", "false", "--data.micro_batch_size", "2",
-                             "--data.seq_len", "8192"], "selective", 5762, 0.02),
-    "torchtitan 8B compiled": ([*_8B, "--data.micro_batch_size", "2", "--data.seq_len", "8192"], "selective", 6667,
-                               0.02),
-    "OLMo-core 1B": ([*_8B, *_OLMO, "--model.dim", "2048", "--model.n_layers", "16", "--model.ffn_dim", "8192",
-                      "--data.micro_batch_size", "4"], "none", 44000, 0.08),
-    "OLMo-core 7B": ([*_8B, *_OLMO, "--model.n_heads", "32", "--model.n_kv_heads", "32", "--model.ffn_dim", "11008",
-                      "--data.micro_batch_size", "2"], "none", 10000, 0.22),
-}  # fmt: skip
+# What benchmarks/fit_speed.py found on the published runs it checks and was not fitted to, beside llm-foundry's it
+# was fitted to: each within this error (docs/benchmarks.md has the table); the runs known to be further off with why.
+OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
+    ("30b", "H100", 8, 8192): 0.30,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
+    ("30b", "A100", 8, 8192): 0.25,
+    ("70b", "H100", 64, 2048): 0.19,
+    ("760m", "A100", 8, 512): 0.18,
+    ("30b", "A100", 8, 4096): 0.16,
+    ("olmo2_1b", "H100", 8, 4096): 0.18,  # OLMo-core: its node count and AC are not published
+    ("olmo2_13b", "H100", 8, 4096): 0.20,
+    ("llama3_8b", "H100", 8, 8192): 0.36,  # torchtitan's H100s: 500 W HBM2e, their peak not published
+    ("llama3_8b", "H100", 128, 8192): 0.40,
+}
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_predicted_tokens_per_s_is_within_its_stated_error_of_published_runs(name):
-    """docs/benchmarks.md states each error; this keeps the model from drifting past it."""
-    args, ac, published, error = PUBLISHED[name]
-    recipe = parse_recipe(args)
-    row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac=ac, device="cuda")
-    predicted = step_time(recipe, row, "H100", 8, 1).tokens_per_s_per_gpu
-    assert abs(predicted / published - 1) <= error, (predicted, published)
+def test_the_step_time_model_holds_on_published_runs():
+    """llm-foundry's 110 runs (MPT 125M-70B, sequences of 512-65,536, H100 and A100, 8-64 GPUs) that fixed its
+    constants, torchtitan's and OLMo-core's that did not: each within 15% of its published tokens/s per GPU, or the
+    stated error of the few known to be further off."""
+    from fit_speed import errors, planned
+    from published_runs import RUNS
+
+    rows = planned(RUNS)
+    within = 0
+    for (run, _, _), error in zip(rows, errors(rows, CALIBRATION), strict=True):
+        allowed = OUTSIDE.get((run.model, run.gpu, run.gpus, run.seq_len), 0.15)
+        assert abs(error) <= allowed, (run.name, error)
+        within += abs(error) <= 0.15
+    assert within >= 111 and len(rows) == 122
 
 
-def test_the_plan_recommends_the_fastest_row_that_fits_not_the_least_recomputation():
-    """8B on 2 nodes x 8 A100 40GB: without AC only FULL_SHARD fits, its ring crossing the 25 GB/s network on every
-    gather; HYBRID_SHARD keeps the gathers on NVLink and pays selective AC's little recompute: faster, so chosen."""
+def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
+    """The step-time model's shape rule: a token's compute time falls as the micro-batch (and so each matmul) grows,
+    towards the time at matmul_peak of the dense peak, never below it; attention, priced by the sequence, grows
+    with it; compile moves fewer bytes."""
+    recipe = parse_recipe([*_8B, "--parallel.compile", "false"])
+    row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    peak, hbm = PEAK_FLOPS["H100"]["bf16"], 3.35e12
+    cfg, c = recipe.model, CALIBRATION
+    times = []
+    for micro in (1, 2, 4, 16, 256):
+        recipe.data.micro_batch_size = micro
+        times.append(seconds_per_token(recipe, row, peak, c.attention, hbm, c))
+    assert all(a > b for a, b in zip(times, times[1:], strict=False))
+    weights = flops_per_token(cfg, recipe.data.seq_len) - attention_flops_per_token(cfg, recipe.data.seq_len)
+    infinite = dataclasses.replace(c, matmul_half=0.0)
+    assert times[-1] > seconds_per_token(recipe, row, peak, c.attention, hbm, infinite)
+    assert seconds_per_token(recipe, row, peak, c.attention, hbm, infinite) > weights / (peak * c.matmul_peak) * 0.9
+    longer = copy.deepcopy(recipe)
+    longer.data.seq_len, longer.model.max_seq_len = 16384, 16384
+    assert seconds_per_token(longer, row, peak, c.attention, hbm, c) > times[-1]
+    recipe.parallel.compile = True
+    assert seconds_per_token(recipe, row, peak, c.attention, hbm, c) < times[-1]
+
+
+def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_nic_a_gpu():
+    """8B on 2 nodes x 8 A100 40GB. A ring over both nodes leaves each node once: NCCL runs a ring a NIC, so a rank's
+    NIC carries 1/8 of what it sends (FULL_SHARD, NO_SHARD), and HYBRID_SHARD only its gradient shard's all-reduce.
+    At this size the gathers hide under compute: the fastest row that fits is the least recomputation, FULL_SHARD
+    without AC. On 25 GB/s without NVLink between the GPUs of a node (a PCIe box), the same rows are slower."""
     recipe = parse_recipe([*_8B, "--data.micro_batch_size", "1", "--data.seq_len", "4096"])
     rows = plan(recipe, nproc=8, nnodes=2, device="cuda")
     times = [step_time(recipe, row, "A100", 8, 2) for row in rows]
-    by_memory = recommend(rows, 40, 1e9)
     fastest = recommend(rows, 40, 1e9, times)
-    assert (by_memory.sharding, by_memory.ac) == ("FULL_SHARD", "none")
-    assert (fastest.sharding, fastest.ac) == ("HYBRID_SHARD", "selective")
-    assert times[rows.index(fastest)].step_s < times[rows.index(by_memory)].step_s / 1.5
-    # What the model prices, each alone: full AC's second forward, compile, the network.
-    hybrid = {r.ac: t for r, t in zip(rows, times, strict=True) if r.sharding == "HYBRID_SHARD" and not r.offload}
-    full, selective = hybrid["full"], hybrid["selective"]
-    assert full.compute_s == pytest.approx(selective.compute_s * 4 / 3)
+    assert (fastest.sharding, fastest.ac) == ("FULL_SHARD", "none") == (recommend(rows, 40, 1e9).sharding, "none")
+    by_key = {(r.sharding, r.ac): (r, t) for r, t in zip(rows, times, strict=True) if not r.offload}
+    full_shard, hybrid = by_key["FULL_SHARD", "none"][0], by_key["HYBRID_SHARD", "none"][0]
+    assert full_shard.internode_gb == pytest.approx(full_shard.sent_gb / 8)
+    n = count_params(recipe.model)
+    assert hybrid.internode_gb == pytest.approx(2 * 4 * n / 8 * (2 - 1) / 2 / 1e9, rel=1e-3)  # fp32, halves of a shard
+    # What the model prices, each alone: full AC's second forward of every weight and of attention, the network.
+    full, selective = by_key["FULL_SHARD", "full"][1], by_key["FULL_SHARD", "selective"][1]
+    tokens = recipe.data.seq_len
+    cfg, c = recipe.model, CALIBRATION
+    weights = (flops_per_token(cfg, tokens) - attention_flops_per_token(cfg, tokens)) / 3  # a forward: 2 a weight
+    size = tokens * cfg.dim
+    again = weights / (PEAK_FLOPS["A100"]["bf16"] * c.matmul_peak * size / (size + c.matmul_half))
+    padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
+    again += attention_flops_per_token(cfg, tokens) / 3 * padded / 2 / (PEAK_FLOPS["A100"]["bf16"] * c.attention_a100)
+    assert full.compute_s - selective.compute_s == pytest.approx(tokens * again)
     assert all(t is None for r, t in zip(rows, times, strict=True) if r.offload)
 
 

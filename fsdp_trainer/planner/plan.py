@@ -50,7 +50,9 @@ and the root (kept gathered between the two), again in backward on every micro-s
 reduce-scatters fp32 gradients once: (ka(P + R) + 4P)(W-1)/W, R = (layers - 1) x block parameters; ZeRO-2 gathers
 once per micro-step: (ka + 4)P(W-1)/W; ZeRO-1 (SHARD_OP) gathers once per step, keeping the parameters over the
 micro-steps: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
-a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network. These
+a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network, each rank's
+through its own NIC. A ring over the ranks of several nodes leaves each node once; NCCL runs one ring a NIC (a NIC a
+GPU), so a rank's NIC carries 1/(GPUs a node) of what the rank sends, the rest going over NVLink. These
 are the collectives tests/test_collectives.py counts, one by one. In one dtype ZeRO-3 sends about 1.5x DDP; with bf16
 compute and fp32 reduction the two are about equal.
 
@@ -106,6 +108,8 @@ class Estimate:
     host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
     host_traffic_gb: float = 0.0  # host<->device copies per optimizer step (offload on a GPU)
     reference_gb: float = 0.0  # a full fine-tuning preference run's frozen reference model, sharded
+    quantized: int = 0  # weights held in NF4 (QLoRA), each dequantized for its matmuls
+    frozen_forward: float = 0.0  # the kind's forwards without gradient (a reference's, a teacher's), in policies
 
     @property
     def total_gb(self) -> float:
@@ -169,9 +173,10 @@ def comm_bytes_per_rank(
         sent += replicas_sent
     if nnodes == 1:
         return sent, 0.0
-    # Replicas one per node: only their all-reduce crosses the network. A ring over all ranks crosses it at every
-    # hop's pace.
-    return sent, replicas_sent if plan.replicas == "per_node" else sent
+    # Replicas one per node: only their all-reduce crosses the network, each rank's shard through its own NIC. A ring
+    # over all ranks crosses it once a node: NCCL runs a ring a NIC, each rank leaving the node on one of them, so a
+    # rank's NIC carries 1/nproc of what it sends.
+    return sent, replicas_sent if plan.replicas == "per_node" else sent / nproc
 
 
 def estimate(
@@ -231,11 +236,11 @@ def estimate(
     # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
     # forward, so they add to no peak.
     kind = training_kind(recipe)
+    forward = kind.forward_params(recipe, n_params)
     if shard_group > 1:
-        forward = kind.forward_params(recipe, n_params)
         again = gathered_bytes * forward * data.grad_accum_steps * (shard_group - 1) / shard_group
         sent += again
-        internode += again if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
+        internode += again / nproc if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
     reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
     # What it keeps gathered through the policy's forward and backward (a teacher's output layer): the other shards.
     reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
@@ -251,7 +256,7 @@ def estimate(
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
-        traffic / gb, reference / gb,
+        traffic / gb, reference / gb, quantized, forward / n_params,
     )  # fmt: skip
 
 

@@ -1,10 +1,17 @@
 """How long will it take? Predicted step time, tokens/s per GPU and MFU of a planner row on a named GPU.
 
-A step is its compute and its communication, overlapped as FSDP2 overlaps them:
+A step is its compute, its memory traffic and its communication, overlapped as FSDP2 overlaps them:
 
-- compute: the step's FLOPs (metrics.flops_per_token per token; a frozen weight (LoRA) 4 per token instead of 6, with
-  no weight gradient; full AC runs each block's forward twice) at ACHIEVED of the GPU's dense peak, times COMPILED
-  with parallel.compile;
+- matmuls: the step's weight FLOPs (6 a weight a token, 4 for a frozen one (LoRA), 2 more under full AC, which runs each
+  block's forward twice) at a fraction of the GPU's dense peak that grows with the matmul's size, the tokens of a
+  micro-batch times the block's width: `matmul_peak * s / (s + matmul_half)`. Small widths and short micro-batches
+  leave the tensor cores waiting on memory; large ones approach what cuBLAS reaches;
+- attention: its FLOPs with the causal half skipped (flash attention), heads as wide as the kernel's next width, at a
+  fraction `attention` of the peak (an A100's own), a second forward under full AC;
+- QLoRA: each NF4 weight dequantized to the compute dtype for every matmul it takes part in, priced by its bytes;
+- memory traffic, priced by bytes over HBM: per token and layer `elementwise` x the width x the compute dtype's bytes
+  (norms, activations, residuals, rotary, in eager PyTorch; `compiled` of it under torch.compile, which fuses them;
+  a third more where AC recomputes them), and the cross-entropy's LOGIT_BYTES a logit;
 - communication: the bytes a rank sends per step (plan.comm_bytes_per_rank, the collectives tests/test_collectives.py
   counts) over NVLink within a node and the network between nodes, at LINK_EFFICIENCY of the datasheet's rate;
 - overlap: FSDP2 all-gathers the next block while this one computes and reduce-scatters a block while the previous
@@ -13,21 +20,24 @@ A step is its compute and its communication, overlapped as FSDP2 overlaps them:
 - the optimizer step: AdamW reads and writes 28 bytes per parameter of its shard (weight, gradient, two moments)
   from HBM.
 
-ACHIEVED and COMPILED are calibrated on torchtitan's Llama 3.1 8B on 8 H100s and checked against OLMo-core's
-figures (docs/benchmarks.md, with the model's error on each). Rows with the state offloaded to the host get no
-prediction: their step waits on the host's optimizer and PCIe, which this model does not price.
+Six constants (CALIBRATION) stand for every shape: five fitted once to llm-foundry's 110 published runs on H100s and
+A100s (MPT 125M to 70B, sequences of 512 to 65,536, micro-batches of 1 to 128, 8 to 64 GPUs), the sixth (compile) from
+torchtitan's compiled against eager run; torchtitan's and OLMo-core's other runs check them
+(benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row, docs/benchmarks.md the
+table). Rows with the state offloaded to the host get no prediction: their step
+waits on the host's optimizer and PCIe, which this model does not price.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fsdp_trainer.adapters import adapter_kind
-from fsdp_trainer.config import Recipe
+from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
+from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
-from fsdp_trainer.model import count_params
-from fsdp_trainer.steps import training_kind
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,39 @@ GPUS: dict[str, Gpu] = {
     "B200": Gpu(memory_gb=180, hbm_gb_s=8000, nvlink_gb_s=900, network_gb_s=50, fp8_flops=4500e12),
 }
 
-ACHIEVED = 0.34
-"""The fraction of dense peak that eager training's matmuls reach: torchtitan's 8B on 8 H100s (5,762 tokens/s per GPU
-at 57.9 GFLOPs a token is 33.7% MFU; the rest of its step is the exposed communication and the optimizer)."""
-COMPILED = 6667 / 5762
-"""torch.compile's speed-up in the same measurement (6,667 tokens/s per GPU against 5,762)."""
+
+@dataclass(frozen=True)
+class Calibration:
+    """The step-time model's constants, fitted together to published runs (benchmarks/fit_speed.py)."""
+
+    matmul_peak: float
+    """The fraction of dense peak the largest matmuls reach."""
+    matmul_half: float
+    """The size (tokens per micro-batch x the block's width) at which a matmul reaches half of matmul_peak."""
+    attention: float
+    """The fraction of dense peak flash attention's FLOPs (causal half skipped) reach on Hopper and later GPUs (H100,
+    H200, B200), whose tensor cores the flash attention kernels of these runs (FlashAttention 2, Triton, cuDNN's
+    SDPA) leave further from peak than an A100's."""
+    attention_a100: float
+    """The same on an A100."""
+    elementwise: float
+    """Bytes moved over HBM per token, layer and unit of width in the compute dtype, eager: the norms, activations,
+    residual adds and rotary embedding, forward and backward."""
+    compiled: float
+    """The share of those bytes torch.compile's fused kernels still move."""
+
+
+CALIBRATION = Calibration(
+    matmul_peak=0.946, matmul_half=1.39e7, attention=0.150, attention_a100=0.291, elementwise=240.0, compiled=0.303
+)
+"""Fitted to llm-foundry's 110 runs (`python benchmarks/fit_speed.py --fit llm-foundry`); `compiled` from torchtitan's
+compiled / eager speed-up, since those runs are all eager."""
+DEQUANTIZED_BYTES = NF4_BYTES + 2 + 2
+"""Bytes a QLoRA weight moves each time it is dequantized for a matmul: its NF4 value and scale read, its bf16 value
+written and read by the matmul."""
+LOGIT_BYTES = 30
+"""Bytes a logit moves in the loss (counted, not fitted): the compute-dtype logit written, its fp32 copy and
+log-softmax written and read, their gradients written and read, and cast back."""
 LINK_EFFICIENCY = 0.8
 """The share of a link's datasheet rate a ring collective moves, as NCCL's bus-bandwidth tests show."""
 ADAM_BYTES = 28
@@ -73,26 +111,21 @@ class StepTime:
     mfu: float
 
 
-def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> StepTime | None:
+def step_time(
+    recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int, calibration: Calibration = CALIBRATION
+) -> StepTime | None:
     """The predicted step of a planner row (plan.Estimate) on `gpu`; None for offload rows."""
     if estimate.offload:
         return None
     spec, cfg, data = GPUS[gpu], recipe.model, recipe.data
     peak = PEAK_FLOPS[gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
-    model_flops = flops_per_token(cfg, data.seq_len)
-    compute_flops = model_flops
-    if adapter_kind(recipe.lora) == "lora":  # frozen weights: no weight gradient, 4 FLOPs a token instead of 6
-        attention = attention_flops_per_token(cfg, data.seq_len)
-        compute_flops = attention + (model_flops - attention) * 4 / 6
-    if estimate.ac == "full":  # each block's forward again in backward: a third more of its matmuls
-        compute_flops *= 4 / 3
-    # The training kind's forwards without gradient (a reference's, a teacher's): 2 FLOPs a weight, against the
-    # policy's 6, scaled by their weights
-    n_params = count_params(cfg)
-    compute_flops += training_kind(recipe).forward_params(recipe, n_params) / n_params * model_flops / 3
-    efficiency = ACHIEVED * (COMPILED if recipe.parallel.compile else 1.0)
-    compute_s = tokens * compute_flops / (peak * efficiency)
+    attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
+    compute_s = tokens * seconds_per_token(recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration)
+    # QLoRA: each NF4 weight is read and written out in the compute dtype, which its matmul reads, in forward, in
+    # backward, and again in full AC's second forward, every micro-step.
+    passes = data.grad_accum_steps * (3 if estimate.ac == "full" else 2)
+    compute_s += passes * estimate.quantized * DEQUANTIZED_BYTES / (spec.hbm_gb_s * 1e9)
     intra_gb = estimate.sent_gb - estimate.internode_gb
     comm_s = intra_gb / (spec.nvlink_gb_s * LINK_EFFICIENCY) + estimate.internode_gb / (
         spec.network_gb_s * LINK_EFFICIENCY
@@ -102,4 +135,30 @@ def step_time(recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int) -> St
     optimizer_s = estimate.state_gb * ADAM_BYTES / 16 / spec.hbm_gb_s
     step_s = compute_s + exposed + optimizer_s
     per_gpu = tokens / step_s
+    model_flops = flops_per_token(cfg, data.seq_len)
     return StepTime(compute_s, comm_s, exposed, optimizer_s, step_s, per_gpu, per_gpu * model_flops / peak)
+
+
+def seconds_per_token(
+    recipe: Recipe, estimate, peak: float, attention_fraction: float, hbm: float, calibration: Calibration
+) -> float:
+    """A token's compute in a planner row on one GPU of dense `peak` FLOP/s and `hbm` bytes/s: its matmuls at their
+    size's efficiency, its attention at `attention_fraction` of the peak, its elementwise and loss bytes over HBM."""
+    cfg, data, c, ac = recipe.model, recipe.data, calibration, estimate.ac
+    attention = attention_flops_per_token(cfg, data.seq_len)
+    forward = (flops_per_token(cfg, data.seq_len) - attention) / 3  # 2 a weight a token
+    # A frozen weight (LoRA) has no weight gradient: 4 FLOPs a token instead of 6.
+    weights = forward * (2 if adapter_kind(recipe.lora) == "lora" else 3)
+    if ac == "full":  # each block's forward again in backward
+        weights, attention = weights + forward, attention * 4 / 3
+    weights += estimate.frozen_forward * forward  # the kind's forwards without gradient (a reference's, a teacher's)
+    size = data.micro_batch_size * data.seq_len * cfg.dim
+    matmul = weights / (peak * c.matmul_peak * size / (size + c.matmul_half))
+    # Flash attention kernels come in head widths of multiples of 32 (FlashAttention 2: 32 to 256): a head of another
+    # width is computed as the next one up (MPT-30B's 112 as 128).
+    padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
+    flash = attention * padded / 2 / (peak * attention_fraction)  # the causal half is skipped
+    a = compute_dtype(precision_on(recipe.parallel.mixed_precision, "cuda")[0]).itemsize
+    elementwise = c.elementwise * a * cfg.dim * cfg.n_layers * (c.compiled if recipe.parallel.compile else 1.0)
+    elementwise *= 4 / 3 if ac != "none" else 1.0  # AC recomputes them
+    return matmul + flash + (elementwise + LOGIT_BYTES * cfg.output_size) / hbm

@@ -1,0 +1,232 @@
+"""Published training throughput on GPUs, the rows the planner's step-time model (planner/speed.py) is calibrated and
+checked on: each a run someone else measured, its model, batch, sharding, GPUs and tokens/s per GPU, with its source.
+
+    python benchmarks/fit_speed.py            # the model's error on every row; --fit refits its constants
+
+Sources (read 2026-11-27):
+- llm-foundry: mosaicml/llm-foundry, scripts/train/benchmarking/README.md, tables "H100 80GB BF16" and "A100 80GB with
+  1600 Gbps node-node interconnect (RoCE)": MPT models (GELU MLP 4d wide, no GQA, learned positions, vocabulary 50,368,
+  Triton flash attention), FSDP FULL_SHARD (PyTorch FSDP1), amp_bf16, "Activation Checkpointing" True = full, eager.
+  The model sizes' widths and depths are the repository's yamls (mpt-*.yaml); their parameter counts match the table's.
+- torchtitan: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, FSDP2, selective AC,
+  local batch 2 x 8192; H100s with 96 GB HBM2e at 500 W, a peak "between SXM and NVL": priced here as SXM) and
+  docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB, FSDP2).
+- OLMo-core: allenai/OLMo-core README (1B, 7B, 13B at 4096 context on H100s, compiled, FSDP), with the micro-batch
+  and global batch of its scripts (src/scripts/train/OLMo-{1B,7B,13B}.py: 4, 2 and 1 sequences a micro-batch; 1,024,
+  1,024 and 2,048 a step) on one node of 8 GPUs (the 7B script's launch config; the others' node count is not
+  published), without AC (none is set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# MPT sizes (d_model, n_layers, n_heads) from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml.
+MPT = {
+    "125m": (768, 12, 12),
+    "350m": (1024, 24, 16),
+    "760m": (1536, 24, 12),
+    "1b": (2048, 24, 16),
+    "3b": (2560, 32, 20),
+    "7b": (4096, 32, 32),
+    "13b": (5120, 40, 40),
+    "30b": (7168, 48, 64),
+    "70b": (8192, 80, 64),
+}
+MPT_VOCAB = 50368
+
+# Llama and OLMo shapes: (dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size).
+LLAMA = {
+    "llama3_8b": (4096, 32, 32, 8, 14336, 128256),
+    "llama3_70b": (8192, 80, 64, 8, 28672, 128256),
+    "llama2_13b": (5120, 40, 40, 40, 13824, 32000),
+    "llama2_70b": (8192, 80, 64, 8, 28672, 32000),
+    "olmo2_1b": (2048, 16, 16, 16, 8192, 100352),
+    "olmo2_7b": (4096, 32, 32, 32, 11008, 100352),
+    "olmo2_13b": (5120, 40, 40, 40, 13824, 100352),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    source: str
+    gpu: str
+    model: str
+    seq_len: int
+    gpus: int
+    micro_batch: int
+    grad_accum: int
+    ac: str  # none | selective | full
+    tokens_per_s_per_gpu: float
+    compile: bool = False
+
+    @property
+    def name(self) -> str:
+        shape = f"{self.gpu} x{self.gpus}, {self.micro_batch} x {self.seq_len}, AC {self.ac}"
+        return f"{self.source} {self.model} {shape}{', compiled' if self.compile else ''}"
+
+
+def _foundry(gpu: str, rows: str) -> list[Run]:
+    """Rows as the table prints them: model, seq len, GPUs, micro-batch, accumulation, AC (T/F), tokens/s/GPU."""
+    runs = []
+    for line in rows.strip().splitlines():
+        model, seq, gpus, micro, accum, ac, tps = line.split()
+        ac = "full" if ac == "T" else "none"
+        runs.append(Run("llm-foundry", gpu, model, int(seq), int(gpus), int(micro), int(accum), ac, float(tps)))
+    return runs
+
+
+LLM_FOUNDRY_H100 = _foundry(
+    "H100",
+    """
+70b 2048 64 8 4 T 1039
+70b 2048 32 2 16 T 882
+30b 8192 8 1 21 T 1384
+30b 4096 8 1 21 T 1802
+30b 2048 32 14 3 T 2308
+30b 2048 16 10 3 T 2263
+30b 2048 8 3 21 T 2002
+30b 1024 8 6 21 T 2084
+13b 32768 8 1 3 T 1976
+13b 16384 8 3 3 T 2985
+13b 4096 8 10 3 T 4717
+13b 2048 64 2 1 F 4800
+13b 2048 32 2 1 F 4811
+13b 2048 16 2 1 F 4767
+13b 2048 8 2 1 F 4792
+13b 1024 8 40 3 T 5502
+7b 65536 8 1 2 T 1956
+7b 32768 8 2 2 T 3318
+7b 8192 8 8 2 T 6935
+7b 4096 8 16 2 T 8611
+7b 2048 8 6 1 F 10643
+7b 1024 8 64 2 T 10203
+3b 65536 8 1 2 T 3262
+3b 32768 8 3 6 T 5873
+3b 16384 8 1 6 F 11152
+3b 8192 8 3 6 F 16578
+3b 4096 8 5 6 F 20964
+3b 2048 64 6 3 F 22525
+3b 2048 32 6 3 F 23021
+3b 2048 16 10 3 F 24142
+3b 1024 8 20 6 F 27046
+3b 512 8 40 6 F 27965
+1b 65536 8 1 2 T 5506
+1b 32768 8 1 4 F 12025
+1b 16384 8 2 4 F 19649
+1b 8192 8 3 4 F 29157
+1b 4096 8 7 4 F 38535
+1b 2048 64 20 1 F 44402
+1b 2048 32 20 1 F 45130
+1b 2048 16 20 1 F 46037
+1b 2048 8 14 1 F 45455
+1b 1024 8 18 4 F 48910
+1b 512 8 56 4 F 52275
+760m 32768 8 1 2 F 16291
+760m 16384 8 3 2 F 27815
+760m 8192 8 6 2 F 41825
+760m 4096 8 12 2 F 55459
+760m 2048 32 24 1 F 67971
+760m 2048 16 24 1 F 68551
+760m 2048 8 24 2 F 63147
+760m 1024 8 48 2 F 78581
+760m 512 8 96 2 F 83749
+""",
+)
+
+LLM_FOUNDRY_A100 = _foundry(
+    "A100",
+    """
+30b 8192 8 1 21 T 574
+30b 4096 8 1 21 T 814
+30b 2048 8 3 21 T 916
+30b 1024 8 6 21 T 946
+30b 512 8 12 21 T 967
+13b 32768 8 1 3 T 1016
+13b 16384 8 3 3 T 1431
+13b 8192 8 5 3 T 1795
+13b 4096 8 10 3 T 2060
+13b 2048 8 2 3 F 2262
+13b 1024 8 40 3 T 2330
+7b 65536 8 1 2 T 1013
+7b 32768 8 2 2 T 1672
+7b 16384 8 4 2 T 2453
+7b 8192 8 8 2 T 3206
+7b 4096 8 16 2 T 3684
+7b 2048 8 6 2 F 4641
+7b 1024 8 64 2 T 4357
+3b 65536 8 1 2 T 1767
+3b 32768 8 3 6 T 3029
+3b 16384 8 1 6 F 5529
+3b 8192 8 3 6 F 7695
+3b 4096 8 5 6 F 9457
+3b 2048 8 10 2 F 10811
+3b 1024 8 20 6 F 11580
+3b 512 8 40 6 F 12127
+1b 65536 8 1 2 T 3044
+1b 32768 8 1 4 F 6275
+1b 16384 8 2 4 F 9956
+1b 8192 8 3 4 F 13814
+1b 4096 8 7 4 F 17807
+1b 2048 8 14 4 F 20513
+1b 1024 8 18 4 F 22112
+1b 512 8 56 4 F 23148
+760m 65536 8 1 2 T 4143
+760m 32768 8 1 2 F 8802
+760m 16384 8 3 2 F 14274
+760m 8192 8 6 2 F 20933
+760m 4096 8 12 2 F 27351
+760m 2048 8 24 2 F 32434
+760m 1024 8 48 2 F 29765
+760m 512 8 96 2 F 29446
+350m 65536 8 1 2 F 7524
+350m 32768 8 2 2 F 13652
+350m 16384 8 4 2 F 23559
+350m 8192 8 8 2 F 36569
+350m 4096 8 16 2 F 49555
+350m 2048 8 32 2 F 58782
+350m 1024 8 64 2 F 64813
+350m 512 8 128 2 F 69330
+125m 65536 8 1 2 F 20368
+125m 32768 8 2 2 F 36407
+125m 16384 8 4 2 F 60040
+125m 8192 8 8 2 F 90392
+125m 4096 8 16 2 F 118396
+125m 2048 8 40 2 F 142830
+125m 1024 8 64 2 F 156468
+125m 512 8 128 2 F 165681
+""",
+)
+
+TORCHTITAN = [
+    Run("torchtitan", "H100", "llama3_8b", 8192, 8, 2, 1, "selective", 5762),
+    Run("torchtitan", "H100", "llama3_8b", 8192, 8, 2, 1, "selective", 6667, compile=True),
+    Run("torchtitan", "H100", "llama3_8b", 8192, 128, 2, 1, "selective", 5605),
+    Run("torchtitan", "H100", "llama3_8b", 8192, 128, 2, 1, "selective", 6514, compile=True),
+    Run("torchtitan", "A100", "llama3_8b", 8192, 64, 1, 1, "selective", 2973),
+    Run("torchtitan", "A100", "llama3_70b", 8192, 64, 1, 1, "full", 331),
+    Run("torchtitan", "A100", "llama2_13b", 4096, 64, 2, 1, "none", 2162),
+    Run("torchtitan", "A100", "llama2_13b", 4096, 64, 2, 1, "selective", 1904),
+    Run("torchtitan", "A100", "llama2_70b", 4096, 64, 2, 1, "full", 353),
+]
+
+OLMO_CORE = [  # micro-batches and global batches of src/scripts/train/OLMo-{1B,7B,13B}.py, on one node of 8
+    Run("OLMo-core", "H100", "olmo2_1b", 4096, 8, 4, 32, "none", 44000, compile=True),
+    Run("OLMo-core", "H100", "olmo2_7b", 4096, 8, 2, 64, "none", 10000, compile=True),
+    Run("OLMo-core", "H100", "olmo2_13b", 4096, 8, 1, 256, "none", 4500, compile=True),
+]
+
+RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + TORCHTITAN + OLMO_CORE
+
+
+def model_flags(run: Run) -> list[str]:
+    """The model section of a recipe for `run`'s model: an MPT's GELU MLP (two d x 4d matmuls) as a SwiGLU of the same
+    matmul FLOPs (three d x 8d/3), its heads all key-value heads."""
+    if run.model in MPT:
+        d, layers, heads = MPT[run.model]
+        shape = (d, layers, heads, heads, round(8 * d / 3), MPT_VOCAB)
+    else:
+        shape = LLAMA[run.model]
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    flags = [f for key, value in zip(keys, shape, strict=True) for f in (f"--model.{key}", str(value))]
+    return [*flags, "--model.max_seq_len", str(run.seq_len), "--model.tie_embeddings", "false"]
