@@ -11,6 +11,10 @@ Sources (read 2026-11-27):
 - torchtitan: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, FSDP2, selective AC,
   local batch 2 x 8192; H100s with 96 GB HBM2e at 500 W, a peak "between SXM and NVL": priced here as SXM) and
   docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB, FSDP2).
+- torchtune: pytorch/torchtune README, "Optimization flags": Llama 3.2 3B on one A100, batch 2 x 4096, packed, bf16:
+  the packed row, + compile, + activation checkpointing (full), and LoRA and QLoRA of rank 64 on q, v, o and the MLP
+  (its 3B_lora_single_device recipe) with all of them (the rows with chunked cross-entropy, fused optimizer steps,
+  activation offloading or 8-bit AdamW are left out: the model does not price them).
 - OLMo-core: allenai/OLMo-core README (1B, 7B, 13B at 4096 context on H100s, compiled, FSDP), with the micro-batch
   and global batch of its scripts (src/scripts/train/OLMo-{1B,7B,13B}.py: 4, 2 and 1 sequences a micro-batch; 1,024,
   1,024 and 2,048 a step) on one node of 8 GPUs (the 7B script's launch config; the others' node count is not
@@ -41,10 +45,14 @@ LLAMA = {
     "llama3_70b": (8192, 80, 64, 8, 28672, 128256),
     "llama2_13b": (5120, 40, 40, 40, 13824, 32000),
     "llama2_70b": (8192, 80, 64, 8, 28672, 32000),
+    "llama3_2_3b": (3072, 28, 24, 8, 8192, 128256),
     "olmo2_1b": (2048, 16, 16, 16, 8192, 100352),
     "olmo2_7b": (4096, 32, 32, 32, 11008, 100352),
     "olmo2_13b": (5120, 40, 40, 40, 13824, 100352),
 }
+
+
+TIED = {"llama3_2_3b"}  # the output layer is the embedding
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,14 @@ class Run:
     ac: str  # none | selective | full
     tokens_per_s_per_gpu: float
     compile: bool = False
+    lora_rank: int | None = None  # adapters on q, v, o and the MLP (torchtune's recipes)
+    nf4: bool = False  # QLoRA: the adapted projections in NF4
 
     @property
     def name(self) -> str:
         shape = f"{self.gpu} x{self.gpus}, {self.micro_batch} x {self.seq_len}, AC {self.ac}"
-        return f"{self.source} {self.model} {shape}{', compiled' if self.compile else ''}"
+        kind = "" if self.lora_rank is None else f", {'QLoRA' if self.nf4 else 'LoRA'} rank {self.lora_rank}"
+        return f"{self.source} {self.model} {shape}{', compiled' if self.compile else ''}{kind}"
 
 
 def _foundry(gpu: str, rows: str) -> list[Run]:
@@ -216,7 +227,15 @@ OLMO_CORE = [  # micro-batches and global batches of src/scripts/train/OLMo-{1B,
     Run("OLMo-core", "H100", "olmo2_13b", 4096, 8, 1, 256, "none", 4500, compile=True),
 ]
 
-RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + TORCHTITAN + OLMO_CORE
+TORCHTUNE = [  # Llama 3.2 3B on one A100, batch 2 x 4096 packed: the README's "Optimization flags" rows
+    Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "none", 7075),
+    Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "none", 8998, compile=True),
+    Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "full", 7210, compile=True),
+    Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "full", 8210, compile=True, lora_rank=64),
+    Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "full", 8035, compile=True, lora_rank=64, nf4=True),
+]
+
+RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + TORCHTITAN + OLMO_CORE + TORCHTUNE
 
 
 def model_flags(run: Run) -> list[str]:
@@ -229,4 +248,10 @@ def model_flags(run: Run) -> list[str]:
         shape = LLAMA[run.model]
     keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     flags = [f for key, value in zip(keys, shape, strict=True) for f in (f"--model.{key}", str(value))]
-    return [*flags, "--model.max_seq_len", str(run.seq_len), "--model.tie_embeddings", "false"]
+    tied = str(run.model in TIED).lower()
+    flags += ["--model.max_seq_len", str(run.seq_len), "--model.tie_embeddings", tied]
+    if run.lora_rank is not None:
+        targets = "[q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
+        flags += ["--lora.rank", str(run.lora_rank), "--lora.alpha", str(2 * run.lora_rank), "--lora.targets", targets]
+        flags += ["--lora.quantize_base", "nf4" if run.nf4 else "null"]
+    return flags

@@ -361,13 +361,15 @@ OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
     ("olmo2_13b", "H100", 8, 4096): 0.20,
     ("llama3_8b", "H100", 8, 8192): 0.36,  # torchtitan's H100s: 500 W HBM2e, their peak not published
     ("llama3_8b", "H100", 128, 8192): 0.40,
+    # torchtune's 3B on one A100: its compile compiles the loss too, which ours does not and the model does not price
+    ("llama3_2_3b", "A100", 1, 4096): 0.24,
 }
 
 
 def test_the_step_time_model_holds_on_published_runs():
     """llm-foundry's 110 runs (MPT 125M-70B, sequences of 512-65,536, H100 and A100, 8-64 GPUs) that fixed its
-    constants, torchtitan's and OLMo-core's that did not: each within 15% of its published tokens/s per GPU, or the
-    stated error of the few known to be further off."""
+    constants, and torchtitan's, OLMo-core's and torchtune's (one GPU, LoRA and QLoRA among them) that did not: each
+    within 15% of its published tokens/s per GPU, or the stated error of the few known to be further off."""
     from fit_speed import errors, planned
     from published_runs import RUNS
 
@@ -377,7 +379,7 @@ def test_the_step_time_model_holds_on_published_runs():
         allowed = OUTSIDE.get((run.model, run.gpu, run.gpus, run.seq_len), 0.15)
         assert abs(error) <= allowed, (run.name, error)
         within += abs(error) <= 0.15
-    assert within >= 111 and len(rows) == 122
+    assert within >= 113 and len(rows) == 127
 
 
 def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
