@@ -20,8 +20,7 @@ from fsdp_trainer.data.loader import Mixture, TokenLoader
 from fsdp_trainer.loss import IGNORE, NextTokenLoss
 from fsdp_trainer.model import Transformer, block_causal
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import read_metrics, train_cli, train_losses
-from tests.test_hf import tool
+from tests.helpers import read_metrics, tool, train_cli, train_losses
 from tests.test_real_models import save_hf_checkpoint, save_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

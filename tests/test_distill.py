@@ -179,7 +179,7 @@ def test_imported_models_distil_with_the_divergence_of_transformers_logits(tmp_p
     from trl.experimental.gkd import GKDTrainer
 
     from fsdp_trainer.data.format import TokenFile
-    from tests.test_hf import tool
+    from tests.helpers import tool
     from tests.test_real_models import corpus, recipe_for, save_hf_tokenizer
 
     models = {}
@@ -222,7 +222,7 @@ def test_a_lora_student_saves_its_adapters_and_exports_merged(tiny_data, teacher
     step = out / "checkpoints" / "step_00000002"
     assert (step / "lora_base.json").is_file() and (step / "teacher.json").is_file()
     assert all(r["kd_loss"] > 0 for r in read_metrics(out) if "kd_loss" in r)
-    from tests.test_hf import tool
+    from tests.helpers import tool
 
     tool("consolidate.py", out, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()

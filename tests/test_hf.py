@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -18,7 +16,7 @@ from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import REPO, run_args, train_cli
+from tests.helpers import run_args, tool, train_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,13 +26,6 @@ VARIANTS = {
     "qwen3": ["--model.family", "qwen3", "--model.head_dim", "32"],
     "qwen3_tied": ["--model.family", "qwen3", "--model.head_dim", "32", "--model.tie_embeddings", "true"],
 }
-
-
-def tool(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], capture_output=True, text=True)
-    if check and proc.returncode:
-        raise AssertionError(proc.stderr[-3000:])
-    return proc
 
 
 def our_model(ckpt, cfg: ModelConfig) -> Transformer:

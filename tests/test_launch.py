@@ -181,7 +181,7 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_crash_needs_no_c
         config = (out / "config.yaml").read_bytes()
         holder = f"train.out_dir={out} is in use by a live run (pid {workers[0]} on host {socket.gethostname()}"
         for nproc in (1, 2):  # under plain torchrun, its own report of the failed workers follows our line
-            second = train_cli(args, nproc=nproc, check=False)
+            second = train_cli(args, nproc=nproc, check=False, torchrun=True)
             assert second.returncode == 1, second.stderr
             (line, *torchruns) = second.stderr.strip().splitlines()
             assert line.startswith("error: ") and holder in line and second.stderr.count(holder) == 1, line

@@ -20,8 +20,7 @@ from fsdp_trainer.hf import model_config_from_hf
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
-from tests.helpers import run_args, run_distributed, train_cli, train_losses
-from tests.test_hf import tool
+from tests.helpers import run_args, run_distributed, tool, train_cli, train_losses
 
 DENSE_TARGETS = [target for target in LORA_TARGETS if target != "experts"]
 """Every target a dense model has (tests/test_moe.py adapts the experts of a mixture)."""

@@ -20,8 +20,7 @@ from fsdp_trainer.hf import load_safetensors, model_config_from_hf
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import MixtureOfExperts, moe_layers
 from fsdp_trainer.steps.next_token import NextTokenStep
-from tests.helpers import read_metrics, run_args, train_cli
-from tests.test_hf import tool
+from tests.helpers import read_metrics, run_args, tool, train_cli
 
 transformers = pytest.importorskip("transformers")
 

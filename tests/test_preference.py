@@ -285,8 +285,8 @@ def test_readme_walkthrough_sft_then_dpo_on_an_imported_qwen3_and_export(tmp_pat
     (sft_qwen3_0.6b.yaml), then DPO from that SFT run (dpo_qwen3_0.6b.yaml) on 2 ranks, and consolidated into a
     directory transformers loads, holding the tuned policy, not its reference."""
     transformers = pytest.importorskip("transformers")
+    from tests.helpers import tool
     from tests.test_chat import CHATML
-    from tests.test_hf import tool
     from tests.test_real_models import save_hf_tokenizer
 
     hf_in = tmp_path / "hf_in"

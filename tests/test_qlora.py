@@ -33,9 +33,8 @@ from fsdp_trainer.metrics import local_gb
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
-from tests.helpers import REPO, run_args, run_distributed, train_cli, train_losses
+from tests.helpers import REPO, run_args, run_distributed, tool, train_cli, train_losses
 from tests.test_chat import CHATML
-from tests.test_hf import tool
 from tests.test_real_models import save_hf_tokenizer
 
 RECIPES = REPO / "recipes"

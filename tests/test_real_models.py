@@ -17,8 +17,8 @@ import yaml
 
 from fsdp_trainer.data.format import TokenFile
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
-from tests.helpers import read_metrics, run_args, train_cli
-from tests.test_hf import LLAMA3_SCALING, tool
+from tests.helpers import read_metrics, run_args, tool, train_cli
+from tests.test_hf import LLAMA3_SCALING
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from fsdp_trainer.distributed.runtime import close_distributed
 from fsdp_trainer.files import METRICS_FILE
 from fsdp_trainer.launch import child_pids
+from tests.helpers import forked
 
 REPO = Path(__file__).resolve().parents[2]
 # benchmarks/runner.py under the name the benchmark scripts import it by (their folder is on their path), so that a test
@@ -56,13 +57,33 @@ def _flag_value(value) -> str:
     return "null" if value is None else str(value)
 
 
-def train_cli(args: list[str], nproc: int = 1, check: bool = True, env: dict | None = None, timeout: float = 300):
-    """Run fsdp_trainer.train in a subprocess: `python -m` for one process, torchrun for more."""
-    cmd = train_command(args, nproc)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
+def train_cli(
+    args: list[str],
+    nproc: int = 1,
+    check: bool = True,
+    env: dict | None = None,
+    timeout: float = 300,
+    torchrun: bool = False,
+):
+    """Run fsdp_trainer.train: in processes forked from one that imported it already (tests/helpers/forked.py), or
+    with `torchrun` (or an `env` that changes what a new interpreter imports) as `python -m` for one process and
+    torchrun for more."""
+    if torchrun or env is not None:
+        cmd = train_command(args, nproc)
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
+    else:
+        proc = forked.run("fsdp_trainer.train", args, nproc=nproc, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{proc.args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def tool(name: str, *args, check: bool = True) -> subprocess.CompletedProcess:
+    """Run tools/`name` with `args` as `python tools/name ...` would, forked (tests/helpers/forked.py)."""
+    proc = forked.run(str(REPO / "tools" / name), list(map(str, args)))
+    if check and proc.returncode:
+        raise AssertionError(proc.stderr[-3000:])
     return proc
 
 

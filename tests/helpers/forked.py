@@ -1,0 +1,152 @@
+"""The tests' runs of the trainer and the tools without a new interpreter each.
+
+`python -m fsdp_trainer.train` spends about 3 s of CPU importing torch and the package before it does anything, and
+the suite starts a few hundred of them. Here a forkserver process imports them once (per pytest worker), and each run
+is a process forked from it that runs the module or script as `python -m` / `python script.py` would (runpy, as
+`__main__`, with its own argv, environment, working directory and output files). A run of several ranks is that many
+such processes meeting over TCP in a real gloo process group, with the environment torchrun gives its workers (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun: tests of torchrun's own behaviour (its restarts,
+the one error line a node prints, fsdp-train) start it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+PRELOAD = ["tests.helpers.preloaded"]
+_context = None
+
+
+def _forkserver():
+    """The forkserver context, started on first use with the preloaded modules and one OpenMP thread (the runs' own
+    setting, which torch reads when it is imported)."""
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _context = context
+    return _context
+
+
+def _exit_code(code) -> int:
+    """What the interpreter would exit with for SystemExit(code): a message is printed and exits 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """In the forked child: `target` (a module name, or a script's path) as __main__, its output into files."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    # runpy runs a preloaded module again as __main__, as `python -m` does after a package import: no news.
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
+    code = 0
+    try:
+        if target.endswith(".py"):
+            sys.argv = [target, *argv]
+            sys.path[0] = str(Path(target).parent)
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = [target, *argv]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(
+    target: str, argv: list[str], nproc: int = 1, env: dict | None = None, cwd: Path = REPO, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run `target` (module or script) with `argv` in `nproc` forked processes (ranks 0..nproc-1 of one node when
+    more than one); returns what subprocess.run would: exit code 1 if any rank failed (the others then get SIGTERM,
+    as torchrun sends them), the ranks' stdout and stderr one after the other."""
+    context = _forkserver()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    store = None
+    if nproc > 1:
+        # The ranks meet in a store this process holds, bound to a port the kernel picks, as torchrun's agent does: a
+        # port found free and then handed over could be taken by another test's gloo connection in between.
+        store = dist.TCPStore(
+            "127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+        ranks = [
+            {**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+             "TORCHELASTIC_USE_AGENT_STORE": "True"}
+            for r in range(nproc)
+        ]  # fmt: skip
+    else:
+        ranks = [base]
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+        procs = [
+            context.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *paths))
+            for environ, paths in zip(ranks, files, strict=True)
+        ]
+        for p in procs:
+            p.start()
+        _wait(procs, timeout, [target, *map(str, argv)])
+        code = 0 if all(p.exitcode == 0 for p in procs) else 1
+        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
+        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
+    del store
+    return subprocess.CompletedProcess([target, *map(str, argv)], code, stdout, stderr)
+
+
+def _wait(procs: list, timeout: float, cmd: list[str]) -> None:
+    """Until every rank has exited; once one fails the others get SIGTERM (then SIGKILL after 30 s), as torchrun
+    stops a failed run's workers; all are killed at `timeout`."""
+    deadline, stopping = time.monotonic() + timeout, None
+    while any(p.exitcode is None for p in procs):
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        failed = any(p.exitcode not in (None, 0) for p in procs)
+        if failed and stopping is None:
+            stopping = time.monotonic()
+            for p in procs:
+                if p.exitcode is None:
+                    p.terminate()
+        if stopping is not None and time.monotonic() - stopping > 30:
+            for p in procs:
+                p.kill()
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
