@@ -16,22 +16,20 @@ import math
 import sys
 from pathlib import Path
 
-from published_runs import RUNS, Run, model_flags
+from published_runs import RUNS, Run, sections
 
-from fsdp_trainer.config import parse_recipe
+from fsdp_trainer.config import Recipe, parse_recipe
 from fsdp_trainer.planner.plan import estimate
 from fsdp_trainer.planner.speed import CALIBRATION, Calibration, step_time
 
 BASE = str(Path(__file__).resolve().parents[1] / "recipes" / "8b.yaml")
 
 
-def recipe_of(run: Run):
-    """A recipe with `run`'s model, batch and stack, bf16, FULL_SHARD."""
-    flags = ["--recipe", BASE, "--model.rope_scaling", "null", *model_flags(run)]
-    flags += ["--data.seq_len", str(run.seq_len), "--data.micro_batch_size", str(run.micro_batch)]
-    flags += ["--data.grad_accum_steps", str(run.grad_accum), "--parallel.mixed_precision", "bf16"]
-    flags += ["--parallel.compile", str(run.compile).lower(), "--parallel.activation_checkpointing", run.ac]
-    return parse_recipe(flags)
+def recipe_of(run: Run, base: Recipe):
+    """`base` with `run`'s model, batch and stack (bf16, FULL_SHARD): each section rebuilt, so its checks run."""
+    return dataclasses.replace(
+        base, **{name: dataclasses.replace(getattr(base, name), **fields) for name, fields in sections(run).items()}
+    )
 
 
 def world(run: Run) -> tuple[int, int]:
@@ -41,9 +39,9 @@ def world(run: Run) -> tuple[int, int]:
 
 def planned(runs: list[Run]) -> list[tuple]:
     """Each run's recipe and planner row (FULL_SHARD at its AC), computed once: the calibration does not touch them."""
-    rows = []
+    rows, base = [], parse_recipe(["--recipe", BASE])
     for run in runs:
-        recipe = recipe_of(run)
+        recipe = recipe_of(run, base)
         nproc, nnodes = world(run)
         rows.append((run, recipe, estimate(recipe, nproc, nnodes, "FULL_SHARD", run.ac, "cuda")))
     return rows

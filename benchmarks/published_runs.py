@@ -238,20 +238,26 @@ TORCHTUNE = [  # Llama 3.2 3B on one A100, batch 2 x 4096 packed: the README's "
 RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + TORCHTITAN + OLMO_CORE + TORCHTUNE
 
 
-def model_flags(run: Run) -> list[str]:
-    """The model section of a recipe for `run`'s model: an MPT's GELU MLP (two d x 4d matmuls) as a SwiGLU of the same
-    matmul FLOPs (three d x 8d/3), its heads all key-value heads."""
+def sections(run: Run) -> dict[str, dict]:
+    """The recipe sections that describe `run` (over any base recipe): its model (an MPT's GELU MLP, two d x 4d
+    matmuls, as a SwiGLU of the same matmul FLOPs, three d x 8d/3; its heads all key-value heads), batch, precision,
+    AC, compile and adapters."""
     if run.model in MPT:
         d, layers, heads = MPT[run.model]
         shape = (d, layers, heads, heads, round(8 * d / 3), MPT_VOCAB)
     else:
         shape = LLAMA[run.model]
     keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-    flags = [f for key, value in zip(keys, shape, strict=True) for f in (f"--model.{key}", str(value))]
-    tied = str(run.model in TIED).lower()
-    flags += ["--model.max_seq_len", str(run.seq_len), "--model.tie_embeddings", tied]
+    model = dict(zip(keys, shape, strict=True))
+    model.update(max_seq_len=run.seq_len, tie_embeddings=run.model in TIED, rope_scaling=None)
+    lora = {"rank": None, "quantize_base": None}
     if run.lora_rank is not None:
-        targets = "[q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]"
-        flags += ["--lora.rank", str(run.lora_rank), "--lora.alpha", str(2 * run.lora_rank), "--lora.targets", targets]
-        flags += ["--lora.quantize_base", "nf4" if run.nf4 else "null"]
-    return flags
+        targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lora = {"rank": run.lora_rank, "alpha": 2.0 * run.lora_rank, "targets": targets,
+                "quantize_base": "nf4" if run.nf4 else None}  # fmt: skip
+    return {
+        "model": model,
+        "data": {"seq_len": run.seq_len, "micro_batch_size": run.micro_batch, "grad_accum_steps": run.grad_accum},
+        "parallel": {"mixed_precision": "bf16", "compile": run.compile, "activation_checkpointing": run.ac},
+        "lora": lora,
+    }
