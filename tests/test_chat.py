@@ -85,6 +85,25 @@ def test_assistant_tokens_and_nothing_else_are_trained(chatml_tokenizer):
     assert all_ids.tolist() == ids.tolist() and all_trained.all()
 
 
+# ChatML with TRL's assistant-mask markers: {% generation %} around what an assistant's turn trains.
+CHATML_GENERATION = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_with_generation_markers_trains_what_trls_assistant_mask_marks(tmp_path):
+    """A template that marks the assistant's tokens with {% generation %} (what TRL's assistant_only_loss reads)
+    renders as transformers renders it, and the tokens we train on are those transformers' assistant mask marks."""
+    hf = save_hf_tokenizer(tmp_path, "qwen3", CHATML_GENERATION)
+    ids, trained = ChatEncoder(load_tokenizer(tmp_path)).encode({"messages": CONVERSATION})
+    theirs = hf.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids.tolist() == list(theirs["input_ids"])
+    assert trained.tolist() == [bool(m) for m in theirs["assistant_masks"]]
+
+
 # Gemma 3's published template (gemma-3-1b-it's tokenizer_config.json), its image branch aside: the system prompt goes
 # into the first user turn, the assistant is "model", every turn ends with <end_of_turn> and a newline.
 GEMMA3_TEMPLATE = (

@@ -52,14 +52,26 @@ class BadConversation(ValueError):
 
 
 def _template_environment():
-    """jinja2 as transformers' apply_chat_template sets it up, so templates written for it render the same."""
-    from jinja2.ext import loopcontrols
+    """jinja2 as transformers' apply_chat_template sets it up, so templates written for it render the same; a
+    `{% generation %}` block (the markers of the assistant's tokens that TRL's assistant_only_loss reads) renders its
+    content, as transformers renders it. Which tokens are trained is found from the rendered conversation, whatever
+    the template marks."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
 
     def raise_exception(message):
         raise BadConversation(f"the chat template refused it: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     return env
