@@ -27,11 +27,23 @@ def _summed_loss(hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor)
     return F.cross_entropy(output(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")
 
 
+def trained_rows(
+    hidden: torch.Tensor, targets: torch.Tensor, trained: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final hidden states (B, T, dim) and targets (B, T) as rows (N, dim) and (N,): of the positions `trained`
+    names (found on the host: nothing waits for the device), or of every position."""
+    hidden, targets = hidden.flatten(0, 1), targets.flatten()
+    if trained is None:
+        return hidden, targets
+    return hidden.index_select(0, trained), targets.index_select(0, trained)
+
+
 def chunked_cross_entropy(
-    hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, chunks: int = 1
+    hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, chunks: int = 1, trained: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Summed next-token loss of the output layer `output` on the final hidden states, over the targets that are not
-    IGNORE, in fp32 whatever the compute dtype.
+    IGNORE, in fp32 whatever the compute dtype; with `trained` (MicroBatch.trained), the output layer runs on those
+    positions alone: fine-tuning data's prompts make no logits.
 
     The logits are the model's largest activation (tokens x vocab: 2.1 GB in bf16 for 8k tokens of a 128k vocabulary,
     twice that as fp32 for the loss, and as much again for its gradient). With chunks > 1 the tokens are cut into that
@@ -39,7 +51,7 @@ def chunked_cross_entropy(
     (activation checkpointing of the output layer), so one slice's logits exist at a time. The same loss and gradients
     as chunks = 1, to the order of the float sums.
     """
-    hidden, targets = hidden.flatten(0, 1), targets.flatten()
+    hidden, targets = trained_rows(hidden, targets, trained)
     if chunks == 1:
         return _summed_loss(hidden, output, targets)
     pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
@@ -53,9 +65,11 @@ class NextTokenLoss:
 
     targets: torch.Tensor
     chunks: int = 1
+    trained: torch.Tensor | None = None
+    """The positions with a target (MicroBatch.trained), or None for all of them."""
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
-        return chunked_cross_entropy(hidden, output, self.targets, self.chunks)
+        return chunked_cross_entropy(hidden, output, self.targets, self.chunks, self.trained)
 
     def count(self) -> torch.Tensor:
         """How many targets the sum is over."""
@@ -94,23 +108,29 @@ class SequenceLogProbs:
     sequences: torch.Tensor | None = None
     n_sequences: int = 0
     chunks: int = 1
+    trained: torch.Tensor | None = None
+    """The positions with a target (MicroBatch.trained; only with `sequences`), or None for all of them."""
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
         # Slices of the tokens, as chunked_cross_entropy cuts them, not of the rows: a micro-batch has few rows.
-        hidden, targets = hidden.flatten(0, 1), self.targets.flatten()
+        hidden, targets = trained_rows(hidden, self.targets, self.trained)
         if self.chunks == 1:
             logps = _token_logps(hidden, output, targets)
         else:
             pieces = zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True)
             logps = torch.cat([checkpoint(_token_logps, h, output, t, use_reentrant=False) for h, t in pieces])
-        return self._per_sequence(logps.view(self.targets.shape))
+        if self.trained is None:
+            return self._per_sequence(logps.view(self.targets.shape))
+        return self._per_sequence(logps, self.sequences.flatten().index_select(0, self.trained))
 
-    def _per_sequence(self, values: torch.Tensor) -> torch.Tensor:
-        if self.sequences is None:
+    def _per_sequence(self, values: torch.Tensor, sequences: torch.Tensor | None = None) -> torch.Tensor:
+        """Each response's sum of `values`, a value a position of `sequences` (default: every position's)."""
+        sequences = self.sequences if sequences is None else sequences
+        if sequences is None:
             return values.sum(-1)
         # One slot past the last response collects the positions of none (whose values are 0), so no mask is indexed
         # by: the shapes are known on the host, nothing waits for the device.
-        slots = torch.where(self.sequences >= 0, self.sequences, self.n_sequences).flatten()
+        slots = torch.where(sequences >= 0, sequences, self.n_sequences).flatten()
         summed = torch.zeros(self.n_sequences + 1, dtype=values.dtype, device=values.device)
         # A copy, not a view of `summed`: FSDP2 warns that an in-place op on a view a module returns would drop its
         # pre-backward hook (and the copy is of one number per response).
@@ -252,9 +272,12 @@ class DistillationLoss:
     temperature: float = 1.0
     alpha: float = 1.0
     chunks: int = 1
+    trained: torch.Tensor | None = None
+    """The positions with a target (MicroBatch.trained), or None for all of them."""
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
-        hidden, teacher, targets = hidden.flatten(0, 1), self.teacher_hidden.flatten(0, 1), self.targets.flatten()
+        hidden, targets = trained_rows(hidden, self.targets, self.trained)
+        teacher, _ = trained_rows(self.teacher_hidden, self.targets, self.trained)
         settings = (self.beta, self.temperature, self.alpha)
         if self.chunks == 1:
             return _distillation_sums(hidden, output, teacher, self.teacher_output, targets, *settings)

@@ -482,3 +482,39 @@ def test_a_mixture_of_packed_files_reads_whole_windows_with_their_targets(tmp_pa
         assert targets.tolist() == expected.tolist()
         assert documents.tolist() == np.cumsum((flags & START) > 0).tolist()
     assert len(sources) == 2  # both sources drawn
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_output_layer_runs_on_the_trained_positions_alone(chunks):
+    """Packed fine-tuning data carries the positions that have a target (MicroBatch.trained, found on the host from
+    the flags): the output layer and the loss run on those alone, so a prompt's logits are never made. The summed
+    loss, each answer's summed log-probability (preference pairs) and the distillation sums, and their gradients, are
+    those over every position, where the untrained ones count zero."""
+    from fsdp_trainer.data.loader import micro_batch
+    from fsdp_trainer.loss import DistillationLoss, SequenceLogProbs
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, (2, 24))
+    flags = np.zeros((2, 24), dtype=np.uint8)
+    flags[:, [0, 11]] = START  # two examples a row: a prompt, then an answer that is trained
+    flags[:, 5:10] |= TARGET
+    flags[:, 16:23] |= TARGET
+    batch = micro_batch(np.stack([tokens, flags], 1), True, "preference", torch.device("cpu"))
+    assert batch.trained.tolist() == np.flatnonzero((batch.targets != IGNORE).numpy()).tolist() and len(batch.trained)
+    output = torch.nn.Linear(16, 64)
+    teacher = torch.nn.Linear(16, 64)
+    hidden, teacher_hidden = torch.randn(2, 24, 16), torch.randn(2, 24, 16)
+    objectives = [
+        lambda kept: NextTokenLoss(batch.targets, chunks, kept),
+        lambda kept: SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks, kept),
+        lambda kept: DistillationLoss(batch.targets, teacher_hidden, teacher, 1.0, 1.0, 0.5, chunks, kept),
+    ]
+    for objective in objectives:
+        results = []
+        for kept in (None, batch.trained):
+            h = hidden.clone().requires_grad_(True)
+            value = objective(kept)(h, output)
+            value.sum().backward()
+            results.append((value.detach(), h.grad))
+        torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)

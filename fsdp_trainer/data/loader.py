@@ -47,6 +47,9 @@ class MicroBatch(NamedTuple):
     """(B,) on the host, packed data of one file: the window of that file each row is (a cache's key)."""
     margins: torch.Tensor | None = None
     """(pairs,) preference pairs whose file has margins (TRL's margin column): each pair's, in `sequences` order."""
+    trained: torch.Tensor | None = None
+    """(N,) packed data: the positions (row-major over B x T) whose target is trained, found on the host from the
+    flags: the output layer and the loss run on them alone (a prompt's logits are never made)."""
 
 
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
@@ -233,14 +236,18 @@ def micro_batch(
             if records == "preference" and margins is not None:  # on each pair's chosen conversation's START
                 pair_margins = torch.from_numpy(_at_starts(documents, flags, responses, margins)[0::2]).to(device)
         rows = np.stack(rows, 1)
+    trained = None
+    if packed:
+        trained = torch.from_numpy(np.flatnonzero(rows[:, 1] != IGNORE)).to(device, non_blocking=True)
     rows = torch.from_numpy(rows)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)
     windows = None if windows is None else torch.from_numpy(windows)
     if records is not None:
-        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], pairs, desirable, windows, pair_margins)
+        extra = (pairs, desirable, windows, pair_margins, trained)
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], *extra)
     if packed:
-        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2])
+        return MicroBatch(rows[:, 0], rows[:, 1], rows[:, 2], trained=trained)
     return MicroBatch(rows[:, :-1], rows[:, 1:])  # (B, T + 1) -> inputs, next tokens
 
 

@@ -222,8 +222,9 @@ class DistillStep(Distillation, NextTokenStep):
         self.teacher.unshard()  # its root (output layer, embedding) stays gathered until after_backward
         cfg = self.cfg
         objective = DistillationLoss(
-            batch.targets, teacher_hidden, self.teacher.lm_head, self.beta, cfg.temperature, cfg.alpha, self.chunks
-        )
+            batch.targets, teacher_hidden, self.teacher.lm_head, self.beta, cfg.temperature, cfg.alpha, self.chunks,
+            batch.trained,
+        )  # fmt: skip
         sums = model(batch.inputs, batch.documents, loss=objective)
         return sums[0], sums[1:].detach()
 

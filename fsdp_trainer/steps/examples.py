@@ -69,4 +69,5 @@ def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: in
             at += len(tokens)
         documents[r, at:] = len(row) + 1  # the padding after the last example is an example of its own
     tensors = (torch.from_numpy(x).to(device) for x in (inputs, targets, documents, sequences))
-    return MicroBatch(*tensors)
+    trained = torch.from_numpy(np.flatnonzero(targets != IGNORE)).to(device)
+    return MicroBatch(*tensors, trained=trained)

@@ -36,7 +36,7 @@ from their means over the global batch, TRL's metrics (reported)."""
 
 def answers(batch: MicroBatch, chunks: int = 1) -> SequenceLogProbs:
     """The objective that sums each answer's log-probability, in the order of `batch.sequences`."""
-    return SequenceLogProbs(batch.targets, batch.sequences, len(batch.desirable), chunks)
+    return SequenceLogProbs(batch.targets, batch.sequences, len(batch.desirable), chunks, batch.trained)
 
 
 def mismatched(batch: MicroBatch) -> MicroBatch:

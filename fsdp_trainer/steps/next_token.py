@@ -48,7 +48,8 @@ class NextTokenStep(Step):
         return NextTokenLoss(batch.targets).count()
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = model(batch.inputs, batch.documents, loss=NextTokenLoss(batch.targets, self.chunks))  # over its targets
+        objective = NextTokenLoss(batch.targets, self.chunks, batch.trained)  # over its targets
+        loss = model(batch.inputs, batch.documents, loss=objective)
         return loss, loss.new_zeros(0)
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:

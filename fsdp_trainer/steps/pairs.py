@@ -21,7 +21,7 @@ from fsdp_trainer.steps.base import Step
 
 def answers_objective(batch: MicroBatch, chunks: int = 1) -> SequenceLogProbs:
     """Each answer's summed log-probability (2 x pairs,), chosen and rejected alternating, computed in `chunks`."""
-    return SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks)
+    return SequenceLogProbs(batch.targets, batch.sequences, 2 * batch.pairs, chunks, batch.trained)
 
 
 def answer_logps(model: nn.Module, batch: MicroBatch, chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
