@@ -4,9 +4,10 @@
         --data.seq_len 1024 --model.max_seq_len 1024 --data.micro_batch_size 4
 
 One process, the recipe's model in its compute dtype: forward + backward of the loss on random windows, with
-`documents` (windows cut into examples of about `example_tokens` tokens: block-causal mask, per-example positions) and
-without (is_causal), alternating which goes first, `repeats` rounds of `steps` steps each after a warm-up. Also the
-attention alone (scaled_dot_product_attention of one layer's shapes, forward + backward), and its forward alone with
+`documents` (windows cut into examples of about `example_tokens` tokens: block-causal attention, which a CPU computes
+in query tiles (model.TiledMask), per-example positions) and without (is_causal), alternating which goes first,
+`repeats` rounds of `steps` steps each after a warm-up. Also the attention alone (scaled_dot_product_attention of one
+layer's shapes with the whole boolean mask, forward + backward), and its forward alone with
 the block-causal mask as a compiled flex_attention BlockMask (what compiled GPU runs use; torch 2.13 has no
 flex_attention backward on CPUs). Reports the median time of each and their ratio, as a markdown table.
 """
@@ -23,7 +24,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from fsdp_trainer.config import compute_dtype, parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.loss import NextTokenLoss
-from fsdp_trainer.model import Transformer, block_causal
+from fsdp_trainer.model import TiledMask, Transformer, block_causal
 
 
 def documents_of(batch: int, seq_len: int, example_tokens: int, generator: torch.Generator) -> torch.Tensor:
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     q = torch.randn(B, cfg.n_heads, T, head_dim, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(B, cfg.n_kv_heads, T, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
     _, mask = block_causal(documents)
+    mask = mask.mask if isinstance(mask, TiledMask) else mask  # the attention rows: the whole boolean mask
     _, block_mask = block_causal(documents, flex=True)
     gqa = cfg.n_kv_heads != cfg.n_heads
     compiled_flex = torch.compile(flex_attention)

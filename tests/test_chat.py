@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fsdp_trainer import model as model_module
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.chat import ChatEncoder, Packer
 from fsdp_trainer.data.format import START, TARGET, TokenFile
@@ -252,6 +253,38 @@ def test_a_sliding_window_holds_within_each_packed_example(family):
         full = unwindowed(b)
     assert (packed - alone).abs().max() <= 1e-5
     assert (alone[:, 7:] - full).abs().max() > 1e-2  # b is longer than the window: it matters
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_packed_attention_by_query_tiles_gives_the_whole_masks_loss_and_gradients(family, monkeypatch):
+    """On a CPU, packed windows attend tile by tile (model.TiledMask: a tile of queries sees only the keys from its
+    earliest example's start), which skips most of a long window's scores: the loss and every gradient are those of
+    one attention over the whole boolean mask, with examples shorter and longer than a tile, two rows whose boundaries
+    differ, and a sliding window (Mistral's on every layer, Gemma 3's local layers between global ones)."""
+    window = {"mistral": {"sliding_window": 50}, "gemma3": {"sliding_window": 50, "sliding_window_pattern": 2}}
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=320, **window.get(family, {}))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 64, (2, 300), generator=g), torch.randint(0, 64, (2, 300), generator=g)
+    lengths = [[140, 30, 60, 70], [7, 200, 93]]
+    documents = torch.tensor([[k for k, n in enumerate(row) for _ in range(n)] for row in lengths])
+    _, tiled = block_causal(documents, window=cfg.sliding_window)
+    # Row 0's examples start at 0, 140, 170, 230, row 1's at 0, 7, 207; a window of 50 sees back to query - 49.
+    second_tile_first = 79 if cfg.sliding_window else 0
+    assert tiled.tiles == ((0, 128, 0), (128, 256, second_tile_first), (256, 300, 207))
+    results = []
+    for tile in (model_module.ATTENTION_TILE, 10**6):  # the second: one attention over the whole mask
+        monkeypatch.setattr(model_module, "ATTENTION_TILE", tile)
+        model = Transformer(cfg)
+        model.init_weights(seed=0)
+        loss = model(tokens, documents, loss=NextTokenLoss(targets))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (tiled_loss, tiled_grads), (whole_loss, whole_grads) = results
+    torch.testing.assert_close(tiled_loss, whole_loss, rtol=1e-6, atol=0)
+    for name, grad in whole_grads.items():
+        scale = grad.abs().max().item()  # to the order of the float sums, relative to the gradient's size
+        torch.testing.assert_close(tiled_grads[name], grad, rtol=1e-5, atol=1e-5 * scale)
 
 
 def _chat_data(tmp_path, tokenizer_dir, conversations, seq_len, *flags, input_file=None):
