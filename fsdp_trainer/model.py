@@ -93,13 +93,15 @@ Remember = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 
 class TiledMask(NamedTuple):
-    """Packed examples' boolean mask (B, 1, T, T) and its query tiles, (first query, end, first key) each: the queries
-    first..end-1 see no key before `first key` (the start of the earliest example they are in) nor after end - 1, so
-    attention runs tile by tile on those keys alone. A window of short examples then costs about T x (tile + an
-    example) scores instead of T x T (8x less time at 1,920 tokens of 60-200 token examples on a CPU)."""
+    """Packed examples' boolean mask (B, 1, T, T) and each row's query tiles, (first query, end, first key) each: the
+    queries first..end-1 see no key before `first key` (the start of the earliest example they are in) nor after
+    end - 1, so attention runs tile by tile on those keys alone. A window of short examples then costs about
+    T x (tile + an example) scores instead of T x T (8x less time at 1,920 tokens of 60-200 token examples on a CPU).
+    Tiles are a row's own, so a window's numbers do not depend on the windows beside it (2 ranks equal 1 process with
+    accumulation, a cached reference equals the frozen copy, bitwise as with the whole mask)."""
 
     mask: torch.Tensor
-    tiles: tuple[tuple[int, int, int], ...]
+    tiles: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
 ATTENTION_TILE = 128
@@ -153,13 +155,17 @@ class Attention(nn.Module):
         if isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         elif isinstance(mask, TiledMask) and not torch.compiler.is_compiling():  # compiled, its ints would recompile
-            tiles = [
-                F.scaled_dot_product_attention(
-                    q[:, :, a:b], k[:, :, c:b], v[:, :, c:b], mask.mask[..., a:b, c:b], scale=self.scale, enable_gqa=gqa
-                )
-                for a, b, c in mask.tiles
-            ]
-            y = torch.cat(tiles, dim=2)
+            rows = []
+            for r, tiles in enumerate(mask.tiles):
+                qr, kr, vr, mr = q[r : r + 1], k[r : r + 1], v[r : r + 1], mask.mask[r : r + 1]
+                parts = [
+                    F.scaled_dot_product_attention(
+                        qr[:, :, a:b], kr[:, :, c:b], vr[:, :, c:b], mr[..., a:b, c:b], scale=self.scale, enable_gqa=gqa
+                    )
+                    for a, b, c in tiles
+                ]
+                rows.append(torch.cat(parts, dim=2))
+            y = torch.cat(rows)
         else:
             mask = mask.mask if isinstance(mask, TiledMask) else mask
             causal = mask is None
@@ -250,11 +256,13 @@ def block_causal(
     mask = (same_document & causal(T, window, documents.device))[:, None]
     if documents.device.type != "cpu" or is_fake(documents) or T <= ATTENTION_TILE:
         return positions, mask  # a GPU's boundaries would cost a sync to read (it runs flex_attention compiled)
-    firsts = (index - positions).min(dim=0).values.tolist()  # each position's example's start, the earliest of the rows
     tiles = []
-    for a in range(0, T, ATTENTION_TILE):
-        first = max(firsts[a], a - window + 1) if window else firsts[a]
-        tiles.append((a, min(a + ATTENTION_TILE, T), first))
+    for firsts in (index - positions).tolist():  # a row's: each position's example's start
+        row = []
+        for a in range(0, T, ATTENTION_TILE):
+            first = max(firsts[a], a - window + 1) if window else firsts[a]
+            row.append((a, min(a + ATTENTION_TILE, T), first))
+        tiles.append(tuple(row))
     return positions, TiledMask(mask, tuple(tiles))
 
 

@@ -270,8 +270,11 @@ def test_packed_attention_by_query_tiles_gives_the_whole_masks_loss_and_gradient
     documents = torch.tensor([[k for k, n in enumerate(row) for _ in range(n)] for row in lengths])
     _, tiled = block_causal(documents, window=cfg.sliding_window)
     # Row 0's examples start at 0, 140, 170, 230, row 1's at 0, 7, 207; a window of 50 sees back to query - 49.
-    second_tile_first = 79 if cfg.sliding_window else 0
-    assert tiled.tiles == ((0, 128, 0), (128, 256, second_tile_first), (256, 300, 207))
+    first = (lambda start, query: max(start, query - 49)) if cfg.sliding_window else (lambda start, query: start)
+    assert tiled.tiles == (
+        ((0, 128, 0), (128, 256, first(0, 128)), (256, 300, first(230, 256))),
+        ((0, 128, 0), (128, 256, first(7, 128)), (256, 300, first(207, 256))),
+    )
     results = []
     for tile in (model_module.ATTENTION_TILE, 10**6):  # the second: one attention over the whole mask
         monkeypatch.setattr(model_module, "ATTENTION_TILE", tile)
