@@ -52,6 +52,11 @@ class MicroBatch(NamedTuple):
     flags: the output layer and the loss run on them alone (a prompt's logits are never made)."""
 
 
+def trained_positions(targets: np.ndarray, device: torch.device) -> torch.Tensor:
+    """MicroBatch.trained of packed targets (B, T): the row-major positions whose target is not IGNORE."""
+    return torch.from_numpy(np.flatnonzero(targets != IGNORE)).to(device, non_blocking=True)
+
+
 def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     """Open the recipe's token files (the validation file only when the run evaluates) and check them against the
     tokenizer and the model; raises ValueError / FileNotFoundError naming the file."""
@@ -238,7 +243,7 @@ def micro_batch(
         rows = np.stack(rows, 1)
     trained = None
     if packed:
-        trained = torch.from_numpy(np.flatnonzero(rows[:, 1] != IGNORE)).to(device, non_blocking=True)
+        trained = trained_positions(rows[:, 1], device)
     rows = torch.from_numpy(rows)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)

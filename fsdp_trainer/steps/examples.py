@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.data.loader import MicroBatch, trained_positions
 from fsdp_trainer.loss import IGNORE
 
 
@@ -69,5 +69,4 @@ def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: in
             at += len(tokens)
         documents[r, at:] = len(row) + 1  # the padding after the last example is an example of its own
     tensors = (torch.from_numpy(x).to(device) for x in (inputs, targets, documents, sequences))
-    trained = torch.from_numpy(np.flatnonzero(targets != IGNORE)).to(device)
-    return MicroBatch(*tensors, trained=trained)
+    return MicroBatch(*tensors, trained=trained_positions(targets, device))
