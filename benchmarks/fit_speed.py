@@ -20,7 +20,7 @@ from published_runs import RUNS, Run, sections
 
 from fsdp_trainer.config import Recipe, parse_recipe
 from fsdp_trainer.planner.plan import estimate
-from fsdp_trainer.planner.speed import CALIBRATION, Calibration, step_time
+from fsdp_trainer.planner.speed import CALIBRATION, GPUS, Calibration, step_time
 
 BASE = str(Path(__file__).resolve().parents[1] / "recipes" / "8b.yaml")
 
@@ -52,7 +52,9 @@ def errors(rows: list[tuple], calibration: Calibration) -> list[float]:
     out = []
     for run, recipe, row in rows:
         nproc, nnodes = world(run)
-        predicted = step_time(recipe, row, run.gpu, nproc, nnodes, calibration).tokens_per_s_per_gpu
+        spec = dataclasses.replace(GPUS[run.gpu], hbm_gb_s=run.hbm_gb_s or GPUS[run.gpu].hbm_gb_s)
+        step = step_time(recipe, row, run.gpu, nproc, nnodes, calibration, spec=spec, recomputed=run.recomputed)
+        predicted = step.tokens_per_s_per_gpu
         out.append(predicted / run.tokens_per_s_per_gpu - 1)
     return out
 

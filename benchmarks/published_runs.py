@@ -9,8 +9,9 @@ Sources (read 2026-11-27):
   Triton flash attention), FSDP FULL_SHARD (PyTorch FSDP1), amp_bf16, "Activation Checkpointing" True = full, eager.
   The model sizes' widths and depths are the repository's yamls (mpt-*.yaml); their parameter counts match the table's.
 - torchtitan: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, FSDP2, selective AC,
-  local batch 2 x 8192; H100s with 96 GB HBM2e at 500 W, a peak "between SXM and NVL": priced here as SXM) and
-  docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB, FSDP2).
+  local batch 2 x 8192; H100s with 96 GB HBM2e at 2.4 TB/s and 500 W, a peak "between SXM and NVL": priced at the
+  SXM's peak with their bandwidth) and docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB,
+  FSDP2). Their selective AC is the op policy, which recomputes every other matmul (OP_SAC).
 - torchtune: pytorch/torchtune README, "Optimization flags": Llama 3.2 3B on one A100, batch 2 x 4096, packed, bf16:
   the packed row, + compile, + activation checkpointing (full), and LoRA and QLoRA of rank 64 on q, v, o and the MLP
   (its 3B_lora_single_device recipe) with all of them (the rows with chunked cross-entropy, fused optimizer steps,
@@ -69,6 +70,9 @@ class Run:
     compile: bool = False
     lora_rank: int | None = None  # adapters on q, v, o and the MLP (torchtune's recipes)
     nf4: bool = False  # QLoRA: the adapted projections in NF4
+    recomputed: float | None = None
+    """The share of a block's forward matmuls backward recomputes, where the run's AC is not ours (None: ours)."""
+    hbm_gb_s: float | None = None  # the GPU's memory bandwidth, where it is not the datasheet's (a variant)
 
     @property
     def name(self) -> str:
@@ -209,15 +213,60 @@ LLM_FOUNDRY_A100 = _foundry(
 """,
 )
 
+# torchtitan's selective op AC saves the output of every other matmul and recomputes the rest ("Saves output of all
+# compute ops, except every second mm", its activation-checkpointing policy of 2024): half a forward's matmuls again.
+OP_SAC = 0.5
+GRAND_TETON_HBM = 2400  # GB/s: "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
+
 TORCHTITAN = [
-    Run("torchtitan", "H100", "llama3_8b", 8192, 8, 2, 1, "selective", 5762),
-    Run("torchtitan", "H100", "llama3_8b", 8192, 8, 2, 1, "selective", 6667, compile=True),
-    Run("torchtitan", "H100", "llama3_8b", 8192, 128, 2, 1, "selective", 5605),
-    Run("torchtitan", "H100", "llama3_8b", 8192, 128, 2, 1, "selective", 6514, compile=True),
-    Run("torchtitan", "A100", "llama3_8b", 8192, 64, 1, 1, "selective", 2973),
+    Run(
+        "torchtitan", "H100", "llama3_8b", 8192, 8, 2, 1, "selective", 5762, recomputed=OP_SAC, hbm_gb_s=GRAND_TETON_HBM
+    ),
+    Run(
+        "torchtitan",
+        "H100",
+        "llama3_8b",
+        8192,
+        8,
+        2,
+        1,
+        "selective",
+        6667,
+        compile=True,
+        recomputed=OP_SAC,
+        hbm_gb_s=GRAND_TETON_HBM,
+    ),
+    Run(
+        "torchtitan",
+        "H100",
+        "llama3_8b",
+        8192,
+        128,
+        2,
+        1,
+        "selective",
+        5605,
+        recomputed=OP_SAC,
+        hbm_gb_s=GRAND_TETON_HBM,
+    ),
+    Run(
+        "torchtitan",
+        "H100",
+        "llama3_8b",
+        8192,
+        128,
+        2,
+        1,
+        "selective",
+        6514,
+        compile=True,
+        recomputed=OP_SAC,
+        hbm_gb_s=GRAND_TETON_HBM,
+    ),
+    Run("torchtitan", "A100", "llama3_8b", 8192, 64, 1, 1, "selective", 2973, recomputed=OP_SAC),
     Run("torchtitan", "A100", "llama3_70b", 8192, 64, 1, 1, "full", 331),
     Run("torchtitan", "A100", "llama2_13b", 4096, 64, 2, 1, "none", 2162),
-    Run("torchtitan", "A100", "llama2_13b", 4096, 64, 2, 1, "selective", 1904),
+    Run("torchtitan", "A100", "llama2_13b", 4096, 64, 2, 1, "selective", 1904, recomputed=OP_SAC),
     Run("torchtitan", "A100", "llama2_70b", 4096, 64, 2, 1, "full", 353),
 ]
 

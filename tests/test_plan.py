@@ -18,7 +18,7 @@ from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_pe
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
 from fsdp_trainer.planner.plan import estimate, plan, recommend
-from fsdp_trainer.planner.speed import CALIBRATION, seconds_per_token, step_time
+from fsdp_trainer.planner.speed import CALIBRATION, GPUS, matmul_efficiency, seconds_per_token, step_time
 from tests.helpers import REPO
 
 shutil_usage = namedtuple("usage", "total used free")
@@ -273,8 +273,8 @@ def test_a_preference_run_prices_its_reference_model(lora):
         data, cfg = plain.data, plain.model
         tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps
         weights = (flops_per_token(cfg, data.seq_len) - attention_flops_per_token(cfg, data.seq_len)) / 3  # 2 a weight
-        size, c = data.micro_batch_size * data.seq_len * cfg.dim, CALIBRATION
-        efficiency = PEAK_FLOPS["H100"]["bf16"] * c.matmul_peak * size / (size + c.matmul_half)
+        size, peak = data.micro_batch_size * data.seq_len * cfg.dim, PEAK_FLOPS["H100"]["bf16"]
+        efficiency = peak * matmul_efficiency(size, peak, GPUS["H100"].hbm_gb_s * 1e9)
         assert slower.compute_s - faster.compute_s == pytest.approx(tokens * weights / efficiency)
 
 
@@ -352,17 +352,13 @@ _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "n
 # What benchmarks/fit_speed.py found on the published runs it checks and was not fitted to, beside llm-foundry's it
 # was fitted to: each within this error (docs/benchmarks.md has the table); the runs known to be further off with why.
 OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
-    ("30b", "H100", 8, 8192): 0.30,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
-    ("30b", "A100", 8, 8192): 0.25,
-    ("70b", "H100", 64, 2048): 0.19,
-    ("760m", "A100", 8, 512): 0.18,
-    ("30b", "A100", 8, 4096): 0.16,
-    ("olmo2_1b", "H100", 8, 4096): 0.18,  # OLMo-core: its node count and AC are not published
-    ("olmo2_13b", "H100", 8, 4096): 0.20,
-    ("llama3_8b", "H100", 8, 8192): 0.36,  # torchtitan's H100s: 500 W HBM2e, their peak not published
-    ("llama3_8b", "H100", 128, 8192): 0.40,
-    # torchtune's 3B on one A100: its compile compiles the loss too, which ours does not and the model does not price
-    ("llama3_2_3b", "A100", 1, 4096): 0.24,
+    ("30b", "H100", 8, 8192): 0.26,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
+    ("30b", "A100", 8, 8192): 0.29,
+    ("70b", "H100", 64, 2048): 0.16,
+    ("760m", "A100", 8, 1024): 0.16,  # slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size
+    ("760m", "A100", 8, 512): 0.22,
+    # torchtune's 3B on one A100: its compile compiles the loss too, and gains 27% where torchtitan's gains 16%
+    ("llama3_2_3b", "A100", 1, 4096): 0.19,
 }
 
 
@@ -379,7 +375,7 @@ def test_the_step_time_model_holds_on_published_runs():
         allowed = OUTSIDE.get((run.model, run.gpu, run.gpus, run.seq_len), 0.15)
         assert abs(error) <= allowed, (run.name, error)
         within += abs(error) <= 0.15
-    assert within >= 113 and len(rows) == 127
+    assert within >= 121 and len(rows) == 127
 
 
 def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
@@ -404,6 +400,27 @@ def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
     assert seconds_per_token(longer, row, peak, c.attention, hbm, c) > times[-1]
     recipe.parallel.compile = True
     assert seconds_per_token(recipe, row, peak, c.attention, hbm, c) < times[-1]
+    # Half of a forward's matmuls again (another framework's selective AC) costs half a forward at the same efficiency.
+    size = recipe.data.micro_batch_size * recipe.data.seq_len * cfg.dim
+    half_again = seconds_per_token(recipe, row, peak, c.attention, hbm, c, recomputed=0.5)
+    assert half_again - seconds_per_token(recipe, row, peak, c.attention, hbm, c) == pytest.approx(
+        weights / 3 / 2 / (peak * matmul_efficiency(size, peak, hbm))
+    )
+
+
+def test_a_gpu_whose_compute_outruns_its_memory_needs_larger_matmuls_to_reach_the_same_share_of_its_peak():
+    """The size at which a matmul reaches half of matmul_peak is proportional to the GPU's ridge point (peak FLOP/s
+    over HBM bytes/s): an A100 (153 FLOPs a byte) is half-way at about half the size an H100 (295) needs, a B200
+    (281) near an H100's; every GPU tends to matmul_peak for large sizes and none passes it."""
+    c = CALIBRATION
+    ridge = {gpu: PEAK_FLOPS[gpu]["bf16"] / (GPUS[gpu].hbm_gb_s * 1e9) for gpu in ("A100", "H100", "B200")}
+    for gpu, r in ridge.items():
+        peak, hbm = PEAK_FLOPS[gpu]["bf16"], GPUS[gpu].hbm_gb_s * 1e9
+        assert matmul_efficiency(c.matmul_half * r, peak, hbm) == pytest.approx(c.matmul_peak / 2)
+        assert c.matmul_peak * 0.99 < matmul_efficiency(1e12, peak, hbm) < c.matmul_peak
+    size = 1e7
+    a100, h100 = (matmul_efficiency(size, PEAK_FLOPS[g]["bf16"], GPUS[g].hbm_gb_s * 1e9) for g in ("A100", "H100"))
+    assert a100 > h100
 
 
 def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_nic_a_gpu():
@@ -427,7 +444,8 @@ def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_
     cfg, c = recipe.model, CALIBRATION
     weights = (flops_per_token(cfg, tokens) - attention_flops_per_token(cfg, tokens)) / 3  # a forward: 2 a weight
     size = tokens * cfg.dim
-    again = weights / (PEAK_FLOPS["A100"]["bf16"] * c.matmul_peak * size / (size + c.matmul_half))
+    peak = PEAK_FLOPS["A100"]["bf16"]
+    again = weights / (peak * matmul_efficiency(size, peak, GPUS["A100"].hbm_gb_s * 1e9))
     padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
     again += attention_flops_per_token(cfg, tokens) / 3 * padded / 2 / (PEAK_FLOPS["A100"]["bf16"] * c.attention_a100)
     assert full.compute_s - selective.compute_s == pytest.approx(tokens * again)

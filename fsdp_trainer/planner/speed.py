@@ -2,10 +2,12 @@
 
 A step is its compute, its memory traffic and its communication, overlapped as FSDP2 overlaps them:
 
-- matmuls: the step's weight FLOPs (6 a weight a token, 4 for a frozen one (LoRA), 2 more under full AC, which runs each
-  block's forward twice) at a fraction of the GPU's dense peak that grows with the matmul's size, the tokens of a
-  micro-batch times the block's width: `matmul_peak * s / (s + matmul_half)`. Small widths and short micro-batches
-  leave the tensor cores waiting on memory; large ones approach what cuBLAS reaches;
+- matmuls: the step's weight FLOPs (6 a weight a token, 4 for a frozen one (LoRA), 2 more for each forward matmul that
+  backward recomputes: all of them under full AC) at a fraction of the GPU's dense peak that grows with the matmul's
+  size, the tokens of a micro-batch times the block's width: `matmul_peak * s / (s + matmul_half * ridge)`, where the
+  ridge is the GPU's peak FLOP/s over its HBM bytes/s. Small widths and short micro-batches leave the tensor cores
+  waiting on memory, the longer the faster the tensor cores are against the memory; large ones approach what cuBLAS
+  reaches;
 - attention: its FLOPs with the causal half skipped (flash attention), heads as wide as the kernel's next width, at a
   fraction `attention` of the peak (an A100's own), a second forward under full AC;
 - QLoRA: each NF4 weight dequantized to the compute dtype for every matmul it takes part in, priced by its bytes;
@@ -22,9 +24,9 @@ A step is its compute, its memory traffic and its communication, overlapped as F
 
 Six constants (CALIBRATION) stand for every shape: five fitted once to llm-foundry's 110 published runs on H100s and
 A100s (MPT 125M to 70B, sequences of 512 to 65,536, micro-batches of 1 to 128, 8 to 64 GPUs), the sixth (compile) from
-torchtitan's compiled against eager run; torchtitan's and OLMo-core's other runs check them
+torchtitan's compiled against eager run; torchtitan's, OLMo-core's and torchtune's other runs check them
 (benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row, docs/benchmarks.md the
-table). Rows with the state offloaded to the host get no prediction: their step
+table: 121 of 127 within 15%). Rows with the state offloaded to the host get no prediction: their step
 waits on the host's optimizer and PCIe, which this model does not price.
 """
 
@@ -69,7 +71,9 @@ class Calibration:
     matmul_peak: float
     """The fraction of dense peak the largest matmuls reach."""
     matmul_half: float
-    """The size (tokens per micro-batch x the block's width) at which a matmul reaches half of matmul_peak."""
+    """The size (tokens per micro-batch x the block's width) at which a matmul reaches half of matmul_peak, per FLOP a
+    byte of the GPU's ridge point (peak FLOP/s / HBM bytes/s): an H100's 295 puts it at 1.8e7, an A100's 153 at
+    9.5e6."""
     attention: float
     """The fraction of dense peak flash attention's FLOPs (causal half skipped) reach on Hopper and later GPUs (H100,
     H200, B200), whose tensor cores the flash attention kernels of these runs (FlashAttention 2, Triton, cuDNN's
@@ -84,7 +88,12 @@ class Calibration:
 
 
 CALIBRATION = Calibration(
-    matmul_peak=0.946, matmul_half=1.39e7, attention=0.150, attention_a100=0.291, elementwise=240.0, compiled=0.303
+    matmul_peak=0.92472,
+    matmul_half=62349,
+    attention=0.15424,
+    attention_a100=0.28334,
+    elementwise=225.39,
+    compiled=0.35035,
 )
 """Fitted to llm-foundry's 110 runs (`python benchmarks/fit_speed.py --fit llm-foundry`); `compiled` from torchtitan's
 compiled / eager speed-up, since those runs are all eager."""
@@ -112,16 +121,30 @@ class StepTime:
 
 
 def step_time(
-    recipe: Recipe, estimate, gpu: str, nproc: int, nnodes: int, calibration: Calibration = CALIBRATION
+    recipe: Recipe,
+    estimate,
+    gpu: str,
+    nproc: int,
+    nnodes: int,
+    calibration: Calibration = CALIBRATION,
+    *,
+    spec: Gpu | None = None,
+    recomputed: float | None = None,
 ) -> StepTime | None:
-    """The predicted step of a planner row (plan.Estimate) on `gpu`; None for offload rows."""
+    """The predicted step of a planner row (plan.Estimate) on `gpu`; None for offload rows.
+
+    `spec` replaces GPUS[gpu]'s datasheet for a variant of that GPU (another memory); `recomputed` is the share of a
+    block's forward matmuls that backward runs again, when it is not what our AC mode recomputes (full: all of them;
+    selective and none: none), as in another framework's published run."""
     if estimate.offload:
         return None
-    spec, cfg, data = GPUS[gpu], recipe.model, recipe.data
+    spec, cfg, data = spec or GPUS[gpu], recipe.model, recipe.data
     peak = PEAK_FLOPS[gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
     attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
-    compute_s = tokens * seconds_per_token(recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration)
+    compute_s = tokens * seconds_per_token(
+        recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration, recomputed
+    )
     # QLoRA: each NF4 weight is read and written out in the compute dtype, which its matmul reads, in forward, in
     # backward, and again in full AC's second forward, every micro-step.
     passes = data.grad_accum_steps * (3 if estimate.ac == "full" else 2)
@@ -140,20 +163,31 @@ def step_time(
 
 
 def seconds_per_token(
-    recipe: Recipe, estimate, peak: float, attention_fraction: float, hbm: float, calibration: Calibration
+    recipe: Recipe,
+    estimate,
+    peak: float,
+    attention_fraction: float,
+    hbm: float,
+    calibration: Calibration,
+    recomputed: float | None = None,
 ) -> float:
     """A token's compute in a planner row on one GPU of dense `peak` FLOP/s and `hbm` bytes/s: its matmuls at their
-    size's efficiency, its attention at `attention_fraction` of the peak, its elementwise and loss bytes over HBM."""
+    size's efficiency, `recomputed` of the forward's again in backward, its attention at `attention_fraction` of the
+    peak, its elementwise and loss bytes over HBM. `recomputed` None: what our AC mode recomputes (full: every
+    matmul; selective, none: none)."""
     cfg, data, c, ac = recipe.model, recipe.data, calibration, estimate.ac
+    if recomputed is None:
+        recomputed = 1.0 if ac == "full" else 0.0
     attention = attention_flops_per_token(cfg, data.seq_len)
     forward = (flops_per_token(cfg, data.seq_len) - attention) / 3  # 2 a weight a token
     # A frozen weight (LoRA) has no weight gradient: 4 FLOPs a token instead of 6.
     weights = forward * (2 if adapter_kind(recipe.lora) == "lora" else 3)
-    if ac == "full":  # each block's forward again in backward
-        weights, attention = weights + forward, attention * 4 / 3
+    weights += recomputed * forward
+    if ac == "full":  # each block's forward again in backward, its attention too
+        attention *= 4 / 3
     weights += estimate.frozen_forward * forward  # the kind's forwards without gradient (a reference's, a teacher's)
     size = data.micro_batch_size * data.seq_len * cfg.dim
-    matmul = weights / (peak * c.matmul_peak * size / (size + c.matmul_half))
+    matmul = weights / (peak * matmul_efficiency(size, peak, hbm, c))
     # Flash attention kernels come in head widths of multiples of 32 (FlashAttention 2: 32 to 256): a head of another
     # width is computed as the next one up (MPT-30B's 112 as 128).
     padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
@@ -162,3 +196,11 @@ def seconds_per_token(
     elementwise = c.elementwise * a * cfg.dim * cfg.n_layers * (c.compiled if recipe.parallel.compile else 1.0)
     elementwise *= 4 / 3 if ac != "none" else 1.0  # AC recomputes them
     return matmul + flash + (elementwise + LOGIT_BYTES * cfg.output_size) / hbm
+
+
+def matmul_efficiency(size: float, peak: float, hbm: float, calibration: Calibration = CALIBRATION) -> float:
+    """The fraction of the dense `peak` a matmul of `size` (tokens of a micro-batch x the block's width) reaches on a
+    GPU of `hbm` bytes/s: the larger, the closer to matmul_peak. The size at half of it scales with the GPU's ridge
+    point (peak / bandwidth): a GPU whose compute outruns its memory further needs larger matmuls to be fed."""
+    half = calibration.matmul_half * peak / hbm
+    return calibration.matmul_peak * size / (size + half)
