@@ -2,6 +2,7 @@
 DDP, the same work side by side on CPU ranks, alternating, in one run.
 
     python benchmarks/bench_peers.py --nproc 2 --examples 512 --kinds sft dpo lora --repeats 2 --out peers.json
+    python benchmarks/bench_peers.py --kinds sft lora --trl_packing     # TRL packed as well as padded
 
 From one config-built Qwen3 (saved by save_pretrained with a ChatML tokenizer trained on the bundled corpus; imported
 for ours with tools/import_hf.py), each kind trains one pass over the same --examples examples of the bundled chat
@@ -46,6 +47,10 @@ CHATML = (
 )
 KINDS = ("sft", "dpo", "lora")
 SIDES = ("ours", "trl")
+PACKED = "trl packed"
+"""TRL's own packing (SFT and LoRA SFT; --trl_packing). On a CPU its rows let an example attend to the examples before
+it: transformers reads the packed boundaries (position ids, cu_seq_lens) in its flash attention kernels alone, and
+SDPA, eager and flex_attention see each row as one causal sequence. The held-out loss shows what that trains."""
 
 
 def tokenizer_and_model(work: Path, vocab: int, dim: int, layers: int) -> Path:
@@ -156,14 +161,15 @@ def run_ours(kind, args, imported, data, seq_len, work: Path) -> dict:
     }
 
 
-def run_trl(kind, args, hf: Path, train: Path, work: Path, max_length: int) -> dict:
-    """One training pass of TRL under torchrun (peers_trl.py); its numbers and its exported model."""
+def run_trl(kind, args, hf: Path, train: Path, work: Path, max_length: int, packing: bool = False) -> dict:
+    """One training pass of TRL under torchrun (peers_trl.py); its numbers and its exported model. `packing`: TRL's
+    own (best-fit into rows of max_length, our window, one a rank a step) in place of padded batches."""
     out = work / f"trl_{kind}_{time.monotonic_ns()}"
     out.mkdir()
     steps = args.examples // (args.batch * args.nproc)
     job = {"kind": "dpo" if kind == "dpo" else "sft", "model": str(hf), "train": str(train), "out": str(out),
            "batch": args.batch, "steps": steps, "lr": args.lr, "warmup": max(1, steps // 10), "seed": 0,
-           "max_length": max_length, "beta": args.beta}  # fmt: skip
+           "max_length": max_length, "beta": args.beta, "packing": packing}  # fmt: skip
     job["lora_rank"] = args.lora_rank if kind == "lora" else None
     (out / "job.json").write_text(json.dumps(job))
     start = time.perf_counter()
@@ -252,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--lora_rank", type=int, default=16)
     parser.add_argument("--sharding", default="NO_SHARD", help="ours: NO_SHARD is DDP, as TRL's Trainer runs on CPUs")
+    parser.add_argument("--trl_packing", action="store_true", help="SFT and LoRA: TRL with its packing as well")
     parser.add_argument("--work", default=None, help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--out", default="bench_out/peers.json")
     args = parser.parse_args(argv)
@@ -271,13 +278,14 @@ def main(argv: list[str] | None = None) -> None:
         tool("prepare_data.py", "--recipe", work / "imported" / "model.yaml", "--format", fmt, "--input", train,
              "--data.tokenizer_path", work / "imported", "--data.train_path", data, "--data.val_path", "null",
              "--val_fraction", "0", "--data.seq_len", seq_len, "--model.max_seq_len", seq_len)  # fmt: skip
+        sides = (*SIDES, PACKED) if args.trl_packing and kind != "dpo" else SIDES
         for repeat in range(args.repeats):
-            for side in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+            for side in sides if repeat % 2 == 0 else sides[::-1]:
                 if side == "ours":
                     result = run_ours(kind, args, work / "imported", data, seq_len, work)
                     result["trained_tokens"] = trained_in_file(data)
                 else:
-                    result = run_trl(kind, args, hf, train, work, max_length=seq_len)
+                    result = run_trl(kind, args, hf, train, work, max_length=seq_len, packing=side == PACKED)
                 result.update(held_out(kind, result["model"], hf, val, args.beta))
                 result.update(kind=kind, side=side, tokens_per_s=result["trained_tokens"] / result["wall_s"])
                 rows.append(result)
@@ -291,16 +299,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def table(rows: list[dict], args) -> str:
-    """Markdown: a row a run, with ours / TRL ratios against the other side's nearest run of the same kind."""
+    """Markdown: a row a run, with ours / TRL ratios against each TRL side's nearest run of the same kind (padded, and
+    packed where it ran)."""
     lines = [f"CPU capability: {torch.backends.cpu.get_cpu_capability()}; {args.nproc} ranks, {args.examples} examples",
              "| kind | side | steps | trained tokens | loop s | trained tokens/s | peak RSS GB / rank | held-out loss "
              "| ours / TRL tokens/s | ours / TRL peak |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(rows):
-        others = [j for j, o in enumerate(rows) if o["kind"] == r["kind"] and o["side"] != r["side"]]
-        ratio = peak = ""
-        if others and r["side"] == "ours":
-            o = rows[min(others, key=lambda j: abs(j - i))]
-            ratio, peak = f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x", f"{r['peak_rss_gb'] / o['peak_rss_gb']:.2f}x"
+        ratios, peaks = [], []
+        for peer in ("trl", PACKED) if r["side"] == "ours" else ():
+            others = [j for j, o in enumerate(rows) if o["kind"] == r["kind"] and o["side"] == peer]
+            if others:
+                o, tag = rows[min(others, key=lambda j: abs(j - i))], "" if peer == "trl" else " (packed)"
+                ratios.append(f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x{tag}")
+                peaks.append(f"{r['peak_rss_gb'] / o['peak_rss_gb']:.2f}x{tag}")
+        ratio, peak = ", ".join(ratios), ", ".join(peaks)
         accuracy = f" (acc {r['val_reward_accuracy']:.2f})" if "val_reward_accuracy" in r else ""
         lines.append(f"| {r['kind']} | {r['side']} | {r['steps']} | {r['trained_tokens']:,} | {r['wall_s']:.1f} "
                      f"| {r['tokens_per_s']:,.0f} | {r['peak_rss_gb']:.2f} | {r['val_loss']:.4f}{accuracy} | {ratio} "

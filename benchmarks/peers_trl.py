@@ -47,6 +47,13 @@ def main(job_path: str) -> None:
         config = DPOConfig(**common, beta=job["beta"], loss_type="sigmoid")
         trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                              peft_config=peft_config)  # fmt: skip
+    elif job.get("packing"):
+        # TRL's packing: best-fit decreasing into rows of max_length, one row a rank a step, padding-free with position
+        # ids restarting at each example. One pass over the packed rows, however many they are.
+        common.update(per_device_train_batch_size=1, max_steps=-1, num_train_epochs=1, warmup_steps=0.1)
+        config = SFTConfig(**common, packing=True, packing_strategy="bfd", assistant_only_loss=True)
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             peft_config=peft_config)  # fmt: skip
     else:
         config = SFTConfig(**common, packing=False, assistant_only_loss=True)
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -75,6 +82,7 @@ def trained_tokens(dataset, kind: str) -> int:
         return sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in dataset)
     if "labels" in dataset.column_names:  # the assistant mask folded in: what the shifted loss counts
         return sum(sum(label != -100 for label in r["labels"][1:]) for r in dataset)
+    # A packed row's examples each open with a prompt token, so no example's first token is counted as a target.
     return sum(sum(r["assistant_masks"][1:]) for r in dataset)
 
 

@@ -242,17 +242,19 @@ def test_bench_optimizer_times_adamw_and_muon_under_torchrun(tiny_data):
 @pytest.mark.slow
 def test_bench_peers_trains_the_same_tokens_on_both_sides_and_scores_both_exports(tmp_path):
     """bench_peers.py at toy size: from one config-built Qwen3, ours (packed) and TRL's SFTTrainer / DPOTrainer
-    (padded) train one pass over the same examples, the same tokens carrying a loss on both sides (SFT: every
-    assistant turn, through TRL's assistant_only_loss on the template's {% generation %} marks), and the same evaluator
-    scores both exports on the held-out examples."""
+    (padded; SFT packed by TRL as well) train one pass over the same examples, the same tokens carrying a loss on
+    both sides (SFT: every assistant turn, through TRL's assistant_only_loss on the template's {% generation %} marks),
+    and the same evaluator scores both exports on the held-out examples."""
     out = tmp_path / "peers.json"
     args = ["--examples", 16, "--val", 4, "--batch", 2, "--dim", 64, "--layers", 1, "--vocab", 512,
-            "--kinds", "sft", "dpo", "--work", tmp_path / "work", "--out", out]  # fmt: skip
+            "--kinds", "sft", "dpo", "--trl_packing", "--work", tmp_path / "work", "--out", out]  # fmt: skip
     proc = run_bench("bench_peers.py", *args)
     report = json.loads(out.read_text())
     rows = {(r["kind"], r["side"]): r for r in report["rows"]}
-    assert sorted(rows) == [("dpo", "ours"), ("dpo", "trl"), ("sft", "ours"), ("sft", "trl")]
+    assert sorted(rows) == [("dpo", "ours"), ("dpo", "trl"), ("sft", "ours"), ("sft", "trl"), ("sft", "trl packed")]
+    # TRL's packing (SFT only) trains the same tokens as its padded batches and ours.
     assert rows["sft", "ours"]["trained_tokens"] == rows["sft", "trl"]["trained_tokens"]
+    assert rows["sft", "trl packed"]["trained_tokens"] == rows["sft", "ours"]["trained_tokens"]
     # A pair's answers: TRL also trains the newline ChatML writes after each answer's <|im_end|>.
     assert rows["dpo", "trl"]["trained_tokens"] - rows["dpo", "ours"]["trained_tokens"] == 2 * 16
     for r in rows.values():
