@@ -6,7 +6,7 @@ A step is its compute, its memory traffic and its communication, overlapped as F
   backward recomputes: all of them under full AC) at a fraction of the GPU's dense peak that grows with the matmul's
   size, the tokens of a micro-batch times the block's width: `matmul_peak * s / (s + matmul_half * ridge)`, where the
   ridge is the GPU's peak FLOP/s over its HBM bytes/s. Small widths and short micro-batches leave the tensor cores
-  waiting on memory, the longer the faster the tensor cores are against the memory; large ones approach what cuBLAS
+  waiting on memory, the more so the faster the tensor cores are against the memory; large ones approach what cuBLAS
   reaches;
 - attention: its FLOPs with the causal half skipped (flash attention), heads as wide as the kernel's next width, at a
   fraction `attention` of the peak (an A100's own), a second forward under full AC;
