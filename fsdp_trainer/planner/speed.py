@@ -139,6 +139,7 @@ def step_time(
     if estimate.offload:
         return None
     spec, cfg, data = spec or GPUS[gpu], recipe.model, recipe.data
+    recomputed = recomputed_share(estimate.ac) if recomputed is None else recomputed
     peak = PEAK_FLOPS[gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
     attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
@@ -146,8 +147,8 @@ def step_time(
         recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration, recomputed
     )
     # QLoRA: each NF4 weight is read and written out in the compute dtype, which its matmul reads, in forward, in
-    # backward, and again in full AC's second forward, every micro-step.
-    passes = data.grad_accum_steps * (3 if estimate.ac == "full" else 2)
+    # backward, and again where backward recomputes its matmul (all of them under full AC), every micro-step.
+    passes = data.grad_accum_steps * (2 + recomputed)
     compute_s += passes * estimate.quantized * DEQUANTIZED_BYTES / (spec.hbm_gb_s * 1e9)
     intra_gb = estimate.sent_gb - estimate.internode_gb
     comm_s = intra_gb / (spec.nvlink_gb_s * LINK_EFFICIENCY) + estimate.internode_gb / (
@@ -176,8 +177,7 @@ def seconds_per_token(
     peak, its elementwise and loss bytes over HBM. `recomputed` None: what our AC mode recomputes (full: every
     matmul; selective, none: none)."""
     cfg, data, c, ac = recipe.model, recipe.data, calibration, estimate.ac
-    if recomputed is None:
-        recomputed = 1.0 if ac == "full" else 0.0
+    recomputed = recomputed_share(ac) if recomputed is None else recomputed
     attention = attention_flops_per_token(cfg, data.seq_len)
     forward = (flops_per_token(cfg, data.seq_len) - attention) / 3  # 2 a weight a token
     # A frozen weight (LoRA) has no weight gradient: 4 FLOPs a token instead of 6.
@@ -196,6 +196,12 @@ def seconds_per_token(
     elementwise = c.elementwise * a * cfg.dim * cfg.n_layers * (c.compiled if recipe.parallel.compile else 1.0)
     elementwise *= 4 / 3 if ac != "none" else 1.0  # AC recomputes them
     return matmul + flash + (elementwise + LOGIT_BYTES * cfg.output_size) / hbm
+
+
+def recomputed_share(ac: str) -> float:
+    """The share of a block's forward matmuls that backward runs again under our AC mode `ac`: full recomputes every
+    one; selective keeps every matmul's output, and none keeps everything."""
+    return 1.0 if ac == "full" else 0.0
 
 
 def matmul_efficiency(size: float, peak: float, hbm: float, calibration: Calibration = CALIBRATION) -> float:
