@@ -125,12 +125,23 @@ def train_losses(out_dir: str | Path) -> dict[int, float]:
 
 
 def run_distributed(fn, *args, world_size: int = 2) -> None:
-    """Run fn(rank, world_size, *args) in world_size gloo processes; any rank's exception fails the test."""
+    """Run fn(rank, world_size, *args) in world_size gloo processes, forked from tests/helpers/forked.py's server
+    (torch and the package imported once, not again in each process: 3-4 s of CPU a rank); any rank's exception
+    fails the test. Each process gets this one's environment as it is now."""
+    forked.context()
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world_size, os.path.join(d, "pg"), fn, args), nprocs=world_size, join=True)
+        mp.start_processes(
+            _entry,
+            args=(world_size, os.path.join(d, "pg"), fn, args, dict(os.environ)),
+            nprocs=world_size,
+            join=True,
+            start_method="forkserver",
+        )
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )

@@ -30,13 +30,13 @@ PRELOAD = ["tests.helpers.preloaded"]
 _context = None
 
 
-def _forkserver():
+def context():
     """The forkserver context, started on first use with the preloaded modules and one OpenMP thread (the runs' own
     setting, which torch reads when it is imported)."""
     global _context
     if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
+        server = multiprocessing.get_context("forkserver")
+        server.set_forkserver_preload(PRELOAD)
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
@@ -48,7 +48,7 @@ def _forkserver():
                 del os.environ["OMP_NUM_THREADS"]
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
-        _context = context
+        _context = server
     return _context
 
 
@@ -96,7 +96,7 @@ def run(
     """Run `target` (module or script) with `argv` in `nproc` forked processes (ranks 0..nproc-1 of one node when
     more than one); returns what subprocess.run would: exit code 1 if any rank failed (the others then get SIGTERM,
     as torchrun sends them), the ranks' stdout and stderr one after the other."""
-    context = _forkserver()
+    server = context()
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     store = None
     if nproc > 1:
@@ -116,7 +116,7 @@ def run(
     with tempfile.TemporaryDirectory() as tmp:
         files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
         procs = [
-            context.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *paths))
+            server.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *paths))
             for environ, paths in zip(ranks, files, strict=True)
         ]
         for p in procs:
