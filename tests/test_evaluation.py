@@ -6,14 +6,12 @@ processes with the results of one, and names an unknown task in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fsdp_trainer.convert import load_model
-from tests.helpers import REPO, read_metrics, run_args, run_distributed, torchrun_command, train_cli
+from tests.helpers import REPO, forked, read_metrics, run_args, run_distributed, train_cli
 from tests.test_real_models import corpus, save_hf_checkpoint, save_hf_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -172,8 +170,7 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
     results = []
     for nproc, shard in ((1, []), (2, []), (2, ["--shard"])):
         path = tmp_path / f"scores_{nproc}{''.join(shard)}.json"
-        command = torchrun_command([tool, *flags, *shard, "--output_path", str(path)], nproc=nproc)
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+        proc = forked.run(tool, [*flags, *shard, "--output_path", path], nproc=nproc)  # ranks as torchrun starts them
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
         results.append(json.loads(path.read_text())["results"])
@@ -183,8 +180,7 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
             k: v for k, v in split.items() if "stderr" not in k
         }
         assert split["acc_norm_stderr,none"] == pytest.approx(one["acc_norm_stderr,none"], rel=1e-12)  # a sum's order
-    proc = subprocess.run([sys.executable, tool, str(tmp_path / "run"), "--tasks", "shakespeare_nxt_line"],
-                          capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    proc = forked.run(tool, [tmp_path / "run", "--tasks", "shakespeare_nxt_line"])
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks: no task named shakespeare_nxt_line in")
 
@@ -203,9 +199,8 @@ def test_scores_during_training_are_the_tools_on_each_checkpoint_and_a_resume_sc
     assert [r["step"] for r in records] == [2, 4, 6]
     assert all(0 <= r["eval/shakespeare_next_line/acc"] <= 1 and "eval/shakespeare_next_line/acc_stderr" in r
                for r in records)  # fmt: skip
-    tool = [sys.executable, str(REPO / "tools" / "evaluate.py"), "--tasks", "shakespeare_next_line", "--limit", "16"]
-    step_2 = [str(out / "checkpoints" / "step_00000002"), "--output_path", str(tmp_path / "s.json")]
-    proc = subprocess.run([*tool, *step_2], capture_output=True, text=True, cwd=REPO)
+    step_2 = [out / "checkpoints" / "step_00000002", "--output_path", tmp_path / "s.json"]
+    proc = forked.run(str(REPO / "tools" / "evaluate.py"), [*step_2, "--tasks", "shakespeare_next_line", "--limit", 16])
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads((tmp_path / "s.json").read_text())["results"]["shakespeare_next_line"]
     assert records[0]["eval/shakespeare_next_line/acc"] == theirs["acc,none"]
