@@ -312,7 +312,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's, here over
     2 micro-batches (the accumulated gradients counted). Under LoRA, selective AC keeps each adapter's two matmul
     outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes). A mixture of experts with
-    LoRA on its experts runs its grouped matmuls as a GPU would (selective AC keeps their outputs)."""
+    LoRA on its experts runs its grouped matmuls as a GPU would (selective AC keeps their outputs). The debug recipe's
+    widths with two of its blocks: one that backward gathers again and the last, which stays gathered (each block is
+    seconds of Python dispatch on fake tensors; more of them repeat the same terms)."""
     extra = {
         "dpo": ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
@@ -337,7 +339,8 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     }.get(kind, [])
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
-         "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra],
+         "--model.n_layers", "2", "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80",
+         "--check", *extra],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
