@@ -121,7 +121,7 @@ def _with_package(directory: str, log: Path) -> dict:
 def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(tiny_data, tmp_path):
     log, out = tmp_path / "wandb.jsonl", tmp_path / "run"
     flags = {"train": {"log_every": 2, "eval_every": 2}, "checkpoint": {"every": 2}, "wandb": WANDB}
-    train_cli(run_args(tiny_data, out, 4, **flags), nproc=2, env=_with_package("fake_wandb", log))
+    train_cli(run_args(tiny_data, out, 4, **flags), nproc=2, env=_with_package("fake_wandb", log), torchrun=False)
     calls = _wandb_calls(log)
     (init,) = [c for c in calls if c["call"] == "init"]  # one run, from rank 0 only
     assert {c["pid"] for c in calls} == {init["pid"]} and calls[-1]["call"] == "finish"
@@ -143,7 +143,7 @@ def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(
 
     # Resumed from step 4 (as after a preemption): the same W&B run, resumed, logging from step 5 on.
     log.unlink()
-    train_cli(run_args(tiny_data, out, 6, **flags), nproc=2, env=_with_package("fake_wandb", log))
+    train_cli(run_args(tiny_data, out, 6, **flags), nproc=2, env=_with_package("fake_wandb", log), torchrun=False)
     (again,) = [c for c in _wandb_calls(log) if c["call"] == "init"]
     assert again["id"] == init["id"] and again["resume"] == "allow"
     assert min(c["step"] for c in _wandb_calls(log) if c["call"] == "log") > 4
@@ -151,7 +151,7 @@ def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(
     # With rewind (W&B's preview feature), the run is resumed from the checkpoint's step instead.
     log.unlink()
     rewind = {**flags, "wandb": {**WANDB, "rewind": True}}
-    train_cli(run_args(tiny_data, out, 8, **rewind), nproc=2, env=_with_package("fake_wandb", log))
+    train_cli(run_args(tiny_data, out, 8, **rewind), nproc=2, env=_with_package("fake_wandb", log), torchrun=False)
     (rewound,) = [c for c in _wandb_calls(log) if c["call"] == "init"]
     assert rewound["resume_from"] == f"{init['id']}?_step=6" and "id" not in rewound and "resume" not in rewound
 
@@ -159,14 +159,20 @@ def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(
 def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path):
     log = tmp_path / "wandb.jsonl"
     proc = train_cli(
-        run_args(tiny_data, tmp_path / "run", 2, wandb=WANDB), nproc=2, check=False, env=_with_package("no_wandb", log)
+        run_args(tiny_data, tmp_path / "run", 2, wandb=WANDB),
+        nproc=2,
+        check=False,
+        env=_with_package("no_wandb", log),
+        torchrun=False,
     )
     assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
     assert "error: wandb.project=tiny needs the wandb package" in proc.stderr and "pip install wandb" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
     # mode: disabled needs no package (a recipe keeps its project and turns W&B off).
     disabled = {**WANDB, "mode": "disabled"}
-    train_cli(run_args(tiny_data, tmp_path / "off", 2, wandb=disabled), env=_with_package("no_wandb", log))
+    train_cli(
+        run_args(tiny_data, tmp_path / "off", 2, wandb=disabled), env=_with_package("no_wandb", log), torchrun=False
+    )
 
 
 @pytest.mark.parametrize(

@@ -63,17 +63,18 @@ def train_cli(
     check: bool = True,
     env: dict | None = None,
     timeout: float = 300,
-    torchrun: bool = False,
+    torchrun: bool | None = None,
 ):
     """Run fsdp_trainer.train: in processes forked from one that imported it already (tests/helpers/forked.py), or
-    with `torchrun` (or an `env` that changes what a new interpreter imports) as `python -m` for one process and
-    torchrun for more."""
-    if torchrun or env is not None:
+    with `torchrun` as `python -m` for one process and torchrun for more. By default an `env` takes the second way
+    (what it sets may act as an interpreter starts: a sitecustomize on its PYTHONPATH, OMP_NUM_THREADS); with
+    torchrun=False the runs are forked with it, its PYTHONPATH first on their path (a stand-in package they import)."""
+    if torchrun or (torchrun is None and env is not None):
         cmd = train_command(args, nproc)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
     else:
-        proc = forked.run("fsdp_trainer.train", args, nproc=nproc, timeout=timeout)
+        proc = forked.run("fsdp_trainer.train", args, nproc=nproc, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{proc.args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

@@ -69,6 +69,9 @@ def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, 
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
+    # preloaded (nor a sitecustomize, which only an interpreter's start runs).
+    sys.path[1:1] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     # runpy runs a preloaded module again as __main__, as `python -m` does after a package import: no news.
     warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     code = 0
