@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import math
 import subprocess
-import sys
 from collections import namedtuple
 
 import pytest
@@ -19,7 +18,7 @@ from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
 from fsdp_trainer.planner.plan import estimate, plan, recommend
 from fsdp_trainer.planner.speed import CALIBRATION, GPUS, matmul_efficiency, seconds_per_token, step_time
-from tests.helpers import REPO
+from tests.helpers import REPO, forked
 
 shutil_usage = namedtuple("usage", "total used free")
 
@@ -185,20 +184,24 @@ def test_offload_is_recommended_only_when_nothing_else_fits():
     assert not recommend(estimates, 200, host_mem_gb=1000).offload
 
 
+def plan_cli(*args) -> subprocess.CompletedProcess:
+    """`python -m fsdp_trainer.planner.plan *args`, forked (tests/helpers/forked.py)."""
+    return forked.run("fsdp_trainer.planner.plan", list(args), timeout=600)
+
+
 def test_plan_cli_recommends_or_says_what_to_change():
-    cmd = [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "8b.yaml"),
-           "--nproc", "8", "--device", "cuda", "--host_mem_gb", "8"]  # fmt: skip
-    fits = subprocess.run([*cmd, "--device_mem_gb", "80"], capture_output=True, text=True, cwd=REPO)
+    cmd = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--nproc", "8", "--device", "cuda", "--host_mem_gb", "8"]
+    fits = plan_cli(*cmd, "--device_mem_gb", "80")
     assert fits.returncode == 0, fits.stderr
     assert "| FULL_SHARD | full |" in fits.stdout and "recommended: --parallel.sharding " in fits.stdout
     assert "| FULL_SHARD + offload | full |" in fits.stdout
-    tiny = subprocess.run([*cmd, "--device_mem_gb", "8"], capture_output=True, text=True, cwd=REPO)
+    tiny = plan_cli(*cmd, "--device_mem_gb", "8")
     assert tiny.returncode == 1 and tiny.stderr.startswith("nothing fits in 8.0 GB per device")
     # 16 GB: ZeRO-3 + full AC needs 27, 11 with the state on the host, where 64 GB hold its 16 (and 8 do not).
-    offload = subprocess.run([*cmd[:-1], "64", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
+    offload = plan_cli(*cmd[:-1], "64", "--device_mem_gb", "16")
     assert offload.returncode == 0, offload.stderr
     assert "--parallel.cpu_offload true" in offload.stdout
-    negative = subprocess.run([*cmd[:-1], "0", "--device_mem_gb", "16"], capture_output=True, text=True, cwd=REPO)
+    negative = plan_cli(*cmd[:-1], "0", "--device_mem_gb", "16")
     assert negative.returncode == 1 and negative.stderr == "error: --host_mem_gb must be positive, not 0.0\n"
 
 
@@ -337,12 +340,8 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
             "[q_proj, v_proj, experts]",
         ],  # fmt: skip
     }.get(kind, [])
-    proc = subprocess.run(
-        [sys.executable, "-m", "fsdp_trainer.planner.plan", "--recipe", str(REPO / "recipes" / "debug.yaml"),
-         "--model.n_layers", "2", "--nproc", "2", "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80",
-         "--check", *extra],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
+    proc = plan_cli("--recipe", REPO / "recipes" / "debug.yaml", "--model.n_layers", "2", "--nproc", "2",
+                    "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = proc.stdout.split("| planned / measured |")[1]
     ratios = {tuple(row.split(" | ")[:2]): float(row.split(" | ")[-1].strip(" |")) for row in check.splitlines()[2:]
@@ -456,8 +455,8 @@ def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_
 
 
 def test_plan_cli_predicts_speed_and_the_hours_to_train_on_a_named_gpu():
-    cmd = [sys.executable, "-m", "fsdp_trainer.planner.plan", *_8B, "--nproc", "8", "--gpu", "H100"]
-    proc = subprocess.run([*cmd, "--train_tokens", "1e12"], capture_output=True, text=True, cwd=REPO)
+    cmd = [*_8B, "--nproc", "8", "--gpu", "H100"]
+    proc = plan_cli(*cmd, "--train_tokens", "1e12")
     assert proc.returncode == 0, proc.stderr
     assert "| step s | exposed comm s | tokens/s / GPU | MFU |" in proc.stdout and "of 80.0 GB)" in proc.stdout
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("predicted on 8 x H100: ")]
@@ -465,7 +464,7 @@ def test_plan_cli_predicts_speed_and_the_hours_to_train_on_a_named_gpu():
     [hours_line] = [x for x in proc.stdout.splitlines() if x.startswith("1e+12 tokens: ")]
     hours = float(hours_line.split(": ")[1].split(" hours")[0].replace(",", ""))
     assert hours == pytest.approx(1e12 / (per_gpu * 8) / 3600, rel=1e-3)
-    bad = subprocess.run([*cmd[:-2], "--train_tokens", "1e12"], capture_output=True, text=True, cwd=REPO)
+    bad = plan_cli(*cmd[:-2], "--train_tokens", "1e12")
     assert bad.returncode == 1 and bad.stderr == "error: --train_tokens needs --gpu and a positive number of tokens\n"
 
 
