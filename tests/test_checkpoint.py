@@ -21,6 +21,7 @@ from fsdp_trainer.checkpoint.verify import checkpoint_status, verified_checkpoin
 from fsdp_trainer.checkpoint.weights import save_model_weights
 from fsdp_trainer.config import OptimConfig
 from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
+from tests.helpers import tool as run_tool
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
 CONSTANT_LR = {"warmup_steps": 0, "min_lr": 3e-3, "lr": 3e-3}
@@ -214,7 +215,6 @@ def corrupt(step: Path, kind: str) -> str:
     return name
 
 
-VERIFY = [sys.executable, str(REPO / "tools" / "verify_checkpoint.py")]
 KINDS = {
     "flipped": "does not match its checksum",
     "truncated": "(truncated or overwritten)",
@@ -237,7 +237,7 @@ def test_every_file_is_checked_against_its_checksum(tmp_path, kind):
     assert len(problems) == 1 and str(step / name) in problems[0] and KINDS[kind] in problems[0], problems
     with pytest.raises(CheckpointError, match="is corrupted: .*" + re.escape(KINDS[kind])):
         verified_checkpoint(tmp_path / "run")
-    tool = subprocess.run([*VERIFY, str(tmp_path / "run")], capture_output=True, text=True)
+    tool = run_tool("verify_checkpoint.py", tmp_path / "run", check=False)
     assert tool.returncode == 1 and f"step_00000000  corrupted   {step / name}" in tool.stdout, tool.stdout
 
 
@@ -246,7 +246,7 @@ def test_a_checkpoint_without_checksums_is_loaded_with_a_notice(tmp_path, caplog
     (step / CHECKSUMS_FILE).unlink()  # as saved before checksums existed
     assert verify_checkpoint(step) is None
     assert verified_checkpoint(step) == step and "loading it unverified" in caplog.text
-    tool = subprocess.run([*VERIFY, str(step)], capture_output=True, text=True)
+    tool = run_tool("verify_checkpoint.py", step, check=False)
     assert tool.returncode == 0 and "step_00000000  unverified" in tool.stdout, tool.stdout
 
 
@@ -266,7 +266,7 @@ def test_resume_auto_falls_back_to_the_newest_checkpoint_that_verifies(tiny_data
     assert "at step 3" in proc.stdout
     if kind == "flipped":
         assert train_losses(tmp_path / "run") == train_losses(uninterrupted)  # steps 4-6 trained again, bitwise
-        verify = subprocess.run([*VERIFY, str(tmp_path / "run")], capture_output=True, text=True, check=True)
+        verify = run_tool("verify_checkpoint.py", tmp_path / "run")
         assert "step_00000006  ok" in verify.stdout
 
 
@@ -290,8 +290,7 @@ def test_an_explicit_corrupted_checkpoint_is_refused_by_training_and_consolidati
     proc = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": tmp_path / "ckpt"}), check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: rank 0: {message}: its bytes changed after it was saved"), proc.stderr
-    consolidate = [sys.executable, str(REPO / "tools" / "consolidate.py"), str(tmp_path / "ckpt"), str(tmp_path / "hf")]
-    proc = subprocess.run(consolidate, capture_output=True, text=True)
+    proc = run_tool("consolidate.py", tmp_path / "ckpt", tmp_path / "hf", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and proc.stderr.startswith(f"error: {message}: ")
     assert not (tmp_path / "hf").exists()
 
@@ -354,9 +353,7 @@ def test_a_planted_metadata_is_refused_by_every_reader_and_runs_nothing(tiny_dat
     refusal = f"{step / '.metadata'} names io.open, which a checkpoint's metadata never holds: refused unread"
     train = train_cli(_args(tiny_data, tmp_path / "run", 2, checkpoint={"resume": step}), check=False)
     tools = {
-        name: subprocess.run(
-            [sys.executable, str(REPO / "tools" / name), str(step), *extra], capture_output=True, text=True
-        )
+        name: run_tool(name, step, *extra, check=False)
         for name, extra in [
             ("consolidate.py", [str(tmp_path / "hf")]),
             ("generate.py", ["--max_new_tokens", "2"]),

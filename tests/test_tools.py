@@ -13,6 +13,7 @@ import torch
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, count_params, generate
 from tests.helpers import REPO, TINY_MODEL, run_args, train_cli, train_losses
+from tests.helpers import tool as run_tool
 
 BENCHMARKS = REPO / "benchmarks"
 
@@ -144,13 +145,11 @@ def test_greedy_generation_follows_the_argmax():
 
 def test_generate_cli_reads_our_checkpoint_and_the_hf_export(tiny_data, tmp_path):
     train_cli(run_args(tiny_data, tmp_path / "run", 2, checkpoint={"every": 2}))
-    subprocess.run([sys.executable, str(REPO / "tools" / "consolidate.py"), str(tmp_path / "run"),
-                    str(tmp_path / "hf"), "--verify", "files"], check=True, capture_output=True)  # fmt: skip
+    run_tool("consolidate.py", tmp_path / "run", tmp_path / "hf", "--verify", "files")
     texts = []
     for source in ("run", "hf"):
-        proc = subprocess.run([sys.executable, str(REPO / "tools" / "generate.py"), str(tmp_path / source),
-                               "--prompt", "KING.", "--max_new_tokens", "12", "--temperature", "0"],
-                              capture_output=True, text=True)  # fmt: skip
+        proc = run_tool("generate.py", tmp_path / source, "--prompt", "KING.", "--max_new_tokens", 12,
+                        "--temperature", 0, check=False)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         texts.append(proc.stdout)
     assert texts[0].startswith("KING.") and texts[0] == texts[1]  # same weights, same greedy continuation
@@ -162,8 +161,7 @@ def test_plot_draws_several_runs(tiny_data, tmp_path):
     from tools.plot import plot, read_run
 
     runs = {name: read_run(tmp_path / name) for name in ("a", "b")}
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "plot.py"), str(tmp_path / "a"), str(tmp_path / "b")],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = run_tool("plot.py", tmp_path / "a", tmp_path / "b", check=False)
     assert proc.returncode == 0, proc.stderr
     png = (tmp_path / "a" / "metrics.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
@@ -175,8 +173,7 @@ def test_plot_draws_several_runs(tiny_data, tmp_path):
         assert drawn[name, "loss"] == (list(losses), list(losses.values()))
         assert drawn[name, "val_loss"][0] == [2, 4]
     assert drawn["a", "loss"] != drawn["b", "loss"]
-    missing = subprocess.run([sys.executable, str(REPO / "tools" / "plot.py"), str(tmp_path / "nope")],
-                             capture_output=True, text=True)  # fmt: skip
+    missing = run_tool("plot.py", tmp_path / "nope", check=False)
     assert missing.returncode == 1 and missing.stderr.strip() == (
         f"error: {tmp_path}/nope/metrics.jsonl does not exist: pass the train.out_dir of a run"
     )
