@@ -163,8 +163,7 @@ def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path)
         nproc=2,
         check=False,
         env=_with_package("no_wandb", log),
-        torchrun=False,
-    )
+    )  # under torchrun, whose workers find this error each and claim their node's one line
     assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
     assert "error: wandb.project=tiny needs the wandb package" in proc.stderr and "pip install wandb" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
