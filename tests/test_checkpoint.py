@@ -8,8 +8,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from fsdp_trainer.checkpoint.storage import CHECKSUMS_FILE, RECIPE_FILE, Checkpo
 from fsdp_trainer.checkpoint.verify import checkpoint_status, verified_checkpoint, verify_checkpoint
 from fsdp_trainer.checkpoint.weights import save_model_weights
 from fsdp_trainer.config import OptimConfig
-from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
+from tests.helpers import read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step, worker_pids
 from tests.helpers import tool as run_tool
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
@@ -158,24 +156,8 @@ def test_resume_over_shards_and_a_mixture_is_exact_and_reshards(tiny_data, tmp_p
     """The same guarantees over a mixture of the tiny corpus as one file (weight 2) and as a directory of small
     shards (weight 1, so windows cross shards), and metrics.jsonl says what each source gave."""
     data = json.loads(tiny_data.read_text())["data"]
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "prepare_data.py"),
-            "--recipe",
-            str(tiny_data),
-            "--input",
-            str(tiny_data.parent / "corpus.txt"),
-            "--shard_tokens",
-            "5000",
-            "--data.train_path",
-            str(tmp_path / "shards"),
-            "--data.val_path",
-            "null",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    run_tool("prepare_data.py", "--recipe", tiny_data, "--input", tiny_data.parent / "corpus.txt", "--shard_tokens",
+             5000, "--data.train_path", tmp_path / "shards", "--data.val_path", "null")  # fmt: skip
     assert len(list((tmp_path / "shards").glob("shard_*.bin"))) > 10
     mixture = json.dumps([{"path": data["train_path"], "weight": 2.0}, {"path": str(tmp_path / "shards")}])
     flags = {"data": {"mixture": mixture}, "checkpoint": {"every": 3}}

@@ -37,6 +37,7 @@ from tests.helpers import (
     wait_for_step,
     worker_pids,
 )
+from tests.helpers import tool as run_tool
 
 DIVERGE = {"lr": 1e30, "min_lr": 0, "warmup_steps": 0}  # weights ~1e30 after step 1
 
@@ -343,7 +344,7 @@ def test_tools_that_run_out_of_room_leave_nothing_that_looks_complete(tiny_data,
     assert re.match(expected + f"nothing was written to {tmp_path / 'hf'}$", proc.stderr.strip()), proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "shards"]  # no hf/, no temporary directory
 
-    subprocess.run([sys.executable, "tools/consolidate.py", run, tmp_path / "hf"], check=True, cwd=REPO)
+    run_tool("consolidate.py", run, tmp_path / "hf")
     proc = _tool_with_files_capped("import_hf.py", tmp_path / "hf", tmp_path / "imported")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert re.match(expected + "no partial checkpoint was left", proc.stderr), proc.stderr
