@@ -5,37 +5,33 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, count_params, generate
-from tests.helpers import REPO, TINY_MODEL, run_args, train_cli, train_losses
+from tests.helpers import REPO, TINY_MODEL, forked, run_args, train_cli, train_losses
 from tests.helpers import tool as run_tool
 
 BENCHMARKS = REPO / "benchmarks"
 
 
-def run_bench(script: str, *args, nproc: int | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """A benchmark script (in `cwd`), under torchrun when given nproc; fails the test with its stderr if it fails."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    command = [*(launcher if nproc else [sys.executable]), str(BENCHMARKS / script), *map(str, args)]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def run_bench(script: str, *args, nproc: int = 1, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
+    """A benchmark script (in `cwd`), forked as `python benchmarks/script ...` (tests/helpers/forked.py), as `nproc`
+    ranks when more than one; fails the test with its stderr if it fails, unless not `check`. The jobs it launches are
+    its own: torchrun, as a user's run of it starts them."""
+    proc = forked.run(str(BENCHMARKS / script), list(map(str, args)), nproc=nproc, cwd=cwd)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 @pytest.mark.slow
 def test_bench_compares_ours_with_the_baseline(tiny_data, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench.py"), "--recipe", str(tiny_data), "--nproc", "2",
-         "--steps", "4", "--log_every", "2", "--repeats", "2", "--out", str(out), "--model.dim", "32"],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench.py", "--recipe", tiny_data, "--nproc", 2, "--steps", 4, "--log_every", 2, "--repeats", 2,
+                     "--out", out, "--model.dim", 32)  # fmt: skip
     report = json.loads(out.read_text())
     runs = report["runs"]
     for impl in ("ours", "baseline"):
@@ -64,12 +60,10 @@ def test_bench_lora_measures_state_and_checkpoints_against_full_fine_tuning(tiny
     the adapted projections in 4 bits; both save checkpoints of their adapters alone. An unknown kind is one line."""
     out = tmp_path / "lora.json"
     shapes = ["--model.dim", "256", "--model.ffn_dim", "512", "--model.n_heads", "4", "--model.n_kv_heads", "2"]
-    command = [sys.executable, str(BENCHMARKS / "bench_lora.py"), "--recipe", str(tiny_data), "--nproc", "2",
-               "--steps", "3", "--out", str(out), *shapes, "--kinds"]  # fmt: skip
-    bad = subprocess.run([*command, "full", "dora"], capture_output=True, text=True)
+    command = ["--recipe", tiny_data, "--nproc", 2, "--steps", 3, "--out", out, *shapes, "--kinds"]
+    bad = run_bench("bench_lora.py", *command, "full", "dora", check=False)
     assert bad.returncode == 1 and bad.stderr == "error: --kinds: ['dora'] are not among full, lora, qlora\n"
-    proc = subprocess.run([*command, "full", "lora", "qlora"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench_lora.py", *command, "full", "lora", "qlora")
     full, lora, qlora = json.loads(out.read_text())["rows"]
     n_params = count_params(ModelConfig(**{**TINY_MODEL, "dim": 256, "ffn_dim": 512, "n_heads": 4, "n_kv_heads": 2}))
     assert full["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
@@ -83,17 +77,11 @@ def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
     """Per rank: FULL_SHARD (here offloaded, which on a CPU moves nothing) holds 16 bytes x P / 2 of parameters,
     gradients and AdamW state, NO_SHARD all 16 x P; a config it cannot read is one line naming it."""
     out = tmp_path / "memory.json"
-    command = [sys.executable, str(BENCHMARKS / "bench_memory.py"), "--recipe", str(tiny_data), "--nproc", "2",
-               "--steps", "2", "--out", str(out), "--configs"]  # fmt: skip
-    bad = subprocess.run(
-        [*command, "NO_SHARD/fp32/none", "FULL_SHARD/fp32/none/pinned"], capture_output=True, text=True
-    )
+    command = ["--recipe", tiny_data, "--nproc", 2, "--steps", 2, "--out", out, "--configs"]
+    bad = run_bench("bench_memory.py", *command, "NO_SHARD/fp32/none", "FULL_SHARD/fp32/none/pinned", check=False)
     assert bad.returncode == 1 and "--configs: 'FULL_SHARD/fp32/none/pinned' is not SHARDING" in bad.stderr
     assert '"config"' not in bad.stdout  # refused before the good config ran
-    proc = subprocess.run(
-        [*command, "FULL_SHARD/fp32/none/offload", "NO_SHARD/bf16/full"], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("bench_memory.py", *command, "FULL_SHARD/fp32/none/offload", "NO_SHARD/bf16/full")
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
     n_params = count_params(ModelConfig(**TINY_MODEL))
     assert rows["FULL_SHARD/fp32/none/offload"]["state_gb"] == pytest.approx(16 * n_params / 2 / 1e9, rel=1e-3)
@@ -109,13 +97,8 @@ def test_bench_memory_measures_the_zero_formulas(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_bench_scaling_reports_each_size_and_world_size(tiny_data, tmp_path):
     out = tmp_path / "scaling.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_scaling.py"), "--recipe", str(tiny_data), "--sizes", "32x1",
-         "64x2", "--nproc", "1", "2", "--steps", "2", "--log_every", "1", "--parallel.mixed_precision", "fp32",
-         "--out", str(out)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_bench("bench_scaling.py", "--recipe", tiny_data, "--sizes", "32x1", "64x2", "--nproc", 1, 2, "--steps", 2,
+              "--log_every", 1, "--parallel.mixed_precision", "fp32", "--out", out)  # fmt: skip
     rows = json.loads(out.read_text())["rows"]
     assert [(r["size"], r["nproc"]) for r in rows] == [("32x1", 1), ("32x1", 2), ("64x2", 1), ("64x2", 2)]
     for r in rows:
