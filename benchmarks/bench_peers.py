@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from runner import torchrun_command
 
+from fsdp_trainer.convert import consolidate, import_hf
 from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
 from fsdp_trainer.files import METRICS_FILE
 
@@ -149,7 +150,7 @@ def run_ours(kind, args, imported, data, seq_len, work: Path) -> dict:
     records = [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
     trained = sum(r.get("supervised_tokens") or r.get("pair_tokens") or 0 for r in logged)
-    tool("consolidate.py", out, out / "hf", "--verify", "files")
+    consolidate(out, out / "hf", verify="files")
     return {
         "steps": steps,
         "wall_s": logged[-1]["elapsed_s"],
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     hf = tokenizer_and_model(work, args.vocab, args.dim, args.layers)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
-    tool("import_hf.py", hf, work / "imported")
+    import_hf(hf, work / "imported")
     rows = []
     for kind in args.kinds:
         source, fmt = (BUNDLED_PREFERENCES, "preference") if kind == "dpo" else (BUNDLED_CHAT, "chat")
