@@ -212,7 +212,9 @@ def test_bench_moe_times_grouped_experts_against_transformers_loop(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_optimizer_times_adamw_and_muon_under_torchrun(tiny_data):
+def test_bench_optimizer_times_adamw_and_muon_on_two_ranks(tiny_data):
+    """bench_optimizer.py as torchrun's two workers run it (their environment, forked): each optimizer's step time,
+    over the two ranks' FULL_SHARD."""
     proc = run_bench("bench_optimizer.py", "--recipe", tiny_data, "--repeats", 2, "--steps", 1, nproc=2)
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines() if "| " in line}
     assert float(rows["AdamW (fused)"][0]) >= 0 and float(rows["Muon (+ AdamW for embeddings, head, norms)"][1]) > 0
