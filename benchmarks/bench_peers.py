@@ -5,7 +5,7 @@ DDP, the same work side by side on CPU ranks, alternating, in one run.
     python benchmarks/bench_peers.py --kinds sft lora --trl_packing     # TRL packed as well as padded
 
 From one config-built Qwen3 (saved by save_pretrained with a ChatML tokenizer trained on the bundled corpus; imported
-for ours with tools/import_hf.py), each kind trains one pass over the same --examples examples of the bundled chat
+for ours by convert.import_hf), each kind trains one pass over the same --examples examples of the bundled chat
 set (sft, lora) or preference set (dpo), in fp32, with the same optimizer (AdamW, no weight decay, clipping at 1), peak
 learning rate, warmup and cosine schedule, and the same examples a step: TRL pads each batch of --batch examples a
 rank to its longest; ours packs whole examples into windows of a length that holds as many (block-causal, so none
