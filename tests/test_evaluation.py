@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_trainer.convert import load_model
-from tests.helpers import REPO, forked, read_metrics, run_args, run_distributed, train_cli
+from tests.helpers import read_metrics, run_args, run_distributed, tool, train_cli
 from tests.test_real_models import corpus, save_hf_checkpoint, save_hf_tokenizer
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -165,12 +165,11 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
     from two that split the requests, and from two that also shard the model (--shard); an unknown task is one line
     naming it."""
     train_cli(run_args(tiny_data, tmp_path / "run", 2, lora={"rank": 4}, checkpoint={"every": 2}))
-    tool = str(REPO / "tools" / "evaluate.py")
     flags = [str(tmp_path / "run"), "--tasks", "shakespeare_next_line", "--limit", "30", "--batch_size", "4"]
     results = []
     for nproc, shard in ((1, []), (2, []), (2, ["--shard"])):
         path = tmp_path / f"scores_{nproc}{''.join(shard)}.json"
-        proc = forked.run(tool, [*flags, *shard, "--output_path", path], nproc=nproc)  # ranks as torchrun starts them
+        proc = tool("evaluate.py", *flags, *shard, "--output_path", path, nproc=nproc, check=False)  # torchrun's ranks
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
         results.append(json.loads(path.read_text())["results"])
@@ -180,7 +179,7 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
             k: v for k, v in split.items() if "stderr" not in k
         }
         assert split["acc_norm_stderr,none"] == pytest.approx(one["acc_norm_stderr,none"], rel=1e-12)  # a sum's order
-    proc = forked.run(tool, [tmp_path / "run", "--tasks", "shakespeare_nxt_line"])
+    proc = tool("evaluate.py", tmp_path / "run", "--tasks", "shakespeare_nxt_line", check=False)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --tasks: no task named shakespeare_nxt_line in")
 
@@ -200,7 +199,7 @@ def test_scores_during_training_are_the_tools_on_each_checkpoint_and_a_resume_sc
     assert all(0 <= r["eval/shakespeare_next_line/acc"] <= 1 and "eval/shakespeare_next_line/acc_stderr" in r
                for r in records)  # fmt: skip
     step_2 = [out / "checkpoints" / "step_00000002", "--output_path", tmp_path / "s.json"]
-    proc = forked.run(str(REPO / "tools" / "evaluate.py"), [*step_2, "--tasks", "shakespeare_next_line", "--limit", 16])
+    proc = tool("evaluate.py", *step_2, "--tasks", "shakespeare_next_line", "--limit", 16, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads((tmp_path / "s.json").read_text())["results"]["shakespeare_next_line"]
     assert records[0]["eval/shakespeare_next_line/acc"] == theirs["acc,none"]

@@ -11,20 +11,16 @@ import torch
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, count_params, generate
-from tests.helpers import REPO, TINY_MODEL, forked, run_args, train_cli, train_losses
+from tests.helpers import REPO, TINY_MODEL, run_args, script, train_cli, train_losses
 from tests.helpers import tool as run_tool
 
 BENCHMARKS = REPO / "benchmarks"
 
 
-def run_bench(script: str, *args, nproc: int = 1, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
-    """A benchmark script (in `cwd`), forked as `python benchmarks/script ...` (tests/helpers/forked.py), as `nproc`
-    ranks when more than one; fails the test with its stderr if it fails, unless not `check`. The jobs it launches are
-    its own: torchrun, as a user's run of it starts them."""
-    proc = forked.run(str(BENCHMARKS / script), list(map(str, args)), nproc=nproc, cwd=cwd)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def run_bench(name: str, *args, nproc: int = 1, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
+    """A benchmark script, forked as `python benchmarks/name ...` (helpers.script); the jobs it launches are its own:
+    torchrun, as a user's run of it starts them."""
+    return script(BENCHMARKS / name, *args, nproc=nproc, cwd=cwd, check=check)
 
 
 @pytest.mark.slow

@@ -80,12 +80,21 @@ def train_cli(
     return proc
 
 
-def tool(name: str, *args, check: bool = True) -> subprocess.CompletedProcess:
-    """Run tools/`name` with `args` as `python tools/name ...` would, forked (tests/helpers/forked.py)."""
-    proc = forked.run(str(REPO / "tools" / name), list(map(str, args)))
+def script(
+    path: str | Path, *args, nproc: int = 1, cwd: Path = REPO, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run the script at `path` with `args` (in `cwd`) as `python path ...` would, forked (tests/helpers/forked.py), as
+    `nproc` ranks with torchrun's environment when more than one; fails the test with its stderr if it fails, unless
+    not `check`."""
+    proc = forked.run(str(path), list(map(str, args)), nproc=nproc, cwd=cwd)
     if check and proc.returncode:
         raise AssertionError(proc.stderr[-3000:])
     return proc
+
+
+def tool(name: str, *args, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    """Run tools/`name` with `args` as `python tools/name ...` would (`script`)."""
+    return script(REPO / "tools" / name, *args, nproc=nproc, check=check)
 
 
 def free_port() -> int:
