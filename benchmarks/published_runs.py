@@ -8,6 +8,11 @@ Sources (read 2026-11-27):
   1600 Gbps node-node interconnect (RoCE)": MPT models (GELU MLP 4d wide, no GQA, learned positions, vocabulary 50,368,
   Triton flash attention), FSDP FULL_SHARD (PyTorch FSDP1), amp_bf16, "Activation Checkpointing" True = full, eager.
   The model sizes' widths and depths are the repository's yamls (mpt-*.yaml); their parameter counts match the table's.
+- llm-foundry's micro-batch sweep: the same repository's scripts/train/benchmarking/larger_mb_1.md (commit beb8dee6),
+  the same stack as its README's tables (amp_bf16, MP mode DEFAULT, FULL_SHARD, eager), MPT-7B and MPT-13B at 2,048
+  tokens on 8 A100 80GB with micro-batches of 1 to 6 and MPT-3B with one on 8 A100 40GB (HBM2 at 1,555 GB/s, the
+  40GB SXM datasheet's); its rows with activations offloaded to the host are left out. None of its rows is in the
+  README's tables, so none fixed a constant: they check how the model prices a micro-batch's size.
 - torchtitan: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, FSDP2, selective AC,
   local batch 2 x 8192; H100s with 96 GB HBM2e at 2.4 TB/s and 500 W, a peak "between SXM and NVL": priced at the
   SXM's peak with their bandwidth) and docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB,
@@ -213,6 +218,21 @@ LLM_FOUNDRY_A100 = _foundry(
 """,
 )
 
+# larger_mb_1.md's rows: (model, micro-batch, accumulation, tokens/s per GPU, HBM GB/s where not an 80GB A100's), on 8
+# GPUs at 2,048 tokens.
+LLM_FOUNDRY_MICRO_BATCH = [
+    Run("llm-foundry micro-batches", "A100", model, 2048, 8, micro, accum, "none", tps, hbm_gb_s=hbm)
+    for model, micro, accum, tps, hbm in (
+        ("13b", 2, 2, 2228, None),
+        ("13b", 1, 2, 1867, None),
+        ("7b", 6, 2, 4715, None),
+        ("7b", 4, 2, 4513, None),
+        ("7b", 2, 2, 4044, None),
+        ("7b", 1, 2, 3366, None),
+        ("3b", 1, 2, 7076, 1555),  # A100 40GB
+    )
+]
+
 # torchtitan's selective op AC saves the output of every other matmul and recomputes the rest ("Saves output of all
 # compute ops, except every second mm", its activation-checkpointing policy of 2024): half a forward's matmuls again.
 OP_SAC = 0.5
@@ -251,7 +271,7 @@ TORCHTUNE = [  # Llama 3.2 3B on one A100, batch 2 x 4096 packed: the README's "
     Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "full", 8035, compile=True, lora_rank=64, nf4=True),
 ]
 
-RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + TORCHTITAN + OLMO_CORE + TORCHTUNE
+RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + LLM_FOUNDRY_MICRO_BATCH + TORCHTITAN + OLMO_CORE + TORCHTUNE
 
 
 def sections(run: Run) -> dict[str, dict]:

@@ -276,8 +276,8 @@ def test_a_preference_run_prices_its_reference_model(lora):
         data, cfg = plain.data, plain.model
         tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps
         weights = (flops_per_token(cfg, data.seq_len) - attention_flops_per_token(cfg, data.seq_len)) / 3  # 2 a weight
-        size, peak = data.micro_batch_size * data.seq_len * cfg.dim, PEAK_FLOPS["H100"]["bf16"]
-        efficiency = peak * matmul_efficiency(size, peak, GPUS["H100"].hbm_gb_s * 1e9)
+        micro_batch, peak = data.micro_batch_size * data.seq_len, PEAK_FLOPS["H100"]["bf16"]
+        efficiency = peak * matmul_efficiency(micro_batch, peak, GPUS["H100"].hbm_gb_s * 1e9)
         assert slower.compute_s - faster.compute_s == pytest.approx(tokens * weights / efficiency)
 
 
@@ -354,20 +354,18 @@ _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "n
 # What benchmarks/fit_speed.py found on the published runs it checks and was not fitted to, beside llm-foundry's it
 # was fitted to: each within this error (docs/benchmarks.md has the table); the runs known to be further off with why.
 OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
-    ("30b", "H100", 8, 8192): 0.26,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
-    ("30b", "A100", 8, 8192): 0.29,
-    ("70b", "H100", 64, 2048): 0.16,
-    ("760m", "A100", 8, 1024): 0.16,  # slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size
-    ("760m", "A100", 8, 512): 0.22,
-    # torchtune's 3B on one A100: its compile compiles the loss too, and gains 27% where torchtitan's gains 16%
-    ("llama3_2_3b", "A100", 1, 4096): 0.19,
+    ("30b", "H100", 8, 8192): 0.22,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
+    ("30b", "A100", 8, 8192): 0.28,
+    ("760m", "A100", 8, 512): 0.22,  # slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size
+    ("olmo2_1b", "H100", 8, 4096): 0.23,  # the narrowest Llama-style model checked, and its tokens/s rounded
 }
 
 
 def test_the_step_time_model_holds_on_published_runs():
     """llm-foundry's 110 runs (MPT 125M-70B, sequences of 512-65,536, H100 and A100, 8-64 GPUs) that fixed its
-    constants, and torchtitan's, OLMo-core's and torchtune's (one GPU, LoRA and QLoRA among them) that did not: each
-    within 15% of its published tokens/s per GPU, or the stated error of the few known to be further off."""
+    constants, and llm-foundry's micro-batch sweep (1 to 6 sequences of 2,048) and torchtitan's, OLMo-core's and
+    torchtune's (one GPU, LoRA and QLoRA among them) that did not: each within 15% of its published tokens/s per GPU,
+    or the stated error of the few known to be further off."""
     from fit_speed import errors, planned
     from published_runs import RUNS
 
@@ -377,7 +375,7 @@ def test_the_step_time_model_holds_on_published_runs():
         allowed = OUTSIDE.get((run.model, run.gpu, run.gpus, run.seq_len), 0.15)
         assert abs(error) <= allowed, (run.name, error)
         within += abs(error) <= 0.15
-    assert within >= 121 and len(rows) == 127
+    assert within >= 130 and len(rows) == 134
 
 
 def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
@@ -394,6 +392,12 @@ def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
         times.append(seconds_per_token(recipe, row, peak, c.attention, hbm, c))
     assert all(a > b for a, b in zip(times, times[1:], strict=False))
     weights = flops_per_token(cfg, recipe.data.seq_len) - attention_flops_per_token(cfg, recipe.data.seq_len)
+    # Said in bytes: a micro-batch moves each weight's 2 * matmul_half / matmul_peak bytes over HBM in each of its
+    # three passes (forward, input gradient, weight gradient) however many tokens it holds, on top of the FLOPs at
+    # matmul_peak. One sequence a micro-batch against two: the difference is those bytes over one and over two.
+    fixed = 3 * weights / 6 * 2 * c.matmul_half / c.matmul_peak / hbm
+    seq = recipe.data.seq_len
+    assert times[0] - times[1] == pytest.approx(fixed / seq - fixed / (2 * seq))
     infinite = dataclasses.replace(c, matmul_half=0.0)
     assert times[-1] > seconds_per_token(recipe, row, peak, c.attention, hbm, infinite)
     assert seconds_per_token(recipe, row, peak, c.attention, hbm, infinite) > weights / (peak * c.matmul_peak) * 0.9
@@ -403,25 +407,24 @@ def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
     recipe.parallel.compile = True
     assert seconds_per_token(recipe, row, peak, c.attention, hbm, c) < times[-1]
     # Half of a forward's matmuls again (another framework's selective AC) costs half a forward at the same efficiency.
-    size = recipe.data.micro_batch_size * recipe.data.seq_len * cfg.dim
+    micro_batch = recipe.data.micro_batch_size * recipe.data.seq_len
     half_again = seconds_per_token(recipe, row, peak, c.attention, hbm, c, recomputed=0.5)
     assert half_again - seconds_per_token(recipe, row, peak, c.attention, hbm, c) == pytest.approx(
-        weights / 3 / 2 / (peak * matmul_efficiency(size, peak, hbm))
+        weights / 3 / 2 / (peak * matmul_efficiency(micro_batch, peak, hbm))
     )
 
 
 def test_a_gpu_whose_compute_outruns_its_memory_needs_larger_matmuls_to_reach_the_same_share_of_its_peak():
-    """The size at which a matmul reaches half of matmul_peak is proportional to the GPU's ridge point (peak FLOP/s
-    over HBM bytes/s): an A100 (153 FLOPs a byte) is half-way at about half the size an H100 (295) needs, a B200
-    (281) near an H100's; every GPU tends to matmul_peak for large sizes and none passes it."""
+    """The micro-batch at which a matmul reaches half of matmul_peak is proportional to the GPU's ridge point (peak
+    FLOP/s over HBM bytes/s): an A100 (153 FLOPs a byte) is half-way at about half the tokens an H100 (295) needs, a
+    B200 (281) near an H100's; every GPU tends to matmul_peak for long micro-batches and none passes it."""
     c = CALIBRATION
     ridge = {gpu: PEAK_FLOPS[gpu]["bf16"] / (GPUS[gpu].hbm_gb_s * 1e9) for gpu in ("A100", "H100", "B200")}
     for gpu, r in ridge.items():
         peak, hbm = PEAK_FLOPS[gpu]["bf16"], GPUS[gpu].hbm_gb_s * 1e9
         assert matmul_efficiency(c.matmul_half * r, peak, hbm) == pytest.approx(c.matmul_peak / 2)
         assert c.matmul_peak * 0.99 < matmul_efficiency(1e12, peak, hbm) < c.matmul_peak
-    size = 1e7
-    a100, h100 = (matmul_efficiency(size, PEAK_FLOPS[g]["bf16"], GPUS[g].hbm_gb_s * 1e9) for g in ("A100", "H100"))
+    a100, h100 = (matmul_efficiency(4096, PEAK_FLOPS[g]["bf16"], GPUS[g].hbm_gb_s * 1e9) for g in ("A100", "H100"))
     assert a100 > h100
 
 
@@ -445,9 +448,8 @@ def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_
     tokens = recipe.data.seq_len
     cfg, c = recipe.model, CALIBRATION
     weights = (flops_per_token(cfg, tokens) - attention_flops_per_token(cfg, tokens)) / 3  # a forward: 2 a weight
-    size = tokens * cfg.dim
     peak = PEAK_FLOPS["A100"]["bf16"]
-    again = weights / (peak * matmul_efficiency(size, peak, GPUS["A100"].hbm_gb_s * 1e9))
+    again = weights / (peak * matmul_efficiency(tokens, peak, GPUS["A100"].hbm_gb_s * 1e9))
     padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
     again += attention_flops_per_token(cfg, tokens) / 3 * padded / 2 / (PEAK_FLOPS["A100"]["bf16"] * c.attention_a100)
     assert full.compute_s - selective.compute_s == pytest.approx(tokens * again)

@@ -4,10 +4,13 @@ A step is its compute, its memory traffic and its communication, overlapped as F
 
 - matmuls: the step's weight FLOPs (6 a weight a token, 4 for a frozen one (LoRA), 2 more for each forward matmul that
   backward recomputes: all of them under full AC) at a fraction of the GPU's dense peak that grows with the matmul's
-  size, the tokens of a micro-batch times the block's width: `matmul_peak * s / (s + matmul_half * ridge)`, where the
-  ridge is the GPU's peak FLOP/s over its HBM bytes/s. Small widths and short micro-batches leave the tensor cores
-  waiting on memory, the more so the faster the tensor cores are against the memory; large ones approach what cuBLAS
-  reaches;
+  size, the tokens of a micro-batch T: `matmul_peak * T / (T + matmul_half * ridge)`, where the ridge is the GPU's
+  peak FLOP/s over its HBM bytes/s. The same thing said in bytes: each pass of a micro-batch over a weight (forward,
+  backward's input gradient, its own gradient) costs its FLOPs at matmul_peak plus a fixed 2 * matmul_half /
+  matmul_peak bytes of that weight over HBM (reading it, its gradient written and accumulated, the gathered copy),
+  however few tokens share them. Short micro-batches leave the tensor cores waiting on those bytes, the more so the
+  faster the tensor cores are against the memory; long ones approach matmul_peak. The block's width plays no
+  part: fitted with a width term as well, the published runs set it to zero;
 - attention: its FLOPs with the causal half skipped (flash attention), heads as wide as the kernel's next width, at a
   fraction `attention` of the peak (an A100's own), a second forward under full AC;
 - QLoRA: each NF4 weight dequantized to the compute dtype for every matmul it takes part in, priced by its bytes;
@@ -24,10 +27,10 @@ A step is its compute, its memory traffic and its communication, overlapped as F
 
 Six constants (CALIBRATION) stand for every shape: five fitted once to llm-foundry's 110 published runs on H100s and
 A100s (MPT 125M to 70B, sequences of 512 to 65,536, micro-batches of 1 to 128, 8 to 64 GPUs), the sixth (compile) from
-torchtitan's compiled against eager run; torchtitan's, OLMo-core's and torchtune's other runs check them
-(benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row, docs/benchmarks.md the
-table: 121 of 127 within 15%). Rows with the state offloaded to the host get no prediction: their step
-waits on the host's optimizer and PCIe, which this model does not price.
+torchtitan's compiled against eager run; llm-foundry's micro-batch sweep and torchtitan's, OLMo-core's and torchtune's
+other runs check them (benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row,
+docs/benchmarks.md the table: 130 of 134 within 15%). Rows with the state offloaded to the host get no prediction:
+their step waits on the host's optimizer and PCIe, which this model does not price.
 """
 
 from __future__ import annotations
@@ -69,11 +72,11 @@ class Calibration:
     """The step-time model's constants, fitted together to published runs (benchmarks/fit_speed.py)."""
 
     matmul_peak: float
-    """The fraction of dense peak the largest matmuls reach."""
+    """The fraction of dense peak the longest micro-batches' matmuls tend to. Fitted with the others, whose sum is
+    the step, not measured alone: the published runs put it near 1, above what a lone large GEMM measures."""
     matmul_half: float
-    """The size (tokens per micro-batch x the block's width) at which a matmul reaches half of matmul_peak, per FLOP a
-    byte of the GPU's ridge point (peak FLOP/s / HBM bytes/s): an H100's 295 puts it at 1.8e7, an A100's 153 at
-    9.5e6."""
+    """The tokens of a micro-batch at which a matmul reaches half of matmul_peak, per FLOP a byte of the GPU's ridge
+    point (peak FLOP/s / HBM bytes/s): an H100's 295 puts it at 3,400 tokens, an A100's 153 at 1,800."""
     attention: float
     """The fraction of dense peak flash attention's FLOPs (causal half skipped) reach on Hopper and later GPUs (H100,
     H200, B200), whose tensor cores the flash attention kernels of these runs (FlashAttention 2, Triton, cuDNN's
@@ -88,12 +91,12 @@ class Calibration:
 
 
 CALIBRATION = Calibration(
-    matmul_peak=0.92472,
-    matmul_half=62349,
-    attention=0.15424,
-    attention_a100=0.28334,
-    elementwise=225.39,
-    compiled=0.35035,
+    matmul_peak=0.99446,
+    matmul_half=11.628,
+    attention=0.15575,
+    attention_a100=0.28252,
+    elementwise=299.56,
+    compiled=0.51122,
 )
 """Fitted to llm-foundry's 110 runs (`python benchmarks/fit_speed.py --fit llm-foundry`); `compiled` from torchtitan's
 compiled / eager speed-up, since those runs are all eager."""
@@ -186,8 +189,8 @@ def seconds_per_token(
     if ac == "full":  # each block's forward again in backward, its attention too
         attention *= 4 / 3
     weights += estimate.frozen_forward * forward  # the kind's forwards without gradient (a reference's, a teacher's)
-    size = data.micro_batch_size * data.seq_len * cfg.dim
-    matmul = weights / (peak * matmul_efficiency(size, peak, hbm, c))
+    tokens = data.micro_batch_size * data.seq_len
+    matmul = weights / (peak * matmul_efficiency(tokens, peak, hbm, c))
     # Flash attention kernels come in head widths of multiples of 32 (FlashAttention 2: 32 to 256): a head of another
     # width is computed as the next one up (MPT-30B's 112 as 128).
     padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
@@ -204,9 +207,9 @@ def recomputed_share(ac: str) -> float:
     return 1.0 if ac == "full" else 0.0
 
 
-def matmul_efficiency(size: float, peak: float, hbm: float, calibration: Calibration = CALIBRATION) -> float:
-    """The fraction of the dense `peak` a matmul of `size` (tokens of a micro-batch x the block's width) reaches on a
-    GPU of `hbm` bytes/s: the larger, the closer to matmul_peak. The size at half of it scales with the GPU's ridge
-    point (peak / bandwidth): a GPU whose compute outruns its memory further needs larger matmuls to be fed."""
+def matmul_efficiency(tokens: float, peak: float, hbm: float, calibration: Calibration = CALIBRATION) -> float:
+    """The fraction of the dense `peak` a micro-batch of `tokens` reaches in its matmuls on a GPU of `hbm` bytes/s: the
+    more tokens share each weight's bytes, the closer to matmul_peak. The micro-batch at half of it scales with the
+    GPU's ridge point (peak / bandwidth): a GPU whose compute outruns its memory further needs more tokens to be fed."""
     half = calibration.matmul_half * peak / hbm
-    return calibration.matmul_peak * size / (size + half)
+    return calibration.matmul_peak * tokens / (tokens + half)
