@@ -356,7 +356,9 @@ _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "n
 OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
     ("30b", "H100", 8, 8192): 0.22,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
     ("30b", "A100", 8, 8192): 0.28,
-    ("760m", "A100", 8, 512): 0.22,  # slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size
+    # Slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size; the 2048 row's configuration measured
+    # 10% lower in another of llm-foundry's runs.
+    ("760m", "A100", 8, 512): 0.22,
     ("olmo2_1b", "H100", 8, 4096): 0.23,  # the narrowest Llama-style model checked, and its tokens/s rounded
 }
 
