@@ -1,6 +1,6 @@
 """The planner's step-time model (fsdp_trainer/planner/speed.py) against published runs (published_runs.py): its
-prediction and error on each row, and with --fit its five constants fitted anew to the rows named, the others held
-out to check it on runs it was not fitted to.
+prediction and error on each row, a summary a source and GPU, and with --fit its five constants fitted anew to the
+rows named, the others held out to check it on runs it was not fitted to.
 
     python benchmarks/fit_speed.py                        # the shipped constants' error on every row
     python benchmarks/fit_speed.py --fit llm-foundry      # refit on llm-foundry's rows, check on the others
@@ -104,12 +104,18 @@ def main(argv: list[str] | None = None) -> None:
         print(calibration)
     print("| run | published tokens/s / GPU | predicted | error |")
     print("|---|---|---|---|")
-    worst = 0.0
+    by_source: dict[str, list[float]] = {}
     for i, ((run, _, _), error) in enumerate(zip(rows, errors(rows, calibration), strict=True)):
         mark = " (fitted on)" if i in fitted_on else ""
         predicted = run.tokens_per_s_per_gpu * (1 + error)
         print(f"| {run.name}{mark} | {run.tokens_per_s_per_gpu:,.0f} | {predicted:,.0f} | {error:+.1%} |")
-        worst = max(worst, abs(error))
+        by_source.setdefault(f"{run.source}, {run.gpu}", []).append(error)
+    print("\n| rows | within 15% | mean \\|error\\| | range |")
+    print("|---|---|---|---|")
+    for source, errs in by_source.items():
+        within, mean = sum(abs(e) <= 0.15 for e in errs), sum(map(abs, errs)) / len(errs)
+        print(f"| {source} ({len(errs)}) | {within} | {mean:.1%} | {min(errs):+.1%} to {max(errs):+.1%} |")
+    worst = max(abs(e) for errs in by_source.values() for e in errs)
     print(f"largest error {worst:.1%} over {len(rows)} runs", file=sys.stderr)
 
 
