@@ -354,12 +354,12 @@ _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "n
 # What benchmarks/fit_speed.py found on the published runs it checks and was not fitted to, beside llm-foundry's it
 # was fitted to: each within this error (docs/benchmarks.md has the table); the runs known to be further off with why.
 OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
-    ("30b", "H100", 8, 8192): 0.22,  # 23% slower than at 4096 where 13b loses 13%: memory pressure, not modelled
+    # Slower than at 4096 by more than its own 1024 -> 2048 rows allow attention to cost (memory at the card's edge)
+    ("30b", "H100", 8, 8192): 0.22,
     ("30b", "A100", 8, 8192): 0.28,
     # Slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size; the 2048 row's configuration measured
     # 10% lower in another of llm-foundry's runs.
     ("760m", "A100", 8, 512): 0.22,
-    ("olmo2_1b", "H100", 8, 4096): 0.23,  # the narrowest Llama-style model checked, and its tokens/s rounded
 }
 
 
@@ -377,7 +377,7 @@ def test_the_step_time_model_holds_on_published_runs():
         allowed = OUTSIDE.get((run.model, run.gpu, run.gpus, run.seq_len), 0.15)
         assert abs(error) <= allowed, (run.name, error)
         within += abs(error) <= 0.15
-    assert within >= 130 and len(rows) == 134
+    assert within >= 132 and len(rows) == 135
 
 
 def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():

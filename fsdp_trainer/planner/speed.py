@@ -29,7 +29,7 @@ Six constants (CALIBRATION) stand for every shape: five fitted once to llm-found
 A100s (MPT 125M to 70B, sequences of 512 to 65,536, micro-batches of 1 to 128, 8 to 64 GPUs), the sixth (compile) from
 torchtitan's compiled against eager run; llm-foundry's micro-batch sweep and torchtitan's, OLMo-core's and torchtune's
 other runs check them (benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row,
-docs/benchmarks.md the table: 130 of 134 within 15%). Rows with the state offloaded to the host get no prediction:
+docs/benchmarks.md the table: 132 of 135 within 15%). Rows with the state offloaded to the host get no prediction:
 their step waits on the host's optimizer and PCIe, which this model does not price.
 """
 
