@@ -21,7 +21,7 @@ from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.planner.plan import gathered_per_step, regathered_in_backward
+from fsdp_trainer.planner.plan import comm_bytes_per_rank, gathered_per_step, regathered_in_backward
 from fsdp_trainer.train import train_step
 from tests.helpers import run_distributed
 
@@ -55,7 +55,7 @@ class CollectiveCounter(TorchDispatchMode):
         return sum(n for n, _ in rows), sum(n * e for n, e in rows)
 
 
-def _one_step(sharding: str, accum: int, world: int, ranks_per_node: int) -> CollectiveCounter:
+def _one_step(sharding: str, accum: int, world: int, ranks_per_node: int, unsharded: bool) -> CollectiveCounter:
     replicas, shard_group = SHARDING[sharding].mesh_shape(world, ranks_per_node)
     if replicas == 1:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
@@ -63,7 +63,8 @@ def _one_step(sharding: str, accum: int, world: int, ranks_per_node: int) -> Col
         mesh = init_device_mesh("cpu", (replicas, shard_group), mesh_dim_names=("dp_replicate", "dp_shard"))
     with torch.device("meta"):
         model = Transformer(CFG)
-    applied = parallelize(model, ParallelConfig(sharding=sharding, mixed_precision="fp32"), mesh)
+    parallel = ParallelConfig(sharding=sharding, mixed_precision="fp32", accumulate_unsharded=unsharded)
+    applied = parallelize(model, parallel, mesh)
     materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
     optimizer = build_optimizer(model, OptimConfig())
     tokens = torch.randint(0, CFG.vocab_size, (accum, 2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -82,35 +83,45 @@ def _params(sharding_group: int = 1) -> int:
 def _check_counts(rank, world):
     ranks_per_node = 2 if world == 4 else world  # 4 ranks: 2 nodes of 2, so HYBRID_SHARD is a real 2 x 2 mesh
     params = _params()  # every parameter's shard sizes divide evenly at this shape
-    for accum in (1, 4):
-        for sharding in ("HYBRID_SHARD",) if world == 4 else ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP", "NO_SHARD"):
-            c = _one_step(sharding, accum, world, ranks_per_node)
-            where = f"{sharding}, accumulation {accum}: {dict(c.calls)}"
-            # The loss, summed over every rank once a step: one scalar, over the whole world.
-            assert c.calls[("all_reduce", world, 1)] == 1, where
-            gathered, gathered_elements = c.total("all_gather")
-            scattered, scattered_elements = c.total("reduce_scatter")
-            if sharding in ("FULL_SHARD", "HYBRID_SHARD"):
-                # ZeRO-3: each micro-step gathers every unit for forward and again for backward, but for the last block
-                # and the root, which stay gathered between the two.
-                assert gathered == accum * (UNITS + BLOCKS - 1), where
-            elif sharding == "SHARD_GRAD_OP":  # ZeRO-2: no parameter gathered in backward
-                assert gathered == accum * UNITS and gathered_elements == accum * params, where
-            elif sharding == "SHARD_OP":  # ZeRO-1: gathered once a step, whatever the accumulation
-                assert gathered == UNITS and gathered_elements == params, where
-            else:  # DDP: nothing gathered, nothing scattered
-                assert gathered == scattered == 0, where
-            if sharding != "NO_SHARD":  # the planner's traffic counts these very elements
-                assert gathered_elements == gathered_per_step(sharding, accum, params, regathered_in_backward(CFG))
-                # Gradients are reduce-scattered once a step, at the last micro-step: all of them, once.
-                assert scattered == UNITS and scattered_elements == params, where
-                assert c.total("all_gather", 2) == c.total("all_gather"), where  # within the shard group
-            if sharding == "NO_SHARD":  # DDP: the whole gradient all-reduced once a step, over all ranks
-                assert c.total("all_reduce", world) == (UNITS + 1, params + 1), where
-            elif sharding == "HYBRID_SHARD":  # HSDP: the node's gradient shards all-reduced across the replicas
-                assert c.total("all_reduce", 2) == (UNITS, params // 2), where
-            else:
-                assert c.total("all_reduce") == (1, 1), where
+    shardings = ("HYBRID_SHARD",) if world == 4 else ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP", "NO_SHARD")
+    # Each sharding at accumulation 1 and 4, and ZeRO-3 (HSDP on 4 ranks) with its gradients accumulated unsharded.
+    for accum, sharding, unsharded in [(a, s, False) for a in (1, 4) for s in shardings] + [(4, shardings[0], True)]:
+        c = _one_step(sharding, accum, world, ranks_per_node, unsharded)
+        where = f"{sharding}, accumulation {accum}, unsharded {unsharded}: {dict(c.calls)}"
+        # The loss, summed over every rank once a step: one scalar, over the whole world.
+        assert c.calls[("all_reduce", world, 1)] == 1, where
+        gathered, gathered_elements = c.total("all_gather")
+        scattered, scattered_elements = c.total("reduce_scatter")
+        if sharding in ("FULL_SHARD", "HYBRID_SHARD"):
+            # ZeRO-3: each micro-step gathers every unit for forward and again for backward, but for the last block
+            # and the root, which stay gathered between the two.
+            assert gathered == accum * (UNITS + BLOCKS - 1), where
+        elif sharding == "SHARD_GRAD_OP":  # ZeRO-2: no parameter gathered in backward
+            assert gathered == accum * UNITS and gathered_elements == accum * params, where
+        elif sharding == "SHARD_OP":  # ZeRO-1: gathered once a step, whatever the accumulation
+            assert gathered == UNITS and gathered_elements == params, where
+        else:  # DDP: nothing gathered, nothing scattered
+            assert gathered == scattered == 0, where
+        if sharding != "NO_SHARD":  # the planner's traffic counts these very elements
+            assert gathered_elements == gathered_per_step(sharding, accum, params, regathered_in_backward(CFG))
+            # Gradients are reduce-scattered into the shards every micro-step under ZeRO-2/3 and HSDP, once a
+            # step, at the last micro-step, where they are accumulated unsharded (ZeRO-1 always): all of them.
+            reductions = accum if sharding != "SHARD_OP" and not unsharded else 1
+            assert scattered == reductions * UNITS and scattered_elements == reductions * params, where
+            assert c.total("all_gather", 2) == c.total("all_gather"), where  # within the shard group
+            # and its bytes (fp32, a ring sending half of each buffer on 2 ranks; HSDP's all-reduce across 2 nodes
+            # sends its shard twice, reduce-scattering and all-gathering, half of it each time)
+            across = c.total("all_reduce", 2)[1] if sharding == "HYBRID_SHARD" else 0
+            sent = 4 * (gathered_elements + scattered_elements) / 2 + 4 * across
+            planned = comm_bytes_per_rank(sharding, params, 4, accum, ranks_per_node, world // ranks_per_node,
+                                          regathered_in_backward(CFG), accumulate_unsharded=unsharded)  # fmt: skip
+            assert planned[0] == sent, (planned, sent, where)
+        if sharding == "NO_SHARD":  # DDP: the whole gradient all-reduced once a step, over all ranks
+            assert c.total("all_reduce", world) == (UNITS + 1, params + 1), where
+        elif sharding == "HYBRID_SHARD":  # HSDP: the node's gradient shards all-reduced across nodes once a step
+            assert c.total("all_reduce", 2) == (UNITS, params // 2), where
+        else:
+            assert c.total("all_reduce") == (1, 1), where
 
 
 def test_each_sharding_issues_the_collectives_its_table_row_promises():

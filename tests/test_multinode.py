@@ -15,8 +15,9 @@ from fsdp_trainer.model import count_params
 from tests.helpers import REPO, TINY_MODEL, free_port, read_metrics, run_args, train_multinode, wait_for_step
 
 
-def _run(tiny_data, out_dir, sharding):
-    outputs = train_multinode(run_args(tiny_data, out_dir, parallel={"sharding": sharding}, checkpoint={"every": 10}))
+def _run(tiny_data, out_dir, sharding, **overrides):
+    args = run_args(tiny_data, out_dir, parallel={"sharding": sharding}, checkpoint={"every": 10}, **overrides)
+    outputs = train_multinode(args)
     records = read_metrics(out_dir)
     return outputs, {r["step"]: r["loss"] for r in records if "loss" in r}, next(r for r in records if "state_gb" in r)
 
@@ -24,7 +25,10 @@ def _run(tiny_data, out_dir, sharding):
 @pytest.mark.slow
 def test_hybrid_shard_on_two_nodes_matches_full_shard(tiny_data, tmp_path):
     outputs, full, full_state = _run(tiny_data, tmp_path / "full", "FULL_SHARD")
-    _, hybrid, hybrid_state = _run(tiny_data, tmp_path / "hybrid", "HYBRID_SHARD")
+    # The same global batch in 2 micro-steps of 1 sequence: each reduce-scattered within the node, the two summed and
+    # all-reduced across the nodes at the second.
+    accumulating = {"data": {"micro_batch_size": 1, "grad_accum_steps": 2}}
+    _, hybrid, hybrid_state = _run(tiny_data, tmp_path / "hybrid", "HYBRID_SHARD", **accumulating)
 
     # 4 ranks, one global batch; the losses agree to float rounding (the reductions are grouped differently).
     assert "| 4 rank(s), FULL_SHARD" in "".join(outputs)

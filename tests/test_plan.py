@@ -113,8 +113,8 @@ def test_state_follows_zero_formulas_and_sharding_order():
     "precision, accum, best",
     # bf16 + fp32 reduction: ZeRO-2 sends (2 + 4)P, DDP and ZeRO-3 8P; fp32: ZeRO-2 and DDP 8P (the tie goes to the
     # smaller), ZeRO-3 12P; ZeRO-1 equals ZeRO-2 without accumulation (the tie goes to the first listed). Accumulating
-    # 4 micro-steps re-gathers parameters 4 times under ZeRO-2/3, which DDP never does and ZeRO-1 does once: ZeRO-1
-    # then ties with DDP at 8P and holds less.
+    # 4 micro-steps re-gathers parameters and reduce-scatters gradients 4 times under ZeRO-2/3 (keeping them
+    # sharded), which DDP never does and ZeRO-1 does once: ZeRO-1 then ties with DDP at 8P and holds less.
     [("bf16", 1, "SHARD_GRAD_OP"), ("fp32", 1, "SHARD_GRAD_OP"), ("fp32", 4, "SHARD_OP")],
 )
 def test_communication_volume_orders_the_one_node_choice(precision, accum, best):
@@ -128,11 +128,17 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
     assert estimates["NO_SHARD"].sent_gb == pytest.approx(8 * n_params * 7 / 8 / 1e9)
     regathered = (recipe.model.n_layers - 1) * count_params(recipe.model, one_block=True)  # all blocks but the last
     gathered = accum * a * (n_params + regathered)
-    assert estimates["FULL_SHARD"].sent_gb == pytest.approx((gathered + 4 * n_params) * 7 / 8 / 1e9)
+    assert estimates["FULL_SHARD"].sent_gb == pytest.approx((gathered + accum * 4 * n_params) * 7 / 8 / 1e9)
     assert estimates["SHARD_OP"].sent_gb == pytest.approx((a + 4) * n_params * 7 / 8 / 1e9)  # whatever accum is
     accumulated = 4 * n_params / 1e9 if accum > 1 else 0  # unsharded fp32 gradients over the micro-steps
-    assert estimates["SHARD_OP"].accumulated_gb == estimates["FULL_SHARD"].accumulated_gb == pytest.approx(accumulated)
+    assert estimates["SHARD_OP"].accumulated_gb == pytest.approx(accumulated)
+    assert estimates["FULL_SHARD"].accumulated_gb == estimates["SHARD_GRAD_OP"].accumulated_gb == 0  # kept sharded
     assert estimates["NO_SHARD"].accumulated_gb == 0  # its gradients are whole anyway
+    # Accumulated unsharded instead (parallel.accumulate_unsharded), ZeRO-3 reduce-scatters once and holds them.
+    recipe.parallel.accumulate_unsharded = True
+    once = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert once.sent_gb == pytest.approx((gathered + 4 * n_params) * 7 / 8 / 1e9)
+    assert once.accumulated_gb == pytest.approx(accumulated)
     if precision == "fp32" and accum == 1:  # 12P less the last block's and the root's backward gathers, against 8P
         assert estimates["NO_SHARD"].sent_gb < estimates["FULL_SHARD"].sent_gb < 1.5 * estimates["NO_SHARD"].sent_gb
     assert all(e.internode_gb == 0 for e in estimates.values())
@@ -246,8 +252,8 @@ def test_lora_prices_frozen_weights_without_gradients_or_optimizer_state():
         assert e.state_gb < estimate(full, nproc=8, nnodes=1, sharding=sharding, ac="full", device="cuda").state_gb / 3
     accumulating = parse_recipe(["--recipe", str(REPO / "recipes" / "8b.yaml"), "--lora.rank", "16",
                                  "--data.grad_accum_steps", "2"])  # fmt: skip
-    e = estimate(accumulating, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
-    assert e.accumulated_gb == pytest.approx(4 * adapters / 1e9)
+    e = estimate(accumulating, nproc=8, nnodes=1, sharding="SHARD_OP", ac="full", device="cuda")
+    assert e.accumulated_gb == pytest.approx(4 * adapters / 1e9)  # only the adapters' gradients, accumulated whole
 
 
 @pytest.mark.parametrize("lora", [None, 16])

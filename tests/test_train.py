@@ -33,9 +33,17 @@ def reference_losses(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, sharding):
-    losses = _run(tiny_data, tmp_path, nproc=2, parallel={"sharding": sharding})
+@pytest.mark.parametrize(
+    "sharding, accumulate_unsharded",
+    [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)],
+)
+def test_two_ranks_match_one_process(tiny_data, tmp_path, reference_losses, sharding, accumulate_unsharded):
+    """2 ranks x 2 micro-steps of 1 sequence under ZeRO-3 (each micro-step's gradients reduce-scattered into the
+    shards) and ZeRO-2 with them accumulated unsharded (reduced once, at the last), and DDP at 2 sequences a rank: the
+    losses of one process at 2 x 2 (fp32, reduction order only)."""
+    parallel = {"sharding": sharding, "accumulate_unsharded": accumulate_unsharded}
+    data = {} if sharding == "NO_SHARD" else {"micro_batch_size": 1, "grad_accum_steps": 2}
+    losses = _run(tiny_data, tmp_path, nproc=2, parallel=parallel, data=data)
     assert sorted(losses) == list(range(1, 11))
     for step, ref in reference_losses.items():
         assert losses[step] == pytest.approx(ref, rel=1e-5), f"step {step}: {losses[step]} vs {ref}"

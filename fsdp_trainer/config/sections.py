@@ -257,6 +257,13 @@ class ParallelConfig:
     traffic every step. On a CPU-only machine it runs, unpinned, and saves nothing: host and device are one memory."""
     timeout_s: float = 600.0
     """Seconds a collective may wait for a peer before the run fails (instead of hanging on a dead rank)."""
+    accumulate_unsharded: bool = False
+    """With data.grad_accum_steps > 1 under FULL_SHARD, SHARD_GRAD_OP or HYBRID_SHARD, accumulate the whole model's
+    unsharded fp32 gradients over a step's micro-steps and reduce them once, at the last (FSDP2's
+    set_requires_gradient_sync(False) before it): one reduce-scatter a step instead of one a micro-step, for 4 bytes a
+    trained parameter more on every rank. Off, each micro-step's gradients are reduce-scattered into the shards and
+    stay sharded, as ZeRO-2/3 hold them. SHARD_OP (ZeRO-1) and NO_SHARD (DDP) always accumulate whole gradients: they
+    hold them whole anyway."""
 
     def __post_init__(self) -> None:
         require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
@@ -295,7 +302,8 @@ class DataConfig:
     micro_batch_size: int = 8
     """Sequences per rank per forward/backward."""
     grad_accum_steps: int = 1
-    """Forward/backward passes per optimizer step; gradients are synchronised on the last one only."""
+    """Forward/backward passes per optimizer step; gradients are reduced across ranks on each one or on the last
+    only (parallel.accumulate_unsharded)."""
     mixture: list[MixtureSource] | None = None
     """Train on several token files or shard directories, each drawn with its weight, instead of train_path alone:
     `[{path: data/web, weight: 0.7}, {path: data/code, weight: 0.3}]`. Each source has its own shuffled epochs;

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -36,6 +36,10 @@ class ShardingPlan:
     """Keep the gathered parameters over all micro-steps of an optimizer step, freed only after the last backward
     (ZeRO-1): gathered once per step instead of once per micro-step, the gradients accumulating unsharded until the
     last micro-step reduce-scatters them."""
+    reduce_every_micro_step: bool = False
+    """With gradient accumulation, reduce-scatter each micro-step's gradients into the shards, so that they stay
+    sharded over the step as ZeRO-2/3 hold them, instead of accumulating the whole model's unsharded gradients until
+    the last micro-step reduces them (parallel.accumulate_unsharded)."""
 
     def mesh_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
         """(replicas, shard group): how many copies of the model the world holds, and how many ranks share one."""
@@ -46,14 +50,21 @@ class ShardingPlan:
 # The only place the user's sharding names are spelled out. Data parallelism always spans the whole world; the plan
 # decides how the ranks split into a (replicate, shard) mesh, which FSDP2 runs as HSDP when both are > 1.
 SHARDING: dict[str, ShardingPlan] = {
-    "FULL_SHARD": ShardingPlan(replicas="one", reshard_after_forward=True),  # ZeRO-3
-    "SHARD_GRAD_OP": ShardingPlan(replicas="one", reshard_after_forward=False),  # ZeRO-2
+    "FULL_SHARD": ShardingPlan(replicas="one", reshard_after_forward=True, reduce_every_micro_step=True),  # ZeRO-3
+    "SHARD_GRAD_OP": ShardingPlan(replicas="one", reshard_after_forward=False, reduce_every_micro_step=True),  # ZeRO-2
     "SHARD_OP": ShardingPlan(replicas="one", reshard_after_forward=False, gathered_for_the_step=True),  # ZeRO-1
     # DDP semantics: a (world, 1) mesh replicates every parameter and all-reduces gradients in fp32, through the same
     # code path and mixed-precision policy as the other modes. With a shard group of 1 there is nothing to free.
     "NO_SHARD": ShardingPlan(replicas="per_rank", reshard_after_forward=False),
-    "HYBRID_SHARD": ShardingPlan(replicas="per_node", reshard_after_forward=True),
+    "HYBRID_SHARD": ShardingPlan(replicas="per_node", reshard_after_forward=True, reduce_every_micro_step=True),
 }
+
+
+def sharding_plan(sharding: str, accumulate_unsharded: bool = False) -> ShardingPlan:
+    """SHARDING[sharding], its gradients accumulated unsharded over a step's micro-steps if asked
+    (parallel.accumulate_unsharded), as SHARD_OP and NO_SHARD always do."""
+    plan = SHARDING[sharding]
+    return replace(plan, reduce_every_micro_step=False) if accumulate_unsharded else plan
 
 
 # Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,
@@ -196,7 +207,7 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> Pa
     if cfg.compile:
         apply_compile(model, cfg.mixed_precision)
     apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
-    return Parallelized(SHARDING[cfg.sharding], cfg.cpu_offload)
+    return Parallelized(sharding_plan(cfg.sharding, cfg.accumulate_unsharded), cfg.cpu_offload)
 
 
 def uses_flex_attention(cfg: ParallelConfig, device: torch.device) -> bool:
@@ -245,10 +256,15 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def set_gradient_sync(model: nn.Module, plan: ShardingPlan, enabled: bool) -> None:
-    """Turn FSDP's gradient reduction on (last micro-step) or off (accumulate locally). Under SHARD_OP (ZeRO-1) the
-    gathered parameters are also kept after backward until then, so the next micro-step does not gather them again;
-    after the last one they are freed, since the optimizer step is about to change their shards."""
-    model.set_requires_gradient_sync(enabled)
+def set_gradient_sync(model: nn.Module, plan: ShardingPlan, last: bool) -> None:
+    """Before each micro-step: reduce its gradients (the last micro-step, or every one where the plan reduces every
+    micro-step, each one's then added to the shards) or accumulate them unsharded. Reducing every micro-step, HSDP
+    reduce-scatters within the node each time and all-reduces across nodes at the last one only (FSDP2 sums the
+    micro-steps' shards until then). Under SHARD_OP (ZeRO-1) the gathered parameters are also kept after backward
+    until the last micro-step, so the next one does not gather them again; after the last they are freed, since the
+    optimizer step is about to change their shards."""
+    model.set_requires_gradient_sync(last or plan.reduce_every_micro_step)
+    if plan.reduce_every_micro_step:
+        model.set_requires_all_reduce(last)
     if plan.gathered_for_the_step:
-        model.set_reshard_after_backward(enabled)
+        model.set_reshard_after_backward(last)

@@ -32,8 +32,11 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
 - gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
   block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
   the larger of (activations + logits) and these;
-- accumulated gradients, with grad_accum_steps > 1 in the sharded modes: FSDP keeps every micro-step's unsharded
-  gradients in fp32 until the last one reduce-scatters them, 4P for the whole step;
+- accumulated gradients, with grad_accum_steps > 1 in the sharded modes: where gradients are accumulated unsharded
+  (SHARD_OP always; FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD with parallel.accumulate_unsharded), FSDP keeps every
+  micro-step's in fp32 until the last one reduce-scatters them, 4P for the whole step; where each micro-step's are
+  reduce-scattered into the shards, nothing beyond the state's, but for HSDP across nodes the micro-steps' sum of
+  shards awaiting the all-reduce at the last one, 4P/S;
 - offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
   cross to the device before every all-gather and their fp32 gradients back once per step:
   (4G + 4P)/S bytes per step each way taken together, G the parameters gathered per step (below) (`host<->device`);
@@ -44,17 +47,19 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
 - runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
   context, ~0.5 GB, which max_memory_allocated does not count and this table does).
 
-Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of
-a buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and, but for the last block
+Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of a
+buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and, but for the last block
 and the root (kept gathered between the two), again in backward on every micro-step, in the compute dtype, and
-reduce-scatters fp32 gradients once: (ka(P + R) + 4P)(W-1)/W, R = (layers - 1) x block parameters; ZeRO-2 gathers
-once per micro-step: (ka + 4)P(W-1)/W; ZeRO-1 (SHARD_OP) gathers once per step, keeping the parameters over the
-micro-steps: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within
-a node plus an all-reduce of the node's gradient shard across nodes, the only bytes that cross the network, each rank's
-through its own NIC. A ring over the ranks of several nodes leaves each node once; NCCL runs one ring a NIC (a NIC a
-GPU), so a rank's NIC carries 1/(GPUs a node) of what the rank sends, the rest going over NVLink. These
-are the collectives tests/test_collectives.py counts, one by one. In one dtype ZeRO-3 sends about 1.5x DDP; with bf16
-compute and fp32 reduction the two are about equal.
+reduce-scatters fp32 gradients every micro-step: k(a(P + R) + 4P)(W-1)/W, R = (layers - 1) x block parameters; ZeRO-2
+gathers once per micro-step: k(a + 4)P(W-1)/W; accumulated unsharded (parallel.accumulate_unsharded), either
+reduce-scatters once a step: 4P(W-1)/W instead of k times that; ZeRO-1 (SHARD_OP) gathers once per step, keeping the
+parameters over the micro-steps, and reduce-scatters once: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients
+once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within a node plus an all-reduce of the node's gradient shard across nodes
+once a step, the only bytes that cross the network, each rank's through its own NIC. A ring over the ranks of several
+nodes leaves each node once; NCCL runs one ring a NIC (a NIC a GPU), so a rank's NIC carries 1/(GPUs a node) of what
+the rank sends, the rest going over NVLink. These are the collectives tests/test_collectives.py counts, one by one.
+Without accumulation, in one dtype ZeRO-3 sends about 1.5x DDP; with bf16 compute and fp32 reduction the two are about
+equal.
 
 Validated against peak memory measured on CPU (docs/benchmarks.md); treat GPU figures as a plan, not a promise:
 allocator fragmentation typically adds 5-10%.
@@ -75,7 +80,7 @@ from fsdp_trainer.adapters import meta_model, quantizes_base
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, fail, parse_args, recipe_parser
-from fsdp_trainer.distributed.parallelize import SHARDING
+from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
@@ -102,7 +107,7 @@ class Estimate:
     runtime_gb: float
     sent_gb: float  # per rank per optimizer step
     internode_gb: float  # of which between nodes
-    accumulated_gb: float = 0.0  # unsharded fp32 gradients held over the micro-steps of a step
+    accumulated_gb: float = 0.0  # fp32 gradients held over the micro-steps of a step beside the state's
     optimizer_step_gb: float = 0.0  # allocated for the optimizer step (Muon's exchange of whole matrices)
     offload: bool = False  # parallel.cpu_offload: the training state in host memory
     host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
@@ -151,23 +156,24 @@ def comm_bytes_per_rank(
     nnodes: int,
     regathered: int,
     trainable: int | None = None,
+    accumulate_unsharded: bool = False,
 ) -> tuple[float, float]:
     """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
 
     Within a shard group of S ranks, parameters are all-gathered in the compute dtype (`compute_bytes` each; QLoRA:
-    fewer, on average) on every micro-step (in
-    forward, and `regathered` of them again in backward when freed after forward: gathered_per_step) and fp32
-    gradients reduce-scattered once;
-    across R replicas, each rank all-reduces its fp32 gradient shard. A ring collective sends (n-1)/n of its buffer.
-    Only the `trainable` parameters (default: all; LoRA: the adapters) have gradients to reduce.
+    fewer, on average) on every micro-step (in forward, and `regathered` of them again in backward when freed after
+    forward: gathered_per_step) and fp32 gradients reduce-scattered every micro-step or, accumulated unsharded, once;
+    across R replicas, each rank all-reduces its fp32 gradient shard once. A ring collective sends (n-1)/n of its
+    buffer. Only the `trainable` parameters (default: all; LoRA: the adapters) have gradients to reduce.
     """
-    plan = SHARDING[sharding]
+    plan = sharding_plan(sharding, accumulate_unsharded)
     replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
     trainable = n_params if trainable is None else trainable
     sent = replicas_sent = 0.0
     if shard_group > 1:
         gathered = compute_bytes * gathered_per_step(sharding, accum, n_params, regathered)
-        sent += (gathered + GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
+        reductions = accum if plan.reduce_every_micro_step else 1
+        sent += (gathered + reductions * GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
     if replicas > 1:
         replicas_sent = 2 * GRADIENT_BYTES * (trainable / shard_group) * (replicas - 1) / replicas  # all-reduce
         sent += replicas_sent
@@ -177,6 +183,19 @@ def comm_bytes_per_rank(
     # over all ranks crosses it once a node: NCCL runs a ring a NIC, each rank leaving the node on one of them, so a
     # rank's NIC carries 1/nproc of what it sends.
     return sent, replicas_sent if plan.replicas == "per_node" else sent / nproc
+
+
+def accumulated_gradient_bytes(plan: ShardingPlan, accum: int, trainable: int, world: int, per_node: int) -> float:
+    """Gradient bytes a rank holds over a step's micro-steps beside the state's shard (the `accumulated` term): with
+    accumulation in a sharded mode, the whole model's in fp32 where they are accumulated unsharded until the last
+    micro-step reduces them; reduced every micro-step, none, but under HSDP across nodes the shards' sum awaiting the
+    all-reduce at the last one."""
+    replicas, shard_group = plan.mesh_shape(world, per_node)
+    if accum == 1 or shard_group == 1:
+        return 0.0
+    if not plan.reduce_every_micro_step:
+        return GRADIENT_BYTES * trainable
+    return GRADIENT_BYTES * trainable / shard_group if replicas > 1 else 0.0
 
 
 def estimate(
@@ -225,12 +244,13 @@ def estimate(
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
     regathered = regathered_in_backward(cfg)
+    unsharded = recipe.parallel.accumulate_unsharded
     sent, internode = comm_bytes_per_rank(
-        sharding, n_params, gathered_bytes, data.grad_accum_steps, nproc, nnodes, regathered, trainable
+        sharding, n_params, gathered_bytes, data.grad_accum_steps, nproc, nnodes, regathered, trainable, unsharded
     )
-    # With accumulation, FSDP keeps the unsharded gradients of every micro-step but the last, in fp32 (the reduce
-    # dtype), until the last one reduce-scatters them: the whole model's, in every sharded mode, ZeRO-1 included.
-    accumulated = GRADIENT_BYTES * trainable if data.grad_accum_steps > 1 and shard_group > 1 else 0
+    accumulated = accumulated_gradient_bytes(
+        sharding_plan(sharding, unsharded), data.grad_accum_steps, trainable, nproc * nnodes, nproc
+    )
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
     # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
     # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's

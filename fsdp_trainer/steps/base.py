@@ -187,7 +187,8 @@ def accumulate(
     world: int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """Step.__call__: each micro-batch's forward and backward, its loss terms scaled to their share of the global
-    batch's means; gradients are reduced across ranks only after the last micro-batch, accumulated locally before.
+    batch's means; gradients are reduced across ranks after each micro-batch or after the last only, as the plan says
+    (set_gradient_sync).
     A mixture of experts adds its router's load-balancing loss, moe.aux_loss_coef x its mean over the global batch's
     micro-batches (each micro-batch's as transformers computes it for one batch), logged as aux_loss."""
     units = step.units(micro_batches, world)  # one all-reduce, queued before the first backward
