@@ -161,8 +161,9 @@ def test_chunked_loss_counts_one_slice_of_logits():
 @pytest.mark.parametrize("accum", [1, 8])
 def test_cpu_offload_moves_the_state_to_the_host_for_copies_every_step(sharding, accum):
     """On a GPU, offload takes the 16 bytes of state per parameter (/ S) off the device and onto the host, and copies
-    the fp32 shards to the device for every all-gather and their fp32 gradients back once per step; on a CPU, host
-    and device are one memory, so there is nothing to move and the plan does not list it."""
+    the fp32 shards to the device for every all-gather and their fp32 gradients back at every reduction (each
+    micro-step's under ZeRO-3, once a step under ZeRO-1 and DDP); on a CPU, host and device are one memory, so there
+    is nothing to move and the plan does not list it."""
     recipe = Recipe()
     recipe.data.grad_accum_steps = accum
     n_params, world = count_params(recipe.model), 4
@@ -173,7 +174,8 @@ def test_cpu_offload_moves_the_state_to_the_host_for_copies_every_step(sharding,
     assert moved.state_gb == 0 and moved.total_gb == pytest.approx(kept.total_gb - kept.state_gb)
     regathered = (recipe.model.n_layers - 1) * count_params(recipe.model, one_block=True)
     gathered = {"FULL_SHARD": accum * (n_params + regathered), "SHARD_OP": n_params, "NO_SHARD": accum * n_params}
-    assert moved.host_traffic_gb == pytest.approx(4 * (gathered[sharding] + n_params) / shard_group / 1e9)
+    reduced = accum * n_params if sharding == "FULL_SHARD" else n_params
+    assert moved.host_traffic_gb == pytest.approx(4 * (gathered[sharding] + reduced) / shard_group / 1e9)
     assert moved.sent_gb == kept.sent_gb and kept.host_gb == kept.host_traffic_gb == 0
     on_cpu = estimate(recipe, nproc=world, nnodes=1, sharding=sharding, ac="selective", device="cpu", offload=True)
     assert on_cpu.host_gb == on_cpu.host_traffic_gb == 0 and on_cpu.state_gb == kept.state_gb

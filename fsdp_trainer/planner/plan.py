@@ -38,9 +38,9 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   reduce-scattered into the shards, nothing beyond the state's, but for HSDP across nodes the micro-steps' sum of
   shards awaiting the all-reduce at the last one, 4P/S;
 - offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
-  cross to the device before every all-gather and their fp32 gradients back once per step:
-  (4G + 4P)/S bytes per step each way taken together, G the parameters gathered per step (below) (`host<->device`);
-  the device keeps the rest;
+  cross to the device before every all-gather and their fp32 gradients back at every reduction: (4G + 4rP)/S bytes
+  per step each way taken together, G the parameters gathered per step (below), r the reductions a step (k where
+  each micro-step's gradients are reduced, else 1) (`host<->device`); the device keeps the rest;
 - optimizer step: what the step allocates, after backward has freed the activations and gradient buffers (so the
   peak counts the largest of the three): nothing for fused AdamW; Muon's exchange of whole matrices about 12 bytes
   per matrix weight / S (the rows sent and received, the matrices a rank owns, fp32) plus one matrix's iteration;
@@ -244,13 +244,12 @@ def estimate(
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
     regathered = regathered_in_backward(cfg)
-    unsharded = recipe.parallel.accumulate_unsharded
+    unsharded, accum = recipe.parallel.accumulate_unsharded, data.grad_accum_steps
     sent, internode = comm_bytes_per_rank(
-        sharding, n_params, gathered_bytes, data.grad_accum_steps, nproc, nnodes, regathered, trainable, unsharded
+        sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
-    accumulated = accumulated_gradient_bytes(
-        sharding_plan(sharding, unsharded), data.grad_accum_steps, trainable, nproc * nnodes, nproc
-    )
+    reduces = sharding_plan(sharding, unsharded)
+    accumulated = accumulated_gradient_bytes(reduces, accum, trainable, nproc * nnodes, nproc)
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
     # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
     # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
@@ -266,12 +265,13 @@ def estimate(
     reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
     host = traffic = 0
     if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
-        # The fp32 shards cross to the device before each all-gather, their fp32 gradients back once per step.
+        # The fp32 shards cross to the device before each all-gather, their fp32 gradients back at each reduction.
         # The optimizer steps on the host too, with what it allocates.
         host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
-        copied = gathered_per_step(sharding, data.grad_accum_steps, n_params, regathered) * held / n_params
-        traffic = (copied + GRADIENT_BYTES * trainable) / shard_group
+        copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
+        reductions = accum if reduces.reduce_every_micro_step else 1
+        traffic = (copied + reductions * GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
