@@ -248,8 +248,8 @@ def estimate(
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
-    reduces = sharding_plan(sharding, unsharded)
-    accumulated = accumulated_gradient_bytes(reduces, accum, trainable, nproc * nnodes, nproc)
+    run_plan = sharding_plan(sharding, unsharded)
+    accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc)
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
     # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
     # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
@@ -270,7 +270,7 @@ def estimate(
         host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
         copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
-        reductions = accum if reduces.reduce_every_micro_step else 1
+        reductions = accum if run_plan.reduce_every_micro_step else 1
         traffic = (copied + reductions * GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
