@@ -34,9 +34,10 @@ x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the
   the larger of (activations + logits) and these;
 - accumulated gradients, with grad_accum_steps > 1 in the sharded modes: where gradients are accumulated unsharded
   (SHARD_OP always; FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD with parallel.accumulate_unsharded), FSDP keeps every
-  micro-step's in fp32 until the last one reduce-scatters them, 4P for the whole step; where each micro-step's are
-  reduce-scattered into the shards, nothing beyond the state's, but for HSDP across nodes the micro-steps' sum of
-  shards awaiting the all-reduce at the last one, 4P/S;
+  micro-step's in fp32 until the last one reduce-scatters them, 4P, while the gradient shard the state counts holds
+  nothing (the step frees gradients first): 4P - 4P/S beyond the state (4P with offload, the shard being the host's);
+  where each micro-step's are reduce-scattered into the shards, nothing beyond the state's (HSDP across nodes holds
+  the micro-steps' sum of shards awaiting the all-reduce in the shard's place: 4P/S with offload);
 - offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
   cross to the device before every all-gather and their fp32 gradients back at every reduction: (4G + 4rP)/S bytes
   per step each way taken together, G the parameters gathered per step (below), r the reductions a step (k where
@@ -185,17 +186,22 @@ def comm_bytes_per_rank(
     return sent, replicas_sent if plan.replicas == "per_node" else sent / nproc
 
 
-def accumulated_gradient_bytes(plan: ShardingPlan, accum: int, trainable: int, world: int, per_node: int) -> float:
-    """Gradient bytes a rank holds over a step's micro-steps beside the state's shard (the `accumulated` term): with
-    accumulation in a sharded mode, the whole model's in fp32 where they are accumulated unsharded until the last
-    micro-step reduces them; reduced every micro-step, none, but under HSDP across nodes the shards' sum awaiting the
-    all-reduce at the last one."""
+def accumulated_gradient_bytes(
+    plan: ShardingPlan, accum: int, trainable: int, world: int, per_node: int, offload: bool = False
+) -> float:
+    """Gradient bytes a rank holds over a step's micro-steps beyond the gradient shard the state counts (the
+    `accumulated` term), with accumulation in a sharded mode. Waiting for the last micro-step's reduction: the whole
+    model's unsharded fp32 gradients where they are accumulated unsharded, or, reduced every micro-step under HSDP
+    across nodes, the node's sum of shards awaiting the all-reduce. The step frees gradients first, so until that
+    reduction the shard the state counts holds nothing on the device (offloaded, it is the host's)."""
     replicas, shard_group = plan.mesh_shape(world, per_node)
     if accum == 1 or shard_group == 1:
         return 0.0
     if not plan.reduce_every_micro_step:
-        return GRADIENT_BYTES * trainable
-    return GRADIENT_BYTES * trainable / shard_group if replicas > 1 else 0.0
+        waiting = trainable
+    else:
+        waiting = trainable / shard_group if replicas > 1 else 0.0
+    return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
 
 
 def estimate(
@@ -248,8 +254,8 @@ def estimate(
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
-    run_plan = sharding_plan(sharding, unsharded)
-    accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc)
+    run_plan, on_host = sharding_plan(sharding, unsharded), offload and device == "cuda"
+    accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
     # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
     # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
