@@ -41,6 +41,10 @@ class ShardingPlan:
     sharded over the step as ZeRO-2/3 hold them, instead of accumulating the whole model's unsharded gradients until
     the last micro-step reduces them (parallel.accumulate_unsharded)."""
 
+    def reductions(self, accum: int) -> int:
+        """Gradient reductions (reduce-scatters within a shard group) an optimizer step of `accum` micro-steps makes."""
+        return accum if self.reduce_every_micro_step else 1
+
     def mesh_shape(self, world_size: int, ranks_per_node: int) -> tuple[int, int]:
         """(replicas, shard group): how many copies of the model the world holds, and how many ranks share one."""
         replicas = {"one": 1, "per_rank": world_size, "per_node": world_size // ranks_per_node}[self.replicas]

@@ -173,8 +173,7 @@ def comm_bytes_per_rank(
     sent = replicas_sent = 0.0
     if shard_group > 1:
         gathered = compute_bytes * gathered_per_step(sharding, accum, n_params, regathered)
-        reductions = accum if plan.reduce_every_micro_step else 1
-        sent += (gathered + reductions * GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
+        sent += (gathered + plan.reductions(accum) * GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
     if replicas > 1:
         replicas_sent = 2 * GRADIENT_BYTES * (trainable / shard_group) * (replicas - 1) / replicas  # all-reduce
         sent += replicas_sent
@@ -276,8 +275,7 @@ def estimate(
         host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
         copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
-        reductions = accum if run_plan.reduce_every_micro_step else 1
-        traffic = (copied + reductions * GRADIENT_BYTES * trainable) / shard_group
+        traffic = (copied + run_plan.reductions(accum) * GRADIENT_BYTES * trainable) / shard_group
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
