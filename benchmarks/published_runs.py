@@ -31,11 +31,18 @@ Sources (read 2026-11-27):
   count and the 16-layer one does not (42.7%). Its figure moved between versions of the README (45-46K, then 44,000,
   then 55,000 in the two newest), the 7B's and 13B's by 3% (9.7-10K and 4.4-4.6K first): the newest is taken. The
   32B row is left out: its script (AC, micro-batch) changed too often to pin to the table's date.
+- A mixture of experts: torchtitan's Qwen3-30B-A3B on one node of 8 B200s as a user reported it in mlc-ai/pith-train
+  issue 79 (2026-07-22), beside that project's own numbers: FSDP over the 8 GPUs, no expert parallelism, BF16, 8 x
+  8,192 tokens a rank a step, selective (op) AC, blocks and loss compiled, eight loss chunks; three stable steps at
+  19.41K, 19.53K and 19.52K tokens/s per GPU (their mean taken). One user's run, not a maintainer's table: the only
+  published FSDP-only run of a mixture of experts found whose shape our config can state (DeepSeek-V3's MLA it cannot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from fsdp_trainer.config.sections import MoEConfig
 
 # MPT sizes (d_model, n_layers, n_heads) from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml.
 MPT = {
@@ -66,6 +73,12 @@ LLAMA = {
 
 
 TIED = {"llama3_2_3b"}  # the output layer is the embedding
+
+# Mixtures of experts: their model section, from the HF config (Qwen/Qwen3-30B-A3B's config.json).
+MOE = {
+    "qwen3_30b_a3b": dict(family="qwen3_moe", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          ffn_dim=6144, vocab_size=151936, moe=MoEConfig(experts=128, top_k=8, ffn_dim=768)),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -279,20 +292,32 @@ TORCHTUNE = [  # Llama 3.2 3B on one A100, batch 2 x 4096 packed: the README's "
     Run("torchtune", "A100", "llama3_2_3b", 4096, 1, 2, 1, "full", 8035, compile=True, lora_rank=64, nf4=True),
 ]
 
-RUNS = LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + LLM_FOUNDRY_MICRO_BATCH + TORCHTITAN + OLMO_CORE + TORCHTUNE
+# torchtitan's op AC on a mixture of experts saves every other mm and attention; the experts' grouped matmuls are
+# not in its save list, so backward recomputes all of them: of Qwen3-30B-A3B's forward matmuls in a block (attention
+# 18.87M weights, router 0.26M, the 8 experts a token goes through 37.75M), (37.75 + 19.13 / 2) / 56.88.
+MOE_OP_SAC = 0.832
+
+TORCHTITAN_MOE = [  # a user's run in mlc-ai/pith-train#79: FSDP over 8 B200s, no expert parallelism, 8 x 8192 a rank
+    Run("torchtitan (a user's)", "B200", "qwen3_30b_a3b", 8192, 8, 8, 1, "selective", 19487, compile=True,
+        recomputed=MOE_OP_SAC),
+]  # fmt: skip
+
+RUNS = (LLM_FOUNDRY_H100 + LLM_FOUNDRY_A100 + LLM_FOUNDRY_MICRO_BATCH + TORCHTITAN + OLMO_CORE + TORCHTUNE
+        + TORCHTITAN_MOE)  # fmt: skip
 
 
 def sections(run: Run) -> dict[str, dict]:
     """The recipe sections that describe `run` (over any base recipe): its model (an MPT's GELU MLP, two d x 4d
     matmuls, as a SwiGLU of the same matmul FLOPs, three d x 8d/3; its heads all key-value heads), batch, precision,
     AC, compile and adapters."""
+    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
     if run.model in MPT:
         d, layers, heads = MPT[run.model]
-        shape = (d, layers, heads, heads, round(8 * d / 3), MPT_VOCAB)
+        model = dict(zip(keys, (d, layers, heads, heads, round(8 * d / 3), MPT_VOCAB), strict=True))
+    elif run.model in MOE:
+        model = dict(MOE[run.model])
     else:
-        shape = LLAMA[run.model]
-    keys = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-    model = dict(zip(keys, shape, strict=True))
+        model = dict(zip(keys, LLAMA[run.model], strict=True))
     model.update(max_seq_len=run.seq_len, tie_embeddings=run.model in TIED, rope_scaling=None)
     lora = {"rank": None, "quantize_base": None}
     if run.lora_rank is not None:

@@ -42,11 +42,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     head_dim = cfg.resolved_head_dim
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.dim * cfg.ffn_dim
-    # A mixture of experts' layer: the router, and the top_k experts a token goes through (its active parameters).
-    routed = 0 if cfg.moe is None else cfg.dim * (cfg.moe.experts + 3 * cfg.moe.top_k * cfg.moe.ffn_dim)
+    # A mixture of experts' layer: the router, and the top_k experts a token goes through (expert_flops_per_token).
+    router = 0 if cfg.moe is None else cfg.dim * cfg.moe.experts
     n_moe = len(moe_layers(cfg))
-    matmul_params = cfg.n_layers * attn + (cfg.n_layers - n_moe) * mlp + n_moe * routed + cfg.dim * cfg.output_size
-    return 6.0 * matmul_params + attention_flops_per_token(cfg, seq_len)
+    matmul_params = cfg.n_layers * attn + (cfg.n_layers - n_moe) * mlp + n_moe * router + cfg.dim * cfg.output_size
+    return 6.0 * matmul_params + expert_flops_per_token(cfg) + attention_flops_per_token(cfg, seq_len)
+
+
+def expert_flops_per_token(cfg: ModelConfig) -> float:
+    """flops_per_token's routed experts: the top_k a token goes through in each mixture of experts layer, their three
+    projections each, 6 FLOPs a weight (0 for a dense model)."""
+    if cfg.moe is None:
+        return 0.0
+    return 6.0 * len(moe_layers(cfg)) * 3 * cfg.dim * cfg.moe.top_k * cfg.moe.ffn_dim
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -10,7 +10,8 @@ A step is its compute, its memory traffic and its communication, overlapped as F
   matmul_peak bytes of that weight over HBM (reading it, its gradient written and accumulated, the gathered copy),
   however few tokens share them. Short micro-batches leave the tensor cores waiting on those bytes, the more so the
   faster the tensor cores are against the memory; long ones approach matmul_peak. The block's width plays no
-  part: fitted with a width term as well, the published runs set it to zero;
+  part: fitted with a width term as well, the published runs set it to zero. A routed expert's weights are shared
+  only by the tokens sent to it (top_k / experts of the micro-batch's): its matmuls run at that size;
 - attention: its FLOPs with the causal half skipped (flash attention), heads as wide as the kernel's next width, at a
   fraction `attention` of the peak (an A100's own), a second forward under full AC;
 - QLoRA: each NF4 weight dequantized to the compute dtype for every matmul it takes part in, priced by its bytes;
@@ -27,10 +28,11 @@ A step is its compute, its memory traffic and its communication, overlapped as F
 
 Six constants (CALIBRATION) stand for every shape: five fitted once to llm-foundry's 110 published runs on H100s and
 A100s (MPT 125M to 70B, sequences of 512 to 65,536, micro-batches of 1 to 128, 8 to 64 GPUs), the sixth (compile) from
-torchtitan's compiled against eager run; llm-foundry's micro-batch sweep and torchtitan's, OLMo-core's and torchtune's
-other runs check them (benchmarks/published_runs.py; `python benchmarks/fit_speed.py` prints the error on each row,
-docs/benchmarks.md the table: 132 of 135 within 15%). Rows with the state offloaded to the host get no prediction:
-their step waits on the host's optimizer and PCIe, which this model does not price.
+torchtitan's compiled against eager run; llm-foundry's micro-batch sweep, torchtitan's, OLMo-core's and torchtune's
+other runs and a mixture of experts' (Qwen3-30B-A3B on B200s) check them (benchmarks/published_runs.py; `python
+benchmarks/fit_speed.py` prints the error on each row, docs/benchmarks.md the table: 133 of 136 within 15%). Rows
+with the state offloaded to the host get no prediction: their step waits on the host's optimizer and PCIe, which this
+model does not price.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from fsdp_trainer.adapters import adapter_kind
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.distributed.runtime import precision_on
-from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
+from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, expert_flops_per_token, flops_per_token
 
 
 @dataclass(frozen=True)
@@ -183,14 +185,18 @@ def seconds_per_token(
     recomputed = recomputed_share(ac) if recomputed is None else recomputed
     attention = attention_flops_per_token(cfg, data.seq_len)
     forward = (flops_per_token(cfg, data.seq_len) - attention) / 3  # 2 a weight a token
-    # A frozen weight (LoRA) has no weight gradient: 4 FLOPs a token instead of 6.
-    weights = forward * (2 if adapter_kind(recipe.lora) == "lora" else 3)
-    weights += recomputed * forward
+    # A frozen weight (LoRA) has no weight gradient: 4 FLOPs a token instead of 6. Backward recomputes `recomputed` of
+    # the forward's matmuls; the kind's forwards without gradient (a reference's, a teacher's) come on top.
+    passes = (2 if adapter_kind(recipe.lora) == "lora" else 3) + recomputed + estimate.frozen_forward
     if ac == "full":  # each block's forward again in backward, its attention too
         attention *= 4 / 3
-    weights += estimate.frozen_forward * forward  # the kind's forwards without gradient (a reference's, a teacher's)
     tokens = data.micro_batch_size * data.seq_len
-    matmul = weights / (peak * matmul_efficiency(tokens, peak, hbm, c))
+    # A routed expert's weights are shared by the tokens sent to it, top_k / experts of the micro-batch's (routing
+    # balanced), so its matmuls run at that size's efficiency.
+    experts = expert_flops_per_token(cfg) / 3
+    per_expert = tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
+    matmul = passes * (forward - experts) / (peak * matmul_efficiency(tokens, peak, hbm, c))
+    matmul += passes * experts / (peak * matmul_efficiency(per_expert, peak, hbm, c))
     # Flash attention kernels come in head widths of multiples of 32 (FlashAttention 2: 32 to 256): a head of another
     # width is computed as the next one up (MPT-30B's 112 as 128).
     padded = math.ceil(cfg.resolved_head_dim / 32) * 32 / cfg.resolved_head_dim
