@@ -374,25 +374,38 @@ def _row_cells(row: Estimate | None) -> list[str]:
     return ["-", "-"] if row is None else [row.sharding, f"{row.total_gb:.1f}"]
 
 
+SAME_STEP = 0.01
+"""Predicted steps within 1% of each other are the same to the step-time model, whose overlap of communication and
+compute is coarser than that (ZeRO-2's all-gather saved, for one, moves a step by 0.1-0.5%); the least memory among
+them leaves the allocator room at the card's edge and the micro-batch room to grow."""
+
+
 def recommend(
     estimates: list[Estimate],
     device_mem_gb: float,
     host_mem_gb: float = math.inf,
     times: list[StepTime | None] | None = None,
 ) -> Estimate | None:
-    """The fastest that fits: with predicted step `times` (one per estimate, on a named GPU), the shortest step;
-    without, and between equal ones, without offload if anything fits so (the host's optimizer step and the copies
-    cost far more than recomputation), then the least recomputation (AC costs compute on every step), then the fewest
-    bytes over the network between nodes (the slowest link), then the fewest bytes sent, then the least memory."""
+    """The fastest that fits, without offload if anything fits so (the host's optimizer step and the copies cost far
+    more than recomputation). With predicted step `times` (one per estimate, on a named GPU): of the steps within
+    SAME_STEP of the shortest, the least memory. Without: the least recomputation (AC costs compute on every step),
+    then the fewest bytes over the network between nodes (the slowest link), then the fewest bytes sent, then the
+    least memory."""
     times = times or [None] * len(estimates)
     fits = [(e, t) for e, t in zip(estimates, times, strict=True) if e.fits(device_mem_gb, host_mem_gb)]
+    if not fits:
+        return None
+    offload = min(e.offload for e, _ in fits)
+    fits = [(e, t) for e, t in fits if e.offload == offload]
 
-    def key(row: tuple[Estimate, StepTime | None]):
-        e, t = row
-        predicted = math.inf if t is None else round(t.step_s, 3)
-        return (e.offload, predicted, AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb)
+    def cost(e: Estimate) -> tuple:
+        return AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb
 
-    return min(fits, key=key, default=(None, None))[0]
+    steps = [t.step_s for _, t in fits if t is not None]
+    if steps:
+        fast = [e for e, t in fits if t is not None and t.step_s <= min(steps) * (1 + SAME_STEP)]
+        return min(fast, key=lambda e: (e.total_gb, *cost(e)))
+    return min((e for e, _ in fits), key=cost)
 
 
 def table(
