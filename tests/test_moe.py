@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.hf import load_safetensors, model_config_from_hf
+from fsdp_trainer.metrics import attention_flops_per_token, expert_flops_per_token, flops_per_token
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import MixtureOfExperts, moe_layers
 from fsdp_trainer.steps.next_token import NextTokenStep
@@ -88,6 +89,23 @@ def test_both_layouts_import_with_transformers_logits_loss_and_export(tmp_path, 
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(inputs).logits, reference.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_flops_a_token_counts_the_experts_it_goes_through(tmp_path):
+    """MFU's and the planner's FLOPs a token of a mixture of experts: 6 a weight the token goes through, counted on
+    transformers' own Qwen3-MoE (attention's projections, the router, top_k of each MoE layer's experts, the dense
+    layer's feed-forward, the output layer; norms and the embedding are no matmul), plus attention's scores; of them
+    the routed experts' are the ones the planner prices at the tokens each expert is sent."""
+    original = published(tmp_path)
+    cfg = model_config_from_hf(json.loads((tmp_path / "config.json").read_text()))
+    share = cfg.moe.top_k / cfg.moe.experts
+    weights = {name: p.numel() * (share if ".mlp.experts." in name else 1.0)
+               for name, p in original.named_parameters() if p.dim() == 2 or ".mlp.experts." in name}  # fmt: skip
+    del weights["model.embed_tokens.weight"]
+    experts = sum(n for name, n in weights.items() if ".mlp.experts." in name)
+    assert experts == 2 * 2 * 64 * (96 + 48)  # two MoE layers, two experts a token, gate_up and down
+    assert expert_flops_per_token(cfg) == pytest.approx(6 * experts)
+    assert flops_per_token(cfg, 24) == pytest.approx(6 * sum(weights.values()) + attention_flops_per_token(cfg, 24))
 
 
 def test_grouped_experts_equal_a_loop_over_experts():
