@@ -191,8 +191,9 @@ def seconds_per_token(
     if ac == "full":  # each block's forward again in backward, its attention too
         attention *= 4 / 3
     tokens = data.micro_batch_size * data.seq_len
-    # A routed expert's weights are shared by the tokens sent to it, top_k / experts of the micro-batch's (routing
-    # balanced), so its matmuls run at that size's efficiency.
+    # A routed expert's weights are shared by the tokens sent to it, top_k / experts of the micro-batch's on average,
+    # so its matmuls run at that size's efficiency. How evenly the router spreads them does not change the sum: each
+    # expert's matmul costs its weights' fixed bytes once and its tokens' FLOPs in proportion (while it has any).
     experts = expert_flops_per_token(cfg) / 3
     per_expert = tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
     matmul = passes * (forward - experts) / (peak * matmul_efficiency(tokens, peak, hbm, c))
