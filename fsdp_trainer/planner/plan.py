@@ -207,7 +207,10 @@ def estimate(
     recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
 ) -> Estimate:
     cfg, data = recipe.model, recipe.data
-    _, shard_group = SHARDING[sharding].mesh_shape(nproc * nnodes, nproc)
+    unsharded, accum = recipe.parallel.accumulate_unsharded, data.grad_accum_steps
+    run_plan = sharding_plan(sharding, unsharded)
+    _, shard_group = run_plan.mesh_shape(nproc * nnodes, nproc)
+    on_host = offload and device == "cuda"  # on a CPU, host and device are one memory: offload moves nothing
     a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
     n_block = count_params(cfg, one_block=True)
     n_root = count_params(cfg) - cfg.n_layers * n_block
@@ -228,7 +231,7 @@ def estimate(
     held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable - quantized) + NF4_BYTES * quantized
     state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
-    kept_blocks = min(1 + prefetch, cfg.n_layers) if SHARDING[sharding].reshard_after_forward else cfg.n_layers
+    kept_blocks = min(1 + prefetch, cfg.n_layers) if run_plan.reshard_after_forward else cfg.n_layers
     # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
     quantized_root = meta.output_layer.weight.numel() if quantized and isinstance(meta.output_layer, LoRALinear) else 0
     quantized_block = (quantized - quantized_root) // cfg.n_layers
@@ -249,11 +252,9 @@ def estimate(
     # block's recomputed activations.
     backward = tokens * full * (2 if ac != "none" else 1)
     regathered = regathered_in_backward(cfg)
-    unsharded, accum = recipe.parallel.accumulate_unsharded, data.grad_accum_steps
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
-    run_plan, on_host = sharding_plan(sharding, unsharded), offload and device == "cuda"
     accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
     # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
@@ -262,14 +263,14 @@ def estimate(
     kind = training_kind(recipe)
     forward = kind.forward_params(recipe, n_params)
     if shard_group > 1:
-        again = gathered_bytes * forward * data.grad_accum_steps * (shard_group - 1) / shard_group
+        again = gathered_bytes * forward * accum * (shard_group - 1) / shard_group
         sent += again
-        internode += again / nproc if nnodes > 1 and SHARDING[sharding].replicas != "per_node" else 0
+        internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
     reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
     # What it keeps gathered through the policy's forward and backward (a teacher's output layer): the other shards.
     reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
     host = traffic = 0
-    if offload and device == "cuda":  # on a CPU, host and device are one memory: offload moves and copies nothing
+    if on_host:
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back at each reduction.
         # The optimizer steps on the host too, with what it allocates.
         host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
