@@ -4,6 +4,7 @@ rows named, the others held out to check it on runs it was not fitted to.
 
     python benchmarks/fit_speed.py                        # the shipped constants' error on every row
     python benchmarks/fit_speed.py --fit llm-foundry      # refit on llm-foundry's rows, check on the others
+    python benchmarks/fit_speed.py --pure_bf16            # also llm-foundry's A100 40GB table (pure bf16, unchecked)
 
 --fit minimizes the sum of squared log errors (scipy's Nelder-Mead, which the test extra brings with lm-eval).
 """
@@ -16,7 +17,7 @@ import math
 import sys
 from pathlib import Path
 
-from published_runs import RUNS, Run, sections
+from published_runs import LLM_FOUNDRY_A100_40GB_PURE, RUNS, Run, sections
 
 from fsdp_trainer.config import Recipe, parse_recipe
 from fsdp_trainer.planner.plan import estimate
@@ -93,8 +94,14 @@ def compile_share(rows: list[tuple], calibration: Calibration) -> Calibration:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", nargs="*", default=None, help="refit on the rows of these sources (all if none)")
+    parser.add_argument(
+        "--pure_bf16",
+        action="store_true",
+        help="also price llm-foundry's A100 40GB runs, a stack our config cannot state",
+    )
     args = parser.parse_args(argv)
-    rows = planned(RUNS)
+    runs = RUNS + (LLM_FOUNDRY_A100_40GB_PURE if args.pure_bf16 else [])
+    rows = planned(runs)
     calibration = CALIBRATION
     fitted_on = set()
     if args.fit is not None:

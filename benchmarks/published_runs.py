@@ -13,6 +13,8 @@ Sources (read 2026-11-27):
   tokens on 8 A100 80GB with micro-batches of 1 to 6 and MPT-3B with one on 8 A100 40GB (HBM2 at 1,555 GB/s, the
   40GB SXM datasheet's); its rows with activations offloaded to the host are left out. None of its rows is in the
   README's tables, so none fixed a constant: they check how the model prices a micro-batch's size.
+- llm-foundry's README table "A100 40GB with 1600 Gbps node-node interconnect (RoCE)": 78 runs in pure bf16 (MP mode
+  PURE), a stack our config cannot state, so not among RUNS; `fit_speed.py --pure_bf16` adds them for a look.
 - torchtitan: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Llama 3.1 8B, FSDP2, selective AC,
   local batch 2 x 8192; H100s with 96 GB HBM2e at 2.4 TB/s and 500 W, a peak "between SXM and NVL": priced at the
   SXM's peak with their bandwidth) and docs/performance.md (Llama 3 8B / 70B and Llama 2 13B / 70B on 64 A100 80GB,
@@ -106,13 +108,15 @@ class Run:
         return f"{self.source} {self.model} {shape}{', compiled' if self.compile else ''}{kind}"
 
 
-def _foundry(gpu: str, rows: str) -> list[Run]:
+def _foundry(gpu: str, rows: str, source: str = "llm-foundry", hbm_gb_s: float | None = None) -> list[Run]:
     """Rows as the table prints them: model, seq len, GPUs, micro-batch, accumulation, AC (T/F), tokens/s/GPU."""
     runs = []
     for line in rows.strip().splitlines():
         model, seq, gpus, micro, accum, ac, tps = line.split()
         ac = "full" if ac == "T" else "none"
-        runs.append(Run("llm-foundry", gpu, model, int(seq), int(gpus), int(micro), int(accum), ac, float(tps)))
+        runs.append(
+            Run(source, gpu, model, int(seq), int(gpus), int(micro), int(accum), ac, float(tps), hbm_gb_s=hbm_gb_s)
+        )
     return runs
 
 
@@ -236,6 +240,96 @@ LLM_FOUNDRY_A100 = _foundry(
 125m 1024 8 64 2 F 156468
 125m 512 8 128 2 F 165681
 """,
+)
+
+# The same README's "A100 40GB" table: another stack, not among RUNS. Its precision is `bf16` with MP mode PURE (the
+# model, its gathered weights and its gradient reductions in bf16, no autocast), which our config cannot state: bf16
+# here keeps fp32 master weights and reduces in fp32. `fit_speed.py --pure_bf16` prices it for a look; HBM2 at 1,555
+# GB/s (the 40GB SXM datasheet's).
+LLM_FOUNDRY_A100_40GB_PURE = _foundry(
+    "A100",
+    """
+70b 2048 128 4 1 T 376
+70b 2048 64 2 1 T 276
+30b 2048 128 6 1 T 865
+30b 2048 32 4 1 T 857
+13b 8192 8 1 16 T 1407
+13b 4096 8 2 16 T 1603
+13b 2048 128 16 1 T 1972
+13b 2048 64 16 1 T 1976
+13b 2048 32 14 1 T 1998
+13b 2048 16 10 1 T 1993
+13b 2048 8 4 16 T 1668
+13b 1024 8 8 16 T 1727
+13b 512 8 16 16 T 1763
+7b 16384 8 1 4 T 2249
+7b 8192 8 3 4 T 2887
+7b 4096 8 6 4 T 3366
+7b 2048 128 18 1 T 3623
+7b 2048 64 18 1 T 3665
+7b 2048 32 18 1 T 3725
+7b 2048 16 16 1 T 3645
+7b 2048 8 12 4 T 3679
+7b 1024 8 24 4 T 3854
+7b 512 8 48 4 T 3895
+3b 32768 8 1 4 T 2955
+3b 16384 8 2 8 T 4465
+3b 8192 8 1 8 F 7149
+3b 4096 8 2 8 F 8777
+3b 2048 128 6 1 F 9538
+3b 2048 64 6 1 F 9736
+3b 2048 32 6 1 F 9914
+3b 2048 16 5 1 F 9750
+3b 2048 8 5 8 F 10065
+3b 1024 8 10 8 F 10731
+3b 512 8 20 8 F 11324
+1b 32768 8 1 4 T 5095
+1b 16384 8 1 8 F 9715
+1b 8192 8 2 8 F 13474
+1b 4096 8 4 8 F 16856
+1b 2048 128 10 1 F 18647
+1b 2048 64 10 1 F 19001
+1b 2048 32 10 1 F 15555
+1b 2048 16 8 1 F 19085
+1b 2048 8 8 8 F 19271
+1b 1024 8 16 8 F 20959
+1b 512 8 32 8 F 21782
+760m 32768 8 1 4 T 7183
+760m 16384 8 1 4 F 13914
+760m 8192 8 3 4 F 20106
+760m 4096 8 6 4 F 25863
+760m 2048 128 12 1 F 28940
+760m 2048 64 12 1 F 29344
+760m 2048 32 12 1 F 29648
+760m 2048 16 12 1 F 29607
+760m 2048 8 12 4 F 30173
+760m 1024 8 24 4 F 33422
+760m 512 8 48 4 F 34938
+350m 32768 8 1 4 F 13416
+350m 16384 8 2 4 F 22896
+350m 8192 8 4 4 F 34933
+350m 4096 8 8 4 F 46833
+350m 2048 128 18 1 F 51934
+350m 2048 64 18 1 F 52689
+350m 2048 32 18 1 F 53811
+350m 2048 16 18 1 F 55413
+350m 2048 8 16 4 F 55995
+350m 1024 8 32 4 F 62523
+350m 512 8 64 4 F 66284
+125m 32768 8 1 4 F 32651
+125m 16384 8 2 3 F 55484
+125m 8192 8 5 3 F 86858
+125m 4096 8 13 3 F 115162
+125m 2048 128 26 1 F 123936
+125m 2048 64 26 1 F 125234
+125m 2048 32 26 1 F 127122
+125m 2048 16 26 1 F 130535
+125m 2048 8 26 3 F 136334
+125m 1024 8 52 3 F 148289
+125m 512 8 104 3 F 156735
+""",
+    source="llm-foundry A100 40GB, pure bf16",
+    hbm_gb_s=1555,
 )
 
 # larger_mb_1.md's rows: (model, micro-batch, accumulation, tokens/s per GPU, HBM GB/s where not an 80GB A100's), on 8

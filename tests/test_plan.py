@@ -371,7 +371,7 @@ OUTSIDE = {  # (model, GPU, GPUs, sequence length) -> the stated error
     ("30b", "H100", 8, 8192): 0.22,
     ("30b", "A100", 8, 8192): 0.28,
     # Slower a GPU at 512 and 1024 tokens than at 2048, unlike every other size; the 2048 row's configuration measured
-    # 10% lower in another of llm-foundry's runs.
+    # 10% lower in another of llm-foundry's runs, and the same model ran faster at 512 on the slower A100 40GB.
     ("760m", "A100", 8, 512): 0.22,
 }
 
@@ -391,6 +391,17 @@ def test_the_step_time_model_holds_on_published_runs():
         assert abs(error) <= allowed, (run.name, error)
         within += abs(error) <= 0.15
     assert within >= 133 and len(rows) == 136
+
+
+def test_the_step_time_model_on_a_stack_it_cannot_state():
+    """llm-foundry's 78 runs on A100 40GB in pure bf16 (no fp32 master weights, bf16 reductions: not a stack our config
+    states), priced on that card's datasheet by constants fitted to none of them: most within 15%, none past 20%."""
+    from fit_speed import errors, planned
+    from published_runs import LLM_FOUNDRY_A100_40GB_PURE
+
+    rows = planned(LLM_FOUNDRY_A100_40GB_PURE)
+    errs = errors(rows, CALIBRATION)
+    assert len(rows) == 78 and sum(abs(e) <= 0.15 for e in errs) >= 73 and max(map(abs, errs)) <= 0.20
 
 
 def test_a_matmul_runs_closer_to_peak_the_larger_it_is_and_never_past_it():
