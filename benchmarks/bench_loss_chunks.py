@@ -20,7 +20,7 @@ from pathlib import Path
 from runner import report_header, run_ours, synthetic_data
 
 from fsdp_trainer.config import parse_args, recipe_parser, recipe_to_yaml
-from fsdp_trainer.planner.plan import estimate
+from fsdp_trainer.planner.memory import estimate
 
 
 def main(argv: list[str] | None = None) -> None:

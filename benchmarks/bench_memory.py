@@ -1,4 +1,4 @@
-"""Memory per rank, measured against the ZeRO formulas and the planner (planner/plan.py), one training job per
+"""Memory per rank, measured against the ZeRO formulas and the planner (planner/memory.py), one training job per
 configuration.
 
     python benchmarks/bench_memory.py --recipe recipes/debug.yaml --nproc 2 --steps 3 \
@@ -25,7 +25,7 @@ from runner import job_inputs, report_header, run_ours
 from fsdp_trainer.config import fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import count_params
-from fsdp_trainer.planner.plan import estimate
+from fsdp_trainer.planner.memory import estimate
 from fsdp_trainer.sinks import STATE_KEYS
 
 

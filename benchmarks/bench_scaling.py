@@ -7,7 +7,7 @@ For each model size (dim x layers; heads of 64, half as many kv heads, ffn 3 x d
 recipe's shape of micro-batch per rank (weak scaling: the work per rank stays fixed) on random tokens under torchrun,
 one thread per rank, and reads the run's metrics.jsonl. Reports the mean step time after warmup, tokens/s per rank,
 training state and peak memory per rank, and the bytes each rank sends per step by the ZeRO formulas of the planner
-(planner/plan.py), so that the extra step time of 2 ranks over 1 gives the effective collective bandwidth of this
+(planner/memory.py), so that the extra step time of 2 ranks over 1 gives the effective collective bandwidth of this
 machine. Writes the rows to --out as JSON.
 """
 
@@ -23,11 +23,11 @@ from runner import report_header, run_ours, synthetic_data
 from fsdp_trainer.config import compute_dtype, fail, parse_args, read_recipe, recipe_parser, recipe_to_yaml
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import count_params
-from fsdp_trainer.planner.plan import comm_bytes_per_rank, regathered_in_backward
+from fsdp_trainer.planner.memory import comm_bytes_per_rank, regathered_in_backward
 
 
 def sent(recipe, n_params: int, nproc: int) -> float:
-    """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.planner.plan (one node)."""
+    """Bytes a rank sends per step, by the ZeRO formulas of fsdp_trainer.planner.memory (one node)."""
     a = compute_dtype(recipe.parallel.mixed_precision).itemsize
     regathered = regathered_in_backward(recipe.model)
     sharding, accum = recipe.parallel.sharding, recipe.data.grad_accum_steps

@@ -20,7 +20,7 @@ from pathlib import Path
 from published_runs import LLM_FOUNDRY_A100_40GB_PURE, RUNS, Run, sections
 
 from fsdp_trainer.config import Recipe, parse_recipe
-from fsdp_trainer.planner.plan import estimate
+from fsdp_trainer.planner.memory import estimate
 from fsdp_trainer.planner.speed import CALIBRATION, GPUS, Calibration, step_time
 
 BASE = str(Path(__file__).resolve().parents[1] / "recipes" / "8b.yaml")

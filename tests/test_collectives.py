@@ -1,6 +1,6 @@
 """The communication each sharding promises (README's sharding table), counted: every collective one optimizer step
 issues on real gloo ranks, by kind, process-group size and elements, at gradient accumulation 1 and 4; and the
-planner's traffic column (planner/plan.py) counts the same elements.
+planner's traffic column (planner/memory.py) counts the same elements.
 
 torch's CommDebugMode (torch.distributed.tensor.debug) counts the same ops, but its module tracker fails on a second
 forward under FSDP2 (`IndexError` in `_fw_set_module_hook`, torch 2.13, gradient accumulation 4); a dispatch mode that
@@ -22,7 +22,7 @@ from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
-from fsdp_trainer.planner.plan import comm_bytes_per_rank, gathered_per_step, regathered_in_backward
+from fsdp_trainer.planner.memory import comm_bytes_per_rank, gathered_per_step, regathered_in_backward
 from fsdp_trainer.train import train_step
 from tests.helpers import run_distributed
 

@@ -16,7 +16,8 @@ from fsdp_trainer.config import ModelConfig, MoEConfig, Recipe, parse_recipe
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
-from fsdp_trainer.planner.plan import SAME_STEP, estimate, plan, recommend
+from fsdp_trainer.planner.memory import estimate
+from fsdp_trainer.planner.plan import SAME_STEP, plan, recommend
 from fsdp_trainer.planner.speed import CALIBRATION, GPUS, matmul_efficiency, seconds_per_token, step_time
 from tests.helpers import REPO, forked
 

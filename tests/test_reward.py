@@ -296,7 +296,7 @@ def test_the_planner_prices_a_score_head_in_place_of_the_output_layer():
     state, and the output layer's FLOPs gone from the step."""
     from fsdp_trainer.config import parse_recipe
     from fsdp_trainer.metrics import flops_per_token
-    from fsdp_trainer.planner.plan import estimate
+    from fsdp_trainer.planner.memory import estimate
     from tests.helpers import REPO
 
     recipe = ["--recipe", str(REPO / "recipes" / "reward_qwen3_0.6b.yaml")]

@@ -18,7 +18,7 @@ A step is its compute, its memory traffic and its communication, overlapped as F
 - memory traffic, priced by bytes over HBM: per token and layer `elementwise` x the width x the compute dtype's bytes
   (norms, activations, residuals, rotary, in eager PyTorch; `compiled` of it under torch.compile, which fuses them;
   a third more where AC recomputes them), and the cross-entropy's LOGIT_BYTES a logit;
-- communication: the bytes a rank sends per step (plan.comm_bytes_per_rank, the collectives tests/test_collectives.py
+- communication: the bytes a rank sends per step (memory.comm_bytes_per_rank, the collectives tests/test_collectives.py
   counts) over NVLink within a node and the network between nodes, at LINK_EFFICIENCY of the datasheet's rate;
 - overlap: FSDP2 all-gathers the next block while this one computes and reduce-scatters a block while the previous
   one runs backward, so communication hides under compute, except the first block's all-gather and the last block's
@@ -136,7 +136,7 @@ def step_time(
     spec: Gpu | None = None,
     recomputed: float | None = None,
 ) -> StepTime | None:
-    """The predicted step of a planner row (plan.Estimate) on `gpu`; None for offload rows.
+    """The predicted step of a planner row (memory.Estimate) on `gpu`; None for offload rows.
 
     `spec` replaces GPUS[gpu]'s datasheet for a variant of that GPU (another memory); `recomputed` is the share of a
     block's forward matmuls that backward runs again, when it is not what our AC mode recomputes (full: all of them;

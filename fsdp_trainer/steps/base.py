@@ -54,7 +54,7 @@ def data_kind(tokens: Any) -> DataKind:
 
 class Kind:
     """What the house asks a training kind before anything is built, answered from the recipe: whether it is
-    wanted, its data, its metrics, how to build its step; and what the planner (planner/plan.py) prices beside what
+    wanted, its data, its metrics, how to build its step; and what the planner (planner/memory.py) prices beside what
     every run costs: a frozen copy of the model, or a teacher of another size, priced without knowing which."""
 
     name: ClassVar[str]
@@ -106,7 +106,7 @@ class Kind:
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str | None:
-        """A line for the planner's table (planner.plan.Estimate rows) on what this kind's frozen models cost."""
+        """A line for the planner's table (planner.memory.Estimate rows) on what this kind's frozen models cost."""
         return None
 
     @classmethod

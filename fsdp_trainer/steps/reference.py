@@ -76,7 +76,7 @@ class AgainstReference(Kind):
 
 
 def held(estimates: list) -> str:
-    """How the reference is held, for the planner's note (planner.plan.Estimate rows)."""
+    """How the reference is held, for the planner's note (planner.memory.Estimate rows)."""
     sharded = min((e for e in estimates if not e.offload), key=lambda e: e.reference_gb)
     if sharded.reference_gb == 0:
         return "the policy with its adapters off: no memory of its own"

@@ -1,0 +1,271 @@
+"""How much does a row hold and send? The memory per rank and the bytes sent per step of one sharding x
+activation-checkpointing choice of a recipe (a planner row, `Estimate`); planner/plan.py compares the rows.
+
+The terms, per rank, for P parameters, S ranks sharing one copy of the model (the world for FULL_SHARD, SHARD_GRAD_OP
+and SHARD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf16) or 4 (fp32), t =
+micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
+
+- training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
+- LoRA (lora.rank): the frozen weights are held in the compute dtype, a bytes each, with no gradient or optimizer
+  state, and only the adapters' gradients are reduced; QLoRA (lora.quantize_base nf4) holds, gathers and sends the
+  adapted projections in NF4, 0.52 bytes a weight (4 bits and an 8-bit scale per 64), and dequantizes one projection
+  at a time to a bytes a weight for its matmul;
+- gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
+  parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
+  SHARD_OP and NO_SHARD, which keep them from forward to backward;
+- activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
+  in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included),
+  and with Qwen3's QK-norm 6(q + kv) more in bf16, 8(q + kv) in fp32;
+  a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
+  with LoRA a*(o + r) more for each adapted projection of output width o (its adapter's two matmuls, rank r);
+- logits: t x V x 12 bytes (14 in bf16: the gradient cast back to it), at the start of backward: the fp32
+  log-softmax saved by the loss, the gradient that
+  reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
+  log-softmax take no more); with train.loss_chunks = c, one slice's worth, ceil(t / c) x V x 12, since each
+  slice is made, used and freed in turn, in forward and again in backward;
+- block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed;
+  it comes after the logits are freed, so the peak counts the larger of the two;
+- gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
+  block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
+  the larger of (activations + logits) and these;
+- accumulated gradients, with grad_accum_steps > 1 in the sharded modes: where gradients are accumulated unsharded
+  (SHARD_OP always; FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD with parallel.accumulate_unsharded), FSDP keeps every
+  micro-step's in fp32 until the last one reduce-scatters them, 4P, while the gradient shard the state counts holds
+  nothing (the step frees gradients first): 4P - 4P/S beyond the state (4P with offload, the shard being the host's);
+  where each micro-step's are reduce-scattered into the shards, nothing beyond the state's (HSDP across nodes holds
+  the micro-steps' sum of shards awaiting the all-reduce in the shard's place: 4P/S with offload);
+- offload (parallel.cpu_offload, GPUs only): the training state moves to host memory (`host`), and the fp32 shards
+  cross to the device before every all-gather and their fp32 gradients back at every reduction: (4G + 4rP)/S bytes
+  per step each way taken together, G the parameters gathered per step (below), r the reductions a step (k where
+  each micro-step's gradients are reduced, else 1) (`host<->device`); the device keeps the rest;
+- optimizer step: what the step allocates, after backward has freed the activations and gradient buffers (so the
+  peak counts the largest of the three): nothing for fused AdamW; Muon's exchange of whole matrices about 12 bytes
+  per matrix weight / S (the rows sent and received, the matrices a rank owns, fp32) plus one matrix's iteration;
+- runtime: what a process holds before training (CPU: ~0.35 GB of libraries and buffers, measured; CUDA: the
+  context, ~0.5 GB, which max_memory_allocated does not count and this table does).
+
+Communication, bytes a rank sends per optimizer step with k = grad_accum_steps (ring collectives send (W-1)/W of a
+buffer per rank, W the ranks taking part): ZeRO-3 all-gathers the parameters in forward and, but for the last block
+and the root (kept gathered between the two), again in backward on every micro-step, in the compute dtype, and
+reduce-scatters fp32 gradients every micro-step: k(a(P + R) + 4P)(W-1)/W, R = (layers - 1) x block parameters; ZeRO-2
+gathers once per micro-step: k(a + 4)P(W-1)/W; accumulated unsharded (parallel.accumulate_unsharded), either
+reduce-scatters once a step: 4P(W-1)/W instead of k times that; ZeRO-1 (SHARD_OP) gathers once per step, keeping the
+parameters over the micro-steps, and reduce-scatters once: (a + 4)P(W-1)/W whatever k; DDP all-reduces fp32 gradients
+once: 8P(W-1)/W; HYBRID_SHARD is ZeRO-3 within a node plus an all-reduce of the node's gradient shard across nodes
+once a step, the only bytes that cross the network, each rank's through its own NIC. A ring over the ranks of several
+nodes leaves each node once; NCCL runs one ring a NIC (a NIC a GPU), so a rank's NIC carries 1/(GPUs a node) of what
+the rank sends, the rest going over NVLink. These are the collectives tests/test_collectives.py counts, one by one.
+Without accumulation, in one dtype ZeRO-3 sends about 1.5x DDP; with bf16 compute and fp32 reduction the two are about
+equal.
+
+Validated against peak memory measured on CPU (docs/benchmarks.md); treat GPU figures as a plan, not a promise:
+allocator fragmentation typically adds 5-10%.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fsdp_trainer.adapters import meta_model, quantizes_base
+from fsdp_trainer.adapters.lora import LoRALinear
+from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
+from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
+from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.model import count_params
+from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
+from fsdp_trainer.planner.activations import activation_bytes_per_token
+from fsdp_trainer.steps import training_kind
+
+RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}  # the runtime term (module docstring)
+
+
+@dataclass
+class Estimate:
+    sharding: str
+    ac: str
+    state_gb: float
+    gathered_gb: float
+    activations_gb: float
+    logits_gb: float
+    backward_gb: float
+    grad_buffers_gb: float
+    runtime_gb: float
+    sent_gb: float  # per rank per optimizer step
+    internode_gb: float  # of which between nodes
+    accumulated_gb: float = 0.0  # fp32 gradients held over the micro-steps of a step beside the state's
+    optimizer_step_gb: float = 0.0  # allocated for the optimizer step (Muon's exchange of whole matrices)
+    offload: bool = False  # parallel.cpu_offload: the training state in host memory
+    host_gb: float = 0.0  # of which held in host memory instead (offload on a GPU)
+    host_traffic_gb: float = 0.0  # host<->device copies per optimizer step (offload on a GPU)
+    reference_gb: float = 0.0  # a full fine-tuning preference run's frozen reference model, sharded
+    quantized: int = 0  # weights held in NF4 (QLoRA), each dequantized for its matmuls
+    frozen_forward: float = 0.0  # the kind's forwards without gradient (a reference's, a teacher's), in policies
+
+    @property
+    def total_gb(self) -> float:
+        # The saved activations are all alive when backward starts, next to the logits' memory (freed once the output
+        # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
+        # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed, and
+        # the optimizer step's own allocations come after that.
+        transient = max(
+            self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb, self.optimizer_step_gb
+        )
+        held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb
+        return held + transient + self.runtime_gb
+
+    def fits(self, device_mem_gb: float, host_mem_gb: float = math.inf) -> bool:
+        return self.total_gb <= device_mem_gb and self.host_gb <= host_mem_gb
+
+
+def gathered_per_step(sharding: str, accum: int, n_params: int, regathered: int) -> int:
+    """Parameters a rank all-gathers per optimizer step (elements of the gathered outputs): all of them in forward on
+    every micro-step and, where they are freed after forward, the `regathered` ones again in backward (every block but
+    the last: the root and the last block stay gathered between the two); ZeRO-1 keeps them over the step and gathers
+    once, whatever the accumulation. tests/test_collectives.py counts the same collective by collective."""
+    plan = SHARDING[sharding]
+    per_micro_step = n_params + (regathered if plan.reshard_after_forward else 0)
+    return per_micro_step if plan.gathered_for_the_step else per_micro_step * accum
+
+
+def regathered_in_backward(cfg: ModelConfig) -> int:
+    """Parameters FSDP gathers again in backward after freeing them in forward (ZeRO-3): every block but the last."""
+    return (cfg.n_layers - 1) * count_params(cfg, one_block=True)
+
+
+def comm_bytes_per_rank(
+    sharding: str,
+    n_params: int,
+    compute_bytes: float,
+    accum: int,
+    nproc: int,
+    nnodes: int,
+    regathered: int,
+    trainable: int | None = None,
+    accumulate_unsharded: bool = False,
+) -> tuple[float, float]:
+    """(bytes one rank sends per optimizer step, of which between nodes): see the module docstring.
+
+    Within a shard group of S ranks, parameters are all-gathered in the compute dtype (`compute_bytes` each; QLoRA:
+    fewer, on average) on every micro-step (in forward, and `regathered` of them again in backward when freed after
+    forward: gathered_per_step) and fp32 gradients reduce-scattered every micro-step or, accumulated unsharded, once;
+    across R replicas, each rank all-reduces its fp32 gradient shard once. A ring collective sends (n-1)/n of its
+    buffer. Only the `trainable` parameters (default: all; LoRA: the adapters) have gradients to reduce.
+    """
+    plan = sharding_plan(sharding, accumulate_unsharded)
+    replicas, shard_group = plan.mesh_shape(nproc * nnodes, nproc)
+    trainable = n_params if trainable is None else trainable
+    sent = replicas_sent = 0.0
+    if shard_group > 1:
+        gathered = compute_bytes * gathered_per_step(sharding, accum, n_params, regathered)
+        sent += (gathered + plan.reductions(accum) * GRADIENT_BYTES * trainable) * (shard_group - 1) / shard_group
+    if replicas > 1:
+        replicas_sent = 2 * GRADIENT_BYTES * (trainable / shard_group) * (replicas - 1) / replicas  # all-reduce
+        sent += replicas_sent
+    if nnodes == 1:
+        return sent, 0.0
+    # Replicas one per node: only their all-reduce crosses the network, each rank's shard through its own NIC. A ring
+    # over all ranks crosses it once a node: NCCL runs a ring a NIC, each rank leaving the node on one of them, so a
+    # rank's NIC carries 1/nproc of what it sends.
+    return sent, replicas_sent if plan.replicas == "per_node" else sent / nproc
+
+
+def accumulated_gradient_bytes(
+    plan: ShardingPlan, accum: int, trainable: int, world: int, per_node: int, offload: bool = False
+) -> float:
+    """Gradient bytes a rank holds over a step's micro-steps beyond the gradient shard the state counts (the
+    `accumulated` term), with accumulation in a sharded mode. Waiting for the last micro-step's reduction: the whole
+    model's unsharded fp32 gradients where they are accumulated unsharded, or, reduced every micro-step under HSDP
+    across nodes, the node's sum of shards awaiting the all-reduce. The step frees gradients first, so until that
+    reduction the shard the state counts holds nothing on the device (offloaded, it is the host's)."""
+    replicas, shard_group = plan.mesh_shape(world, per_node)
+    if accum == 1 or shard_group == 1:
+        return 0.0
+    if not plan.reduce_every_micro_step:
+        waiting = trainable
+    else:
+        waiting = trainable / shard_group if replicas > 1 else 0.0
+    return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
+
+
+def estimate(
+    recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
+) -> Estimate:
+    cfg, data = recipe.model, recipe.data
+    unsharded, accum = recipe.parallel.accumulate_unsharded, data.grad_accum_steps
+    run_plan = sharding_plan(sharding, unsharded)
+    _, shard_group = run_plan.mesh_shape(nproc * nnodes, nproc)
+    on_host = offload and device == "cuda"  # on a CPU, host and device are one memory: offload moves nothing
+    a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
+    n_block = count_params(cfg, one_block=True)
+    n_root = count_params(cfg) - cfg.n_layers * n_block
+    prefetch = recipe.parallel.prefetch_blocks
+    tokens = data.micro_batch_size * data.seq_len
+
+    meta = meta_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
+    n_params = sum(p.numel() for p in meta.parameters())
+    trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    optimizer = optimizer_state_bytes(recipe.optim, meta)
+    optimizer_step = optimizer_step_bytes(recipe.optim, meta, shard_group)
+    # QLoRA: the adapted projections' frozen weights in NF4, held, gathered and sent in that form; each is
+    # dequantized to the compute dtype for its matmul, one at a time.
+    projections = [m.weight.numel() for m in meta.modules() if isinstance(m, LoRALinear)]
+    quantized = sum(projections) if quantizes_base(recipe.lora) else 0
+    dequantized = a * max(projections) if quantized else 0
+    # Frozen weights (LoRA) are held in the compute dtype, as they are gathered: no fp32 master copy to keep.
+    held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable - quantized) + NF4_BYTES * quantized
+    state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
+    # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
+    kept_blocks = min(1 + prefetch, cfg.n_layers) if run_plan.reshard_after_forward else cfg.n_layers
+    # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
+    quantized_root = meta.output_layer.weight.numel() if quantized and isinstance(meta.output_layer, LoRALinear) else 0
+    quantized_block = (quantized - quantized_root) // cfg.n_layers
+    block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
+    root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
+    gathered = kept_blocks * block_bytes + root_bytes + dequantized
+    if shard_group == 1 and not offload and trainable < n_params:
+        # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
+        gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
+    gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
+    # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
+    # time, and the root's, which all exist at the end of backward.
+    gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
+    saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
+    activations = tokens * cfg.n_layers * saved
+    logits = math.ceil(tokens / recipe.train.loss_chunks) * cfg.output_size * (12 + (a if a < 4 else 0))
+    # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
+    # block's recomputed activations.
+    backward = tokens * full * (2 if ac != "none" else 1)
+    regathered = regathered_in_backward(cfg)
+    sent, internode = comm_bytes_per_rank(
+        sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
+    )
+    accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
+    # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
+    # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
+    # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
+    # forward, so they add to no peak.
+    kind = training_kind(recipe)
+    forward = kind.forward_params(recipe, n_params)
+    if shard_group > 1:
+        again = gathered_bytes * forward * accum * (shard_group - 1) / shard_group
+        sent += again
+        internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
+    reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
+    # What it keeps gathered through the policy's forward and backward (a teacher's output layer): the other shards.
+    reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
+    host = traffic = 0
+    if on_host:
+        # The fp32 shards cross to the device before each all-gather, their fp32 gradients back at each reduction.
+        # The optimizer steps on the host too, with what it allocates.
+        host, state, optimizer_step, reference = state + optimizer_step + reference, 0, 0, 0
+        # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
+        copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
+        traffic = (copied + run_plan.reductions(accum) * GRADIENT_BYTES * trainable) / shard_group
+    gb = 1e9
+    return Estimate(
+        sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
+        RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
+        traffic / gb, reference / gb, quantized, forward / n_params,
+    )  # fmt: skip
