@@ -477,6 +477,36 @@ def test_an_experts_matmuls_run_at_the_size_of_the_tokens_routed_to_it():
     assert token_time(routed(128, 2, micro_batch=4)) < times[-1]
 
 
+def test_a_plan_of_a_mixture_of_experts_says_how_many_tokens_an_expert_sees(capsys):
+    """With --gpu, a mixture of experts' plan says what sets its speed: each expert's share of a micro-batch's tokens
+    (top_k / experts of them) and the fraction of peak its matmuls and the others reach at those sizes; a dense
+    model's plan has no such line."""
+    from fsdp_trainer.planner.plan import main
+
+    debug = ["--recipe", str(REPO / "recipes" / "debug.yaml"), "--nproc", "8", "--gpu", "A100"]
+    moe = [
+        "--model.family",
+        "qwen3_moe",
+        "--model.moe.experts",
+        "16",
+        "--model.moe.top_k",
+        "2",
+        "--model.moe.ffn_dim",
+        "64",
+    ]
+    main([*debug, *moe])
+    line = capsys.readouterr().out.splitlines()[-1]
+    tokens = 8 * 128  # debug.yaml's micro-batch: 8 x 128
+    peak, hbm = PEAK_FLOPS["A100"]["bf16"], GPUS["A100"].hbm_gb_s * 1e9
+    assert line == (
+        f"experts: each sees 128 of a micro-batch's 1,024 tokens (top_k 2 of 16), their matmuls at "
+        f"{matmul_efficiency(tokens * 2 / 16, peak, hbm):.0%} of peak, the other matmuls at "
+        f"{matmul_efficiency(tokens, peak, hbm):.0%}; a longer data.micro_batch_size raises both"
+    )
+    main(debug)
+    assert "experts:" not in capsys.readouterr().out
+
+
 def test_a_gpu_whose_compute_outruns_its_memory_needs_larger_matmuls_to_reach_the_same_share_of_its_peak():
     """The micro-batch at which a matmul reaches half of matmul_peak is proportional to the GPU's ridge point (peak
     FLOP/s over HBM bytes/s): an A100 (153 FLOPs a byte) is half-way at about half the tokens an H100 (295) needs, a

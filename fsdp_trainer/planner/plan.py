@@ -29,7 +29,7 @@ from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
 from fsdp_trainer.planner.fake import measured_peak_gb
 from fsdp_trainer.planner.memory import Estimate, estimate
-from fsdp_trainer.planner.speed import GPUS, StepTime, step_time
+from fsdp_trainer.planner.speed import GPUS, StepTime, matmul_efficiency, matmul_tokens, step_time
 from fsdp_trainer.steps import training_kind
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
@@ -297,10 +297,20 @@ def _nothing_fits(estimates: list[Estimate], mem: float, host_mem: float) -> str
     )
 
 
-def _prediction(args, t: StepTime) -> str:
+def _prediction(args, recipe: Recipe, t: StepTime) -> str:
     gpus = args.nproc * args.nnodes
     lines = [f"predicted on {gpus} x {args.gpu}: {t.step_s:.2f} s a step, {t.tokens_per_s_per_gpu:,.0f} tokens/s per "
              f"GPU, MFU {100 * t.mfu:.1f}% (a model calibrated on published runs: docs/benchmarks.md)"]  # fmt: skip
+    moe = recipe.model.moe
+    if moe is not None:  # why a mixture of experts runs further from peak, and what a longer micro-batch buys it
+        tokens, per_expert = matmul_tokens(recipe)
+        peak = PEAK_FLOPS[args.gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
+        hbm = GPUS[args.gpu].hbm_gb_s * 1e9
+        lines.append(
+            f"experts: each sees {per_expert:,.0f} of a micro-batch's {tokens:,} tokens (top_k {moe.top_k} of "
+            f"{moe.experts}), their matmuls at {matmul_efficiency(per_expert, peak, hbm):.0%} of peak, the other "
+            f"matmuls at {matmul_efficiency(tokens, peak, hbm):.0%}; a longer data.micro_batch_size raises both"
+        )
     if args.train_tokens:
         hours = args.train_tokens / (t.tokens_per_s_per_gpu * gpus) / 3600
         lines.append(f"{args.train_tokens:.3g} tokens: {hours:,.1f} hours, {hours * gpus:,.0f} GPU-hours")
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     t = times[estimates.index(best)] if times else None
     if t is not None:
-        print(_prediction(args, t))
+        print(_prediction(args, recipe, t))
 
 
 if __name__ == "__main__":

@@ -190,12 +190,10 @@ def seconds_per_token(
     passes = (2 if adapter_kind(recipe.lora) == "lora" else 3) + recomputed + estimate.frozen_forward
     if ac == "full":  # each block's forward again in backward, its attention too
         attention *= 4 / 3
-    tokens = data.micro_batch_size * data.seq_len
-    # A routed expert's weights are shared by the tokens sent to it, top_k / experts of the micro-batch's on average,
-    # so its matmuls run at that size's efficiency. How evenly the router spreads them does not change the sum: each
-    # expert's matmul costs its weights' fixed bytes once and its tokens' FLOPs in proportion (while it has any).
+    tokens, per_expert = matmul_tokens(recipe)
+    # How evenly the router spreads the tokens over the experts does not change the sum: each expert's matmul costs
+    # its weights' fixed bytes once and its tokens' FLOPs in proportion (while it has any).
     experts = expert_flops_per_token(cfg) / 3
-    per_expert = tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
     matmul = passes * (forward - experts) / (peak * matmul_efficiency(tokens, peak, hbm, c))
     matmul += passes * experts / (peak * matmul_efficiency(per_expert, peak, hbm, c))
     # Flash attention kernels come in head widths of multiples of 32 (FlashAttention 2: 32 to 256): a head of another
@@ -206,6 +204,13 @@ def seconds_per_token(
     elementwise = c.elementwise * a * cfg.dim * cfg.n_layers * (c.compiled if recipe.parallel.compile else 1.0)
     elementwise *= 4 / 3 if ac != "none" else 1.0  # AC recomputes them
     return matmul + flash + (elementwise + LOGIT_BYTES * cfg.output_size) / hbm
+
+
+def matmul_tokens(recipe: Recipe) -> tuple[int, float]:
+    """The tokens that share a weight in a micro-batch's matmuls, which set their efficiency: the micro-batch's, and
+    a routed expert's, top_k / experts of them on average (the micro-batch's in a dense model)."""
+    cfg, tokens = recipe.model, recipe.data.micro_batch_size * recipe.data.seq_len
+    return tokens, tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
 
 
 def recomputed_share(ac: str) -> float:
