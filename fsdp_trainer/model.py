@@ -13,7 +13,6 @@ Nothing here knows about processes or sharding: distributed/parallelize.py wraps
 
 from __future__ import annotations
 
-import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -26,12 +25,14 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from fsdp_trainer.config import ModelConfig, RopeScaling, local_layers
+from fsdp_trainer.lean_autograd import gated, rms_norm
 from fsdp_trainer.moe import MixtureOfExperts, moe_layers
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain, computed in fp32 whatever the input dtype (as HF does). Gemma 3's
-    (`offset`) scales by 1 + weight (its weights start at 0), and casts back after the scaling, not before."""
+    """Root-mean-square norm with a learned gain, computed in fp32 whatever the input dtype (as HF does):
+    weight * (x / RMS(x)).to(x.dtype). Gemma 3's (`offset`) scales by 1 + weight (its weights start at 0), and casts
+    back after the scaling, not before. lean_autograd.rms_norm computes it, keeping only x for backward."""
 
     def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
@@ -39,12 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma 3
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
@@ -177,17 +173,18 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma 3's GeGLU has GELU (tanh approximation) in place of silu."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); Gemma 3's GeGLU has GELU (tanh approximation) in place of silu.
+    lean_autograd.gated computes the product, keeping gate(x) and up(x) alone for backward."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.act = functools.partial(F.gelu, approximate="tanh") if cfg.family == "gemma3" else F.silu
+        self.tanh_gelu = cfg.family == "gemma3"
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), self.tanh_gelu))
 
 
 class Block(nn.Module):

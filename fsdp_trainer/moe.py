@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.lean_autograd import gated
 
 
 class Experts(nn.Module):
@@ -37,7 +38,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x (copies, dim) sorted by expert, expert e's rows ending at offsets[e] (int32) -> (copies, dim)."""
         gate, up = grouped_linear(x, self.gate_up_proj, offsets).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down_proj, offsets)
+        return grouped_linear(gated(gate, up), self.down_proj, offsets)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
+from fsdp_trainer.lean_autograd import gated, rms_norm
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import KVCache, Transformer, rope_tables
+from tests.helpers.plain_ops import plain_gated, plain_rms_norm
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,6 +96,52 @@ def test_logits_match_transformers(family, tie):
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+
+
+@pytest.mark.parametrize(
+    "dtype, weight_dtype", [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]
+)
+@pytest.mark.parametrize("variant", [False, True])  # Gemma 3's norm (1 + weight) and GeGLU
+def test_the_lean_norm_and_gated_activation_give_autograds_values_and_gradients_bitwise(dtype, weight_dtype, variant):
+    """lean_autograd keeps less for backward and recomputes the rest with autograd's own formulas: outputs and every
+    gradient equal those of the plain ops, bit for bit, in fp32, in bf16, and with fp32 weights on bf16 inputs."""
+    torch.manual_seed(0)
+    x, grad = torch.randn(3, 17, 64, dtype=dtype), torch.randn(3, 17, 64, dtype=dtype)
+    weight = (0.1 * torch.randn(64) + (0.0 if variant else 1.0)).to(weight_dtype)
+    gate, up = torch.randn(3, 17, 96, dtype=dtype), torch.randn(3, 17, 96, dtype=dtype)
+
+    def run(norm, act) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, weight, gate, up)]
+        y = norm(leaves[0], leaves[1], 1e-6, variant)
+        h = act(leaves[2], leaves[3], variant)
+        (y.float() * grad.float()).sum().add((h.float() ** 2).sum()).backward()
+        return [y.detach(), h.detach(), *(t.grad for t in leaves)]
+
+    for lean, plain in zip(run(rms_norm, gated), run(plain_rms_norm, plain_gated), strict=True):
+        assert lean.dtype == plain.dtype and torch.equal(lean, plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gradients_match_transformers(family):
+    """Every parameter's gradient of a loss on our logits equals transformers' on its own model with the same weights
+    (fp32): the backward the lean norm and gated activation compute is the one autograd computes on HF's ops."""
+    head_dim = 32 if family == "qwen3" else None
+    cfg = ModelConfig(family=family, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=160,
+                      vocab_size=101, max_seq_len=64, rope_theta=500000.0, norm_eps=1e-6)  # fmt: skip
+    ours = Transformer(cfg)
+    ours.init_weights(seed=5)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf = hf_model(cfg)
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 37))
+    for logits in (ours(tokens), hf(tokens).logits):
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fsdp_trainer.config import LoraConfig
 from fsdp_trainer.hf import SCORE_HEAD
+from fsdp_trainer.lean_autograd import gated
 from fsdp_trainer.model import unwrapped_name
 from fsdp_trainer.moe import Experts, grouped_linear
 
@@ -119,7 +120,7 @@ class LoRAExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         gate, up = self.adapted(x, self.gate_up_proj, self.gate_up_lora, offsets).chunk(2, dim=-1)
-        return self.adapted(F.silu(gate) * up, self.down_proj, self.down_lora, offsets)
+        return self.adapted(gated(gate, up), self.down_proj, self.down_lora, offsets)
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, frozen_dtype: torch.dtype | None = None) -> None:

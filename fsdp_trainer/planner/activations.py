@@ -13,29 +13,30 @@ def activation_bytes_per_token(
     """(bytes saved per token by each layer, bytes per token of one layer's full activations).
 
     Counted from what autograd keeps in model.py's Block (tests/test_plan.py checks it against a real forward): each
-    RMSNorm its fp32 input, the normalized input and its output (4d + 2ad); attention the rotated q and k, v and the
-    output (a(2q + 2kv), q = n_heads x head_dim) plus the log-sum-exp; the SwiGLU gate, up, silu(gate) and product
-    (4af); Qwen3's RMSNorm on each query and key head its fp32 input and the normalized one ((4 + a)(q + kv)), its
-    output going to the rotation, which keeps nothing of it. Gemma 3's norms (1 + weight, in fp32) keep the fp32 input
-    and the fp32 normalized input, four a block (8d each) and those before a matmul their output (ad), its QK-norm
-    8(q + kv). A mixture of experts' layer: moe_feed_forward. Selective AC keeps the block input and the matmul and
-    attention outputs, and of each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as
-    wide as the projection's output), for an expert adapter each token copy's; full AC only the block input.
+    RMSNorm its input and (lean_autograd.rms_norm) an fp32 reciprocal RMS a row, and the matmul after it its output
+    (2ad for the two); attention the rotated q and k, v and the output (a(2q + 2kv), q = n_heads x head_dim) plus the
+    log-sum-exp; the SwiGLU gate and up (lean_autograd.gated) and the product (3af); Qwen3's and Gemma 3's RMSNorm on
+    each query and key head its input (a(q + kv)), its output going to the rotation, which keeps nothing of it. Gemma
+    3's four norms keep their inputs, and the two before a matmul their outputs are kept by it (6ad). A mixture of
+    experts' layer: moe_feed_forward. Selective AC keeps the block input and the matmul and attention outputs, and of
+    each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as wide as the projection's
+    output), for an expert adapter each token copy's; full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
     kv = cfg.n_kv_heads * cfg.resolved_head_dim
     gemma3 = cfg.family == "gemma3"
     small = (16 if gemma3 else 8) + 4 * h  # RMSNorm's fp32 rsqrt per norm, attention's fp32 log-sum-exp per head
-    # Gemma 3's four norms keep their fp32 input and normalized input, the two before a matmul their output too.
-    norms = 32 * d + 2 * a * d if gemma3 else 8 * d + 4 * a * d
-    feed_forward, kept = 4 * a * f, 2 * a * f  # all it keeps; what selective AC keeps (gate and up outputs)
+    # Each norm keeps its input; the matmuls after the two pre-norms keep their outputs (Gemma 3's post-norms' go to
+    # the residual stream, which keeps nothing).
+    norms = 6 * a * d if gemma3 else 4 * a * d
+    feed_forward, kept = 3 * a * f, 2 * a * f  # all it keeps; what selective AC keeps (gate and up outputs)
     if cfg.moe is not None:  # the mean over the layers, of which some mixtures of experts (moe_feed_forward)
         share, (routed, routed_kept) = len(moe_layers(cfg)) / cfg.n_layers, moe_feed_forward(cfg, a)
         feed_forward, kept = (1 - share) * feed_forward + share * routed, (1 - share) * kept + share * routed_kept
     full = norms + a * (2 * q + 2 * kv) + feed_forward + small
     if cfg.qk_norm:
-        full += (8 if gemma3 else 4 + a) * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
+        full += a * (q + kv) + 4 * (h + cfg.n_kv_heads)  # and an fp32 rsqrt per head
     saved = {"none": full, "full": a * d, "selective": a * (3 * d + 2 * q + 2 * kv) + kept + 4 * h}
     if lora is not None and lora.rank is not None:
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
@@ -49,10 +50,10 @@ def activation_bytes_per_token(
 
 def moe_feed_forward(cfg: ModelConfig, a: int) -> tuple[float, float]:
     """(bytes a token keeps in a mixture of experts' layer (moe.py), what selective AC keeps of them). For its k
-    copies: the gathered input, the gate_up output, silu(gate), the product and the down output, and its routing
-    weight (a(3kd + 4kI + k)); the fp32 router probabilities (4E); the top-k indices and values, the sort order and
-    each copy's token (28k), and the weights' sum (4). Selective AC keeps the matmuls' outputs: the router logits,
+    copies: the gathered input, the gate_up output, the product and the down output, and its routing weight
+    (a(3kd + 3kI + k)); the fp32 router probabilities (4E); the top-k indices and values, the sort order and each
+    copy's token (28k), and the weights' sum (4). Selective AC keeps the matmuls' outputs: the router logits,
     gate_up and the experts' outputs (a(E + 2kI + kd))."""
     k, ffn, d, experts = cfg.moe.top_k, cfg.moe.ffn_dim, cfg.dim, cfg.moe.experts
-    full = 4 * experts + 28 * k + 4 + a * (3 * k * d + 4 * k * ffn + k)
+    full = 4 * experts + 28 * k + 4 + a * (3 * k * d + 3 * k * ffn + k)
     return full, a * (experts + 2 * k * ffn + k * d)

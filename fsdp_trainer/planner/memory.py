@@ -13,9 +13,9 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
   parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
   SHARD_OP and NO_SHARD, which keep them from forward to backward;
-- activations saved for backward, per layer and token (q = d unless head_dim is set): (16d + 4q + 4kv + 8f) bytes
-  in bf16 and (24d + 8q + 8kv + 16f) in fp32 without AC (what model.py's block saves, fp32 RMSNorm inputs included),
-  and with Qwen3's QK-norm 6(q + kv) more in bf16, 8(q + kv) in fp32;
+- activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
+  in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
+  with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
   with LoRA a*(o + r) more for each adapted projection of output width o (its adapter's two matmuls, rank r);
 - logits: t x V x 12 bytes (14 in bf16: the gradient cast back to it), at the start of backward: the fp32
