@@ -17,7 +17,7 @@ from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_pe
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
 from fsdp_trainer.planner.memory import estimate
-from fsdp_trainer.planner.plan import SAME_STEP, plan, recommend
+from fsdp_trainer.planner.plan import HEADROOM, SAME_STEP, plan, recommend
 from fsdp_trainer.planner.speed import CALIBRATION, GPUS, matmul_efficiency, seconds_per_token, step_time
 from tests.helpers import REPO, forked
 from tests.helpers.plain_ops import plain_gated, plain_rms_norm
@@ -118,8 +118,13 @@ def test_state_follows_zero_formulas_and_sharding_order():
     estimates = plan(recipe, nproc=4, nnodes=2, device="cuda")
     best = recommend(estimates, 1e9)
     assert (best.sharding, best.ac) == ("HYBRID_SHARD", "none") and best.internode_gb < best.sent_gb
+    # A row that fits only within HEADROOM of the device is taken when nothing leaves that room.
     tight = by_key["FULL_SHARD", "none"].total_gb
-    assert (recommend(estimates, tight).sharding, recommend(estimates, tight).ac) == ("FULL_SHARD", "none")
+    roomy = recommend(estimates, tight / (1 - HEADROOM))
+    assert (roomy.sharding, roomy.ac) == ("FULL_SHARD", "none")
+    edge = recommend(estimates, tight, headroom=0.0)
+    assert (edge.sharding, edge.ac) == ("FULL_SHARD", "none")
+    assert recommend(estimates, tight).ac != "none" and recommend(estimates, tight).total_gb <= (1 - HEADROOM) * tight
     assert recommend(estimates, 0.0) is None
 
 
@@ -490,6 +495,26 @@ def test_an_experts_matmuls_run_at_the_size_of_the_tokens_routed_to_it():
     assert token_time(routed(128, 2, micro_batch=4)) < times[-1]
 
 
+def test_a_row_that_fits_only_at_the_cards_edge_is_named_not_recommended(capsys):
+    """A device whose memory the row without AC fills to within HEADROOM: the plan recommends a row that leaves that
+    room (with AC) and names the tight one, with its memory, on a line of its own."""
+    from fsdp_trainer.planner.plan import main
+
+    args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), "--nproc", "2", "--device", "cuda"]
+    recipe = parse_recipe(args[:2])
+    recipe.parallel.mixed_precision = "bf16"  # what the plan resolves auto to on a GPU
+    none = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    mem = none.total_gb / (1 - HEADROOM / 2)
+    main([*args, "--device_mem_gb", f"{mem:.4f}"])
+    out = capsys.readouterr().out.splitlines()
+    recommended = next(line for line in out if line.startswith("recommended: "))
+    assert "--parallel.activation_checkpointing none" not in recommended
+    tight = out[-1].split(" fits at ")
+    assert tight[0].startswith("tight: --parallel.sharding ") and tight[0].endswith("activation_checkpointing none")
+    assert tight[1].endswith(f"of {mem:.1f} GB, within plan.HEADROOM (5%) of the device, which the allocator's "
+                             "fragmentation may take")  # fmt: skip
+
+
 def test_a_plan_of_a_mixture_of_experts_says_how_many_tokens_an_expert_sees(capsys):
     """With --gpu, a mixture of experts' plan says what sets its speed: each expert's share of a micro-batch's tokens
     (top_k / experts of them) and the fraction of peak its matmuls and the others reach at those sizes; a dense
@@ -555,15 +580,16 @@ def test_steps_the_model_cannot_tell_apart_go_to_the_row_with_the_least_memory()
 def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_nic_a_gpu():
     """8B on 2 nodes x 8 A100 40GB. A ring over both nodes leaves each node once: NCCL runs a ring a NIC, so a rank's
     NIC carries 1/8 of what it sends (FULL_SHARD, NO_SHARD), and HYBRID_SHARD only its gradient shard's all-reduce.
-    At this size the gathers hide under compute: of the fastest rows that fit, without AC, FULL_SHARD holds the least
-    (HYBRID_SHARD's step is as short, 8 GB more a rank); without step times the rule takes the fewest bytes between
-    nodes, HYBRID_SHARD. On 25 GB/s without NVLink between the GPUs of a node (a PCIe box), the same rows are slower."""
+    At this size the gathers hide under compute: the fastest row that fits, leaving HEADROOM of the card, is the least
+    recomputation, FULL_SHARD without AC (HYBRID_SHARD's, as fast, fits only within HEADROOM). On 25 GB/s without
+    NVLink between the GPUs of a node (a PCIe box), the same rows are slower."""
     recipe = parse_recipe([*_8B, "--data.micro_batch_size", "1", "--data.seq_len", "4096"])
     rows = plan(recipe, nproc=8, nnodes=2, device="cuda")
     times = [step_time(recipe, row, "A100", 8, 2) for row in rows]
     fastest = recommend(rows, 40, 1e9, times)
-    assert (fastest.sharding, fastest.ac) == ("FULL_SHARD", "none")
-    assert (recommend(rows, 40, 1e9).sharding, recommend(rows, 40, 1e9).ac) == ("HYBRID_SHARD", "none")
+    assert (fastest.sharding, fastest.ac) == ("FULL_SHARD", "none") == (recommend(rows, 40, 1e9).sharding, "none")
+    hybrid = recommend(rows, 40, 1e9, headroom=0.0)  # without times: the fewest bytes between nodes
+    assert (hybrid.sharding, hybrid.ac) == ("HYBRID_SHARD", "none") and 40 * (1 - HEADROOM) < hybrid.total_gb <= 40
     by_key = {(r.sharding, r.ac): (r, t) for r, t in zip(rows, times, strict=True) if not r.offload}
     full_shard, hybrid = by_key["FULL_SHARD", "none"][0], by_key["HYBRID_SHARD", "none"][0]
     assert full_shard.internode_gb == pytest.approx(full_shard.sent_gb / 8)
