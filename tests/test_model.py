@@ -68,7 +68,7 @@ def test_rope_scaling_equals_transformers_llama3_init(scaling):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_logits_match_transformers(family, tie):
+def test_logits_and_gradients_match_transformers(family, tie):
     cfg = ModelConfig(
         family=family,
         dim=64,
@@ -93,9 +93,16 @@ def test_logits_match_transformers(family, tie):
     # Same names, same shapes: loading is a copy (strict), with lm_head shared when tied.
     hf.load_state_dict(ours.state_dict(), strict=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 37))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+    logits = ours(tokens), hf(tokens).logits
+    torch.testing.assert_close(*logits, rtol=1e-5, atol=1e-5)
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+    # Every parameter's gradient too: the backward the lean norm and gated activation compute (lean_autograd.py) is
+    # the one autograd computes on transformers' ops.
+    for side in logits:
+        F.cross_entropy(side[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -119,29 +126,6 @@ def test_the_lean_norm_and_gated_activation_give_autograds_values_and_gradients_
 
     for lean, plain in zip(run(rms_norm, gated), run(plain_rms_norm, plain_gated), strict=True):
         assert lean.dtype == plain.dtype and torch.equal(lean, plain)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_gradients_match_transformers(family):
-    """Every parameter's gradient of a loss on our logits equals transformers' on its own model with the same weights
-    (fp32): the backward the lean norm and gated activation compute is the one autograd computes on HF's ops."""
-    head_dim = 32 if family == "qwen3" else None
-    cfg = ModelConfig(family=family, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=160,
-                      vocab_size=101, max_seq_len=64, rope_theta=500000.0, norm_eps=1e-6)  # fmt: skip
-    ours = Transformer(cfg)
-    ours.init_weights(seed=5)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    hf = hf_model(cfg)
-    hf.load_state_dict(ours.state_dict(), strict=True)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 37))
-    for logits in (ours(tokens), hf(tokens).logits):
-        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    theirs = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))
