@@ -17,7 +17,7 @@ from fsdp_trainer.config import LORA_PROJECTIONS, LORA_TARGETS, LoraConfig, Mode
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import fill_local_shard, materialize, parallelize
 from fsdp_trainer.hf import model_config_from_hf
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.model import Transformer, unwrapped_name
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
 from tests.helpers import run_args, run_distributed, tool, train_cli, train_losses
@@ -283,3 +283,42 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     proc = tool("consolidate.py", base_run, tmp_path / "none", "--lora", "adapter", check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert "was trained without LoRA (lora.rank null), so it has no adapters; drop --lora" in proc.stderr
+
+
+def test_selective_ac_recomputes_an_adapters_widening_matmul_and_trains_as_without_ac():
+    """Selective AC keeps a LoRA adapter's A output (rank wide) and recomputes its B (rank in, the projection's width
+    out: more than parallelize.WIDENING times wider), whose output is a whole projection's width to keep for 2 x rank
+    FLOPs an output to redo; it keeps every projection of a model (Gemma 3 1B's feed-forward widens the most, 6x). The
+    adapters' gradients are those without AC, bit for bit (fp32)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from fsdp_trainer.distributed.parallelize import WIDENING, _save_matmuls_policy, apply_ac
+
+    def kept(op, k: int, n: int, *, bias: bool = False, experts: int = 0) -> bool:
+        x, weight = torch.empty(3, k), torch.empty(*([experts] if experts else []), k, n)
+        args = (torch.empty(n), x, weight) if bias else (x, weight)
+        return _save_matmuls_policy(None, op, *args) == CheckpointPolicy.MUST_SAVE
+
+    mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+    assert not kept(mm, 16, 4096) and not kept(addmm, 16, 4096, bias=True)  # a B of rank 16 on a 4,096-wide projection
+    assert not kept(torch.ops.aten._grouped_mm.default, 16, 1536, experts=8)  # an expert adapter's B
+    assert kept(mm, 4096, 16) and kept(mm, 1152, 6912) and kept(mm, 16, WIDENING * 16)  # A, Gemma 3 1B's up, 8x
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, vocab_size=101, max_seq_len=64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ac in ("none", "selective"):
+        model = Transformer(cfg)
+        model.init_weights(seed=0)
+        apply_lora(model, LORA)  # rank 4: B widens 16x (to 64) and 40x (to 160)
+        init_lora(model, seed=0, fill=lambda param, values: param.copy_(values), device=torch.device("cpu"))
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # B starts at zero; give every path a gradient
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+        apply_ac(model, ac)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        grads.append({unwrapped_name(name): p.grad for name, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 2 * 7
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])

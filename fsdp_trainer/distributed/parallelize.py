@@ -73,7 +73,8 @@ def sharding_plan(sharding: str, accumulate_unsharded: bool = False) -> Sharding
 
 # Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,
 # activations and elementwise ops are cheap to redo and account for most of the activation memory.
-_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_SAVE_OPS = set(_MATMULS)
 for _name in (
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
@@ -83,10 +84,22 @@ for _name in (
 ):
     if hasattr(torch.ops.aten, _name):
         _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _MATMULS.add(torch.ops.aten._grouped_mm.default)
+
+
+WIDENING = 8
+"""Selective AC recomputes a matmul whose output is more than this many times as wide as what it contracts over: a
+LoRA adapter's B (rank in, the projection's width out) costs 2 x rank FLOPs an output to redo and a whole projection's
+width to keep. A model's own projections widen at most 6x (Gemma 3 1B's feed-forward, 6,912 from 1,152)."""
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op not in _SAVE_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    x, weight = args[1:3] if op is torch.ops.aten.addmm.default else args[:2]
+    widening = weight.shape[-1] > WIDENING * x.shape[-1] if op in _MATMULS else False
+    return CheckpointPolicy.PREFER_RECOMPUTE if widening else CheckpointPolicy.MUST_SAVE
 
 
 def _selective_context():

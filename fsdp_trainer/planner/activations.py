@@ -4,6 +4,7 @@ from what autograd saves in model.py's and moe.py's forward (tests/test_plan.py 
 from __future__ import annotations
 
 from fsdp_trainer.config import LoraConfig, ModelConfig
+from fsdp_trainer.distributed.parallelize import WIDENING
 from fsdp_trainer.moe import moe_layers
 
 
@@ -20,7 +21,8 @@ def activation_bytes_per_token(
     3's four norms keep their inputs, and the two before a matmul their outputs are kept by it (6ad). A mixture of
     experts' layer: moe_feed_forward. Selective AC keeps the block input and the matmul and attention outputs, and of
     each projection `lora` adapts two matmuls more: its adapter's A (rank wide) and B (as wide as the projection's
-    output), for an expert adapter each token copy's; full AC only the block input.
+    output) unless B widens more than parallelize.WIDENING (then recomputed), for an expert adapter each token copy's;
+    full AC only the block input.
     """
     a, d, f, h = compute_bytes, cfg.dim, cfg.ffn_dim, cfg.n_heads
     q = cfg.n_heads * cfg.resolved_head_dim
@@ -41,11 +43,18 @@ def activation_bytes_per_token(
     if lora is not None and lora.rank is not None:
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": d, "gate_proj": f, "up_proj": f, "down_proj": d}
         adapted = [widths[target] for target in lora.targets if target in widths]
-        saved["selective"] += a * (sum(adapted) + lora.rank * len(adapted))
+        saved["selective"] += a * sum(kept_by_adapter(lora.rank, width) for width in adapted)
         if cfg.moe is not None and "experts" in lora.targets:  # each copy's two grouped matmuls a projection more
             k, share = cfg.moe.top_k, len(moe_layers(cfg)) / cfg.n_layers
-            saved["selective"] += share * a * k * (2 * lora.rank + 2 * cfg.moe.ffn_dim + d)
+            widths = kept_by_adapter(lora.rank, 2 * cfg.moe.ffn_dim) + kept_by_adapter(lora.rank, d)
+            saved["selective"] += share * a * k * widths
     return saved[ac], full
+
+
+def kept_by_adapter(rank: int, width: int) -> int:
+    """Values a token of a projection `width` wide keeps under selective AC for its LoRA adapter: A's output (rank
+    wide), and B's (the projection's width) unless B widens more than parallelize.WIDENING, when it is recomputed."""
+    return rank + (0 if width > WIDENING * rank else width)
 
 
 def moe_feed_forward(cfg: ModelConfig, a: int) -> tuple[float, float]:

@@ -17,7 +17,8 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
-  with LoRA a*(o + r) more for each adapted projection of output width o (its adapter's two matmuls, rank r);
+  with LoRA a*r more for each adapted projection (its adapter's A, rank r), and a*o (its B, output width o) where
+  B widens no more than parallelize.WIDENING (8x);
 - logits: t x V x 12 bytes (14 in bf16: the gradient cast back to it), at the start of backward: the fp32
   log-softmax saved by the loss, the gradient that
   reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
