@@ -74,19 +74,17 @@ def sharding_plan(sharding: str, accumulate_unsharded: bool = False) -> Sharding
 # Ops whose outputs selective AC keeps: the matmuls and attention are what is costly to recompute; norms,
 # activations and elementwise ops are cheap to redo and account for most of the activation memory.
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _MATMULS.add(torch.ops.aten._grouped_mm.default)  # a mixture of experts' projections (moe.py)
 _SAVE_OPS = set(_MATMULS)
 for _name in (
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
-    "_grouped_mm",  # a mixture of experts' projections (moe.py)
 ):
     if hasattr(torch.ops.aten, _name):
         _SAVE_OPS.add(getattr(torch.ops.aten, _name).default)
-if hasattr(torch.ops.aten, "_grouped_mm"):
-    _MATMULS.add(torch.ops.aten._grouped_mm.default)
-
 
 WIDENING = 8
 """Selective AC recomputes a matmul whose output is more than this many times as wide as what it contracts over: a
@@ -95,11 +93,11 @@ width to keep. A model's own projections widen at most 6x (Gemma 3 1B's feed-for
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op not in _SAVE_OPS:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    x, weight = args[1:3] if op is torch.ops.aten.addmm.default else args[:2]
-    widening = weight.shape[-1] > WIDENING * x.shape[-1] if op in _MATMULS else False
-    return CheckpointPolicy.PREFER_RECOMPUTE if widening else CheckpointPolicy.MUST_SAVE
+    if op in _MATMULS:
+        x, weight = args[1:3] if op is torch.ops.aten.addmm.default else args[:2]
+        if weight.shape[-1] > WIDENING * x.shape[-1]:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():
