@@ -1,6 +1,6 @@
 """What keeping less costs in compute: a block's RMSNorm and gated product, forward and backward, through
 fsdp_trainer/lean_autograd.py (inputs kept, the rest recomputed in backward) against autograd's own small ops
-(tests/helpers/plain_ops.py, what the block ran before), one thread, alternating which goes first.
+(its plain_rms_norm and plain_gated, what the block ran before), one thread, alternating which goes first.
 
     python benchmarks/bench_lean_ops.py --shapes 256x1024 768x2048 --calls 200 --rounds 2 --dtype bf16
 
@@ -12,15 +12,11 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' reference ops
-from fsdp_trainer.lean_autograd import gated, rms_norm  # noqa: E402
-from tests.helpers.plain_ops import plain_gated, plain_rms_norm  # noqa: E402
+from fsdp_trainer.lean_autograd import gated, plain_gated, plain_rms_norm, rms_norm
 
 
 def time_calls(norm, act, width: int, tokens: int, dtype: torch.dtype, calls: int) -> float:

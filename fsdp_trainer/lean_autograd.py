@@ -77,3 +77,16 @@ def gated(gate: torch.Tensor, up: torch.Tensor, tanh_gelu: bool = False) -> torc
     """silu(gate) * up (SwiGLU), or GELU's tanh approximation in place of silu (GeGLU); keeps gate and up alone for
     backward, the activation recomputed there."""
     return _Gated.apply(gate, up, tanh_gelu)
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """rms_norm in autograd's own small ops, as transformers writes it: the reference rms_norm is held to (its values,
+    gradients and what it keeps; tests/, benchmarks/bench_lean_ops.py). The model does not use it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype) if offset else weight * xf.to(x.dtype)
+
+
+def plain_gated(gate: torch.Tensor, up: torch.Tensor, tanh_gelu: bool = False) -> torch.Tensor:
+    """gated in autograd's own small ops: its reference, as plain_rms_norm is rms_norm's."""
+    return _activation(gate, tanh_gelu) * up

@@ -9,10 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_trainer.config import ModelConfig, RopeScaling
-from fsdp_trainer.lean_autograd import gated, rms_norm
+from fsdp_trainer.lean_autograd import gated, plain_gated, plain_rms_norm, rms_norm
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import KVCache, Transformer, rope_tables
-from tests.helpers.plain_ops import plain_gated, plain_rms_norm
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,6 +13,7 @@ import torch
 
 from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.config import ModelConfig, MoEConfig, Recipe, parse_recipe
+from fsdp_trainer.lean_autograd import plain_gated, plain_rms_norm
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, flops_per_token
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.planner.activations import activation_bytes_per_token
@@ -20,7 +21,6 @@ from fsdp_trainer.planner.memory import estimate
 from fsdp_trainer.planner.plan import HEADROOM, SAME_STEP, plan, recommend
 from fsdp_trainer.planner.speed import CALIBRATION, GPUS, matmul_efficiency, seconds_per_token, step_time
 from tests.helpers import REPO, forked
-from tests.helpers.plain_ops import plain_gated, plain_rms_norm
 
 shutil_usage = namedtuple("usage", "total used free")
 

@@ -183,6 +183,15 @@ def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_p
     assert rows[1]["planned_logits_gb"] == pytest.approx(rows[0]["planned_logits_gb"] * 22 / 64)
 
 
+def test_bench_lean_ops_times_both_sides_each_round():
+    proc = run_bench("bench_lean_ops.py", "--shapes", "16x8", "32x4", "--calls", 2, "--rounds", 2, "--dtype", "fp32")
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| 16x8", "| 32x4"))]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("16x8", "1"), ("16x8", "2"), ("32x4", "1"), ("32x4", "2")]
+    for _, _, plain, lean, ratio in rows:
+        plain, lean = float(plain.replace(",", "")), float(lean.replace(",", ""))
+        assert plain > 0 and lean > 0 and float(ratio) == pytest.approx(lean / plain, abs=0.06)
+
+
 def test_bench_block_causal_times_both_attentions(tiny_data):
     args = ["--recipe", tiny_data, "--repeats", 2, "--steps", 1, "--example_tokens", 8]
     proc = run_bench("bench_block_causal.py", *args)
