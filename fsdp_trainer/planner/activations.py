@@ -46,8 +46,8 @@ def activation_bytes_per_token(
         saved["selective"] += a * sum(kept_by_adapter(lora.rank, width) for width in adapted)
         if cfg.moe is not None and "experts" in lora.targets:  # each copy's two grouped matmuls a projection more
             k, share = cfg.moe.top_k, len(moe_layers(cfg)) / cfg.n_layers
-            widths = kept_by_adapter(lora.rank, 2 * cfg.moe.ffn_dim) + kept_by_adapter(lora.rank, d)
-            saved["selective"] += share * a * k * widths
+            per_copy = kept_by_adapter(lora.rank, 2 * cfg.moe.ffn_dim) + kept_by_adapter(lora.rank, d)
+            saved["selective"] += share * a * k * per_copy
     return saved[ac], full
 
 

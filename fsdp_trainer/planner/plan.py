@@ -29,7 +29,7 @@ from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
 from fsdp_trainer.planner.fake import measured_peak_gb
 from fsdp_trainer.planner.memory import Estimate, estimate
-from fsdp_trainer.planner.speed import GPUS, StepTime, matmul_efficiency, matmul_tokens, step_time
+from fsdp_trainer.planner.speed import GPUS, StepTime, matmul_efficiency, matmul_tokens, peak_flops, step_time
 from fsdp_trainer.steps import training_kind
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
@@ -319,7 +319,7 @@ def _prediction(args, recipe: Recipe, t: StepTime) -> str:
     moe = recipe.model.moe
     if moe is not None:  # why a mixture of experts runs further from peak, and what a longer micro-batch buys it
         tokens, per_expert = matmul_tokens(recipe)
-        peak = PEAK_FLOPS[args.gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
+        peak = peak_flops(recipe, args.gpu)
         hbm = GPUS[args.gpu].hbm_gb_s * 1e9
         lines.append(
             f"experts: each sees {per_expert:,.0f} of a micro-batch's {tokens:,} tokens (top_k {moe.top_k} of "

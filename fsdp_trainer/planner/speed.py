@@ -145,7 +145,7 @@ def step_time(
         return None
     spec, cfg, data = spec or GPUS[gpu], recipe.model, recipe.data
     recomputed = recomputed_share(estimate.ac) if recomputed is None else recomputed
-    peak = PEAK_FLOPS[gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
+    peak = peak_flops(recipe, gpu)
     tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
     attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
     compute_s = tokens * seconds_per_token(
@@ -204,6 +204,11 @@ def seconds_per_token(
     elementwise = c.elementwise * a * cfg.dim * cfg.n_layers * (c.compiled if recipe.parallel.compile else 1.0)
     elementwise *= 4 / 3 if ac != "none" else 1.0  # AC recomputes them
     return matmul + flash + (elementwise + LOGIT_BYTES * cfg.output_size) / hbm
+
+
+def peak_flops(recipe: Recipe, gpu: str) -> float:
+    """The dense peak FLOP/s of `gpu` in the precision the recipe computes in on a GPU."""
+    return PEAK_FLOPS[gpu][precision_on(recipe.parallel.mixed_precision, "cuda")[0]]
 
 
 def matmul_tokens(recipe: Recipe) -> tuple[int, float]:
