@@ -116,7 +116,11 @@ class LoRAExperts(nn.Module):
         if not self.enabled:
             return y
         a, b = adapter.factors()
-        return y + grouped_linear(grouped_linear(x, a.to(x.dtype), offsets), b.to(x.dtype), offsets) * self.scaling
+        # A grouped matmul's rows must start 16 bytes apart (torch's GPU kernel and its meta kernel, which compile and
+        # the planner's fake step run): a rank of 4 in bf16 is 8 bytes, so the rank is padded with zeros to 16 bytes.
+        pad = -adapter.rank % (16 // x.element_size())
+        a, b = F.pad(a.to(x.dtype), (0, 0, 0, pad)), F.pad(b.to(x.dtype), (0, pad))
+        return y + grouped_linear(grouped_linear(x, a, offsets), b, offsets) * self.scaling
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         gate, up = self.adapted(x, self.gate_up_proj, self.gate_up_lora, offsets).chunk(2, dim=-1)

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from torch._inductor.lowering import add_layout_constraint, constrain_to_fx_strides
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -124,12 +125,16 @@ def apply_compile(model: Transformer, mixed_precision: str) -> None:
 
     A mixture of experts' block keeps its routing for the load-balancing loss (moe.py), a side effect that dynamo
     refuses inside a checkpointed block unless told not to replay it in the recomputation, which is what the routing
-    needs (moe.recomputing). Its grouped matmuls compile in bf16 only (torch's meta kernel refuses other dtypes)."""
+    needs (moe.recomputing). Its grouped matmuls compile in bf16 only (torch's meta kernel refuses other dtypes), and
+    take their operands in the strides the trace saw: inductor's own rule for them (require_dense) lets a copy keep
+    its source's order, which for an expert adapter's B (lora.ExpertsAdapter.factors, experts its fastest dimension)
+    is a layout the kernel refuses, on a GPU as on a CPU ("Invalid strides/sizes")."""
     if model.cfg.moe is not None:
         compiles, why = compiles_experts(model.cfg, True, mixed_precision)
         if not compiles:
             raise ValueError(why)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        add_layout_constraint(torch.ops.aten._grouped_mm.default, constrain_to_fx_strides)
     layers = model.model.layers
     for name, block in list(layers.items()):
         layers[name] = torch.compile(block, fullgraph=True)
