@@ -118,8 +118,10 @@ class LoRAExperts(nn.Module):
         a, b = adapter.factors()
         # A grouped matmul's rows must start 16 bytes apart (torch's GPU kernel and its meta kernel, which compile and
         # the planner's fake step run): a rank of 4 in bf16 is 8 bytes, so the rank is padded with zeros to 16 bytes.
+        a, b = a.to(x.dtype), b.to(x.dtype)
         pad = -adapter.rank % (16 // x.element_size())
-        a, b = F.pad(a.to(x.dtype), (0, 0, 0, pad)), F.pad(b.to(x.dtype), (0, pad))
+        if pad:
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
         return y + grouped_linear(grouped_linear(x, a, offsets), b, offsets) * self.scaling
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
