@@ -235,6 +235,11 @@ def test_plan_cli_recommends_or_says_what_to_change():
     assert "--parallel.cpu_offload true" in offload.stdout
     negative = plan_cli(*cmd[:-1], "0", "--device_mem_gb", "16")
     assert negative.returncode == 1 and negative.stderr == "error: --host_mem_gb must be positive, not 0.0\n"
+    # A distillation is sized with its teacher, read from the teacher's checkpoint: one that is not there is one line.
+    distill = ["--recipe", str(REPO / "recipes" / "distill_qwen3_8b_to_0.6b.yaml"), "--gpu", "H100", "--nproc", "8"]
+    missing = plan_cli(*distill, "--distill.teacher", "/nonexistent/teacher")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
+    assert missing.stderr.startswith("error: distill.teacher: checkpoint /nonexistent/teacher does not exist")
 
 
 def test_muon_state_is_one_buffer_per_block_matrix():
@@ -367,7 +372,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
             "--model.moe.ffn_dim",
             "256",
             "--lora.rank",
-            "8",
+            "4",  # 8 bytes in bf16: padded to the 16 a GPU's grouped matmul wants (its meta kernel checks)
             "--lora.targets",
             "[q_proj, v_proj, experts]",
         ],  # fmt: skip

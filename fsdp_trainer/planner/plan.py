@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 
 from fsdp_trainer.adapters import quantizes_base
+from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
@@ -338,7 +339,10 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if args.gpu else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
     mem, host_mem = _memories(args, device)
-    estimates = plan(recipe, args.nproc, args.nnodes, device)
+    try:
+        estimates = plan(recipe, args.nproc, args.nnodes, device)
+    except CheckpointError as e:  # a checkpoint the plan reads a size from (distill.teacher)
+        fail(e)
     data = recipe.data
     print(
         f"{recipe.model.family} {count_params(recipe.model) / 1e6:,.1f}M params, {recipe.parallel.mixed_precision} "
