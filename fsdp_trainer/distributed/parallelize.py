@@ -13,7 +13,6 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch._inductor.lowering import add_layout_constraint, constrain_to_fx_strides
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -134,6 +133,8 @@ def apply_compile(model: Transformer, mixed_precision: str) -> None:
         if not compiles:
             raise ValueError(why)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        from torch._inductor.lowering import add_layout_constraint, constrain_to_fx_strides  # 1.5 s: compiling only
+
         add_layout_constraint(torch.ops.aten._grouped_mm.default, constrain_to_fx_strides)
     layers = model.model.layers
     for name, block in list(layers.items()):
