@@ -143,7 +143,8 @@ def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, t
         "640: a teacher must predict the same tokens"
     ]
     proc = train_cli(run_args(tiny_data, tmp_path / "b", 2, distill={"teacher": str(tmp_path / "none")}), check=False)
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith("error: distill.teacher: checkpoint ")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("error: distill.teacher: checkpoint ")
 
     import gzip
     import subprocess

@@ -12,7 +12,9 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   at a time to a bytes a weight for its matmul;
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
   parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
-  SHARD_OP and NO_SHARD, which keep them from forward to backward;
+  SHARD_OP and NO_SHARD, which keep them from forward to backward; at the first block's gather, before any
+  activation, FSDP2 holds the root's all-gather output (kept until the next is copied out) and the block's beside
+  their unsharded copies: 2a x (root + block), the peak where the output layer is large against the activations;
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
@@ -103,6 +105,7 @@ class Estimate:
     reference_gb: float = 0.0  # a full fine-tuning preference run's frozen reference model, sharded
     quantized: int = 0  # weights held in NF4 (QLoRA), each dequantized for its matmuls
     frozen_forward: float = 0.0  # the kind's forwards without gradient (a reference's, a teacher's), in policies
+    copy_out_gb: float = 0.0  # beyond `gathered`, the all-gather outputs held at the first block's gather
 
     @property
     def total_gb(self) -> float:
@@ -110,8 +113,14 @@ class Estimate:
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
         # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed, and
         # the optimizer step's own allocations come after that.
+        # Before any activation exists, the first block's gather holds the root's and the block's all-gather outputs
+        # beside their unsharded copies (copy_out_gb): the peak of a large output layer over shallow or checkpointed
+        # blocks.
         transient = max(
-            self.activations_gb + max(self.logits_gb, self.backward_gb), self.grad_buffers_gb, self.optimizer_step_gb
+            self.activations_gb + max(self.logits_gb, self.backward_gb),
+            self.grad_buffers_gb,
+            self.optimizer_step_gb,
+            self.copy_out_gb,
         )
         held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb
         return held + transient + self.runtime_gb
@@ -225,9 +234,15 @@ def estimate(
     block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
     root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
     gathered = kept_blocks * block_bytes + root_bytes + dequantized
+    first_gathers = root_bytes + block_bytes  # the root's, then the first block's
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
         gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
+        first_gathers = a * (n_root + n_block) * trainable / n_params
+    # FSDP2 copies each all-gather's output into the unsharded parameters and keeps the output until the next one
+    # is copied out: at the first block's gather, the root's output and the block's are both held beside both
+    # unsharded copies, before any activation (what `gathered` counts then holds one block, not the prefetched ones).
+    copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
     # time, and the root's, which all exist at the end of backward.
@@ -268,5 +283,5 @@ def estimate(
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
-        traffic / gb, reference / gb, quantized, forward / n_params,
+        traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb,
     )  # fmt: skip
