@@ -390,9 +390,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
 def test_the_first_gather_holds_the_roots_and_the_blocks_all_gather_outputs_beside_their_copies():
     """FSDP2 keeps an all-gather's output until the next one is copied out: at the first block's gather, before any
     activation, the root's output and the block's are held beside both unsharded copies. With LoRA on a large untied
-    vocabulary and few tokens that is the step's peak (the 8B QLoRA recipe's shapes on 8 ranks at 2 blocks: 5.6 GB on
-    fake tensors, planned 4.6 without it). Every sharded row's plan equals the step on fake tensors; NO_SHARD, where the
-    frozen weights stay outside FSDP, is above it."""
+    vocabulary and few tokens that is the step's peak (the 8B recipe's shapes with bf16 LoRA on 8 ranks at 2 blocks:
+    5.6 GB on fake tensors, planned 4.6 without it). Every sharded row's plan equals the step on fake tensors (0.76
+    without it); NO_SHARD, where the frozen weights stay outside FSDP, is not below it."""
     proc = plan_cli("--recipe", REPO / "recipes" / "debug.yaml", "--model.n_layers", "2", "--nproc", "2",
                     "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", "--model.vocab_size",
                     "65536", "--model.tie_embeddings", "false", "--lora.rank", "8", "--data.micro_batch_size", "1",
@@ -403,9 +403,8 @@ def test_the_first_gather_holds_the_roots_and_the_blocks_all_gather_outputs_besi
         row.strip(" |").split(" | ") for row in check.splitlines()[2:] if row.startswith("| ") and row.count(" | ") == 4
     ]
     assert len(rows) == 15
-    for sharding, ac, planned, measured, _ in rows:
-        ratio = float(planned) / float(measured)
-        assert ratio >= 1.5 if sharding == "NO_SHARD" else 0.95 <= ratio <= 1.05, (sharding, ac, planned, measured)
+    for sharding, ac, planned, measured, ratio in rows:
+        assert 0.95 <= float(ratio) <= (math.inf if sharding == "NO_SHARD" else 1.05), (sharding, ac, planned, measured)
 
 
 _8B = ["--recipe", str(REPO / "recipes" / "8b.yaml"), "--model.rope_scaling", "null"]
