@@ -76,7 +76,7 @@ from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
-from fsdp_trainer.model import count_params
+from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_trainer.planner.activations import activation_bytes_per_token
 from fsdp_trainer.steps import training_kind
@@ -199,6 +199,15 @@ def accumulated_gradient_bytes(
     return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
 
 
+def unit_bytes(meta: Transformer, n_block: int, n_root: int, n_layers: int, a: int, quantized: int) -> tuple[int, int]:
+    """Bytes of one block's and of the root's gathered parameters: the compute dtype's `a` a weight, and NF4's for the
+    `quantized` weights of QLoRA's projections (the blocks', and the output layer, the root's, when adapted)."""
+    quantized_root = meta.output_layer.weight.numel() if quantized and isinstance(meta.output_layer, LoRALinear) else 0
+    quantized_block = (quantized - quantized_root) // n_layers
+    block = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
+    return block, a * (n_root - quantized_root) + NF4_BYTES * quantized_root
+
+
 def estimate(
     recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
 ) -> Estimate:
@@ -228,20 +237,14 @@ def estimate(
     state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if run_plan.reshard_after_forward else cfg.n_layers
-    # The output layer is the root's (lora.targets lm_head), the projections the blocks'.
-    quantized_root = meta.output_layer.weight.numel() if quantized and isinstance(meta.output_layer, LoRALinear) else 0
-    quantized_block = (quantized - quantized_root) // cfg.n_layers
-    block_bytes = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
-    root_bytes = a * (n_root - quantized_root) + NF4_BYTES * quantized_root
+    block_bytes, root_bytes = unit_bytes(meta, n_block, n_root, cfg.n_layers, a, quantized)
     gathered = kept_blocks * block_bytes + root_bytes + dequantized
     first_gathers = root_bytes + block_bytes  # the root's, then the first block's
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
         gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
         first_gathers = a * (n_root + n_block) * trainable / n_params
-    # FSDP2 copies each all-gather's output into the unsharded parameters and keeps the output until the next one
-    # is copied out: at the first block's gather, the root's output and the block's are both held beside both
-    # unsharded copies, before any activation (what `gathered` counts then holds one block, not the prefetched ones).
+    # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
     copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
     # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
