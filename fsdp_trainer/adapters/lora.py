@@ -83,11 +83,17 @@ class ExpertsAdapter(nn.Module):
         self.lora_A = nn.Linear(in_features, rank * experts, bias=False, device=device)
         self.lora_B = nn.Linear(rank * experts, out_features, bias=False, device=device)
 
-    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """expert_factors of the adapter's weights, for grouped_linear: B's experts are its fastest-moving columns, so
-        it is copied into their order (a grouped matmul needs a unit stride within an expert's matrix; the copy is as
-        small as the adapter)."""
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """expert_factors of the adapter's weights in `dtype`, laid out for grouped_linear: B's experts are its
+        fastest-moving columns, so it is copied into their order (a grouped matmul needs a unit stride within an
+        expert's matrix; the copy is as small as the adapter). A grouped matmul's rows must also start 16 bytes apart
+        (torch's GPU kernel, and the meta kernel compile and the planner's fake step run): a rank narrower than that,
+        4 in bf16, is padded with zeros to it, the padded copy of B being the one in the experts' order."""
         a, b = expert_factors(self.lora_A.weight, self.lora_B.weight, self.experts, self.rank)
+        a, b = a.to(dtype), b.to(dtype)
+        pad = -self.rank % (16 // a.element_size())
+        if pad:
+            return F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
         return a, b.contiguous()
 
 
@@ -115,13 +121,7 @@ class LoRAExperts(nn.Module):
         y = grouped_linear(x, weight, offsets)
         if not self.enabled:
             return y
-        a, b = adapter.factors()
-        # A grouped matmul's rows must start 16 bytes apart (torch's GPU kernel and its meta kernel, which compile and
-        # the planner's fake step run): a rank of 4 in bf16 is 8 bytes, so the rank is padded with zeros to 16 bytes.
-        a, b = a.to(x.dtype), b.to(x.dtype)
-        pad = -adapter.rank % (16 // x.element_size())
-        if pad:
-            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        a, b = adapter.factors(x.dtype)
         return y + grouped_linear(grouped_linear(x, a, offsets), b, offsets) * self.scaling
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
