@@ -198,9 +198,9 @@ class DistillStep(Distillation, NextTokenStep):
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> DistillStep:
         """The step with its teacher built on the meta device from its checkpoint's model section, parallelized as
         the policy is (build.build_step materializes it; the checkpointer loads its weights)."""
-        source = resolve_checkpoint(recipe.distill.teacher)
+        source, sections = teacher_sections(recipe)
         flex = uses_flex_attention(recipe.parallel, env.device)
-        teacher = frozen_copy(teacher_config(recipe), recipe.parallel, env.mesh, flex)
+        teacher = frozen_copy(sections["model"], recipe.parallel, env.mesh, flex)
         sampler = None
         if recipe.distill.lmbda > 0:
             sampler = OnPolicy(recipe.distill, recipe.train.seed, recipe.data.tokenizer_path)
