@@ -162,7 +162,7 @@ def check_start(recipe: Recipe) -> None:
     resume = recipe.checkpoint.resume
     if resume in ("auto", "none"):
         return
-    path = resolve_checkpoint(resume)  # a path that holds no checkpoint
+    path = resolve_checkpoint(resume, "checkpoint.resume")
     if not resumes(recipe, path) and is_adapters_only(path):
         lora_base(path)
 

@@ -94,8 +94,12 @@ def one_step_checkpoint(tiny_data, tmp_path_factory):
             {"ffn_dim": 96},
             "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64)",
         ),
-        ("missing", {}, "does not exist"),
-        ("truncated", {}, "not a complete DCP checkpoint (no .metadata)"),
+        (
+            "missing",
+            {},
+            "error: checkpoint.resume: checkpoint {target} does not exist (a run directory or step of ours",
+        ),
+        ("truncated", {}, "checkpoint.resume: {target} is not a complete DCP checkpoint (no .metadata)"),
         ("latest_dangling", {}, "step_00000009, which is missing or incomplete (no .metadata)"),
     ],
 )
@@ -112,6 +116,7 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
     proc = train_cli(args, check=False)
     assert proc.returncode == 1
     # A path that holds no checkpoint is found before any process group (no rank named), the rest by every rank.
+    message = message.format(target=target)
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and message in proc.stderr, proc.stderr
 
 

@@ -47,7 +47,10 @@ def test_torchrun_options_and_the_trainers_flags_are_told_apart():
     [
         (["--model.n_kv_heads", "3"], "error: model.n_kv_heads=3 must divide model.n_heads=4"),
         (["--data.train_path", "/nonexistent/train.bin"], "error: token file /nonexistent/train.bin"),
-        (["--checkpoint.resume", "/nonexistent/run"], "error: checkpoint /nonexistent/run does not exist"),
+        (
+            ["--checkpoint.resume", "/nonexistent/run"],
+            "error: checkpoint.resume: checkpoint /nonexistent/run does not exist",
+        ),
         (["-m", "other.module"], "error: fsdp-train runs fsdp_trainer.train itself; drop -m"),
     ],
 )

@@ -141,7 +141,10 @@ class Restorer:
             self.fill_own_sources()
             return None
         verify = self.verification
-        path = verify.newest_verified() if resume == "auto" else verify.verified(resolve_checkpoint(resume))
+        if resume == "auto":
+            path = verify.newest_verified()
+        else:
+            path = verify.verified(resolve_checkpoint(resume, "checkpoint.resume"))
         carry_generation_config(path, self.attachments)
         started_from = None  # a checkpoint of another kind named again, when the run goes on from its own
         if not self.resumes(path):

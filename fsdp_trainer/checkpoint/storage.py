@@ -231,19 +231,26 @@ def is_complete(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory, or a run / checkpoints directory whose `latest` names one; raises with what is wrong."""
-    path = Path(path)
+OURS = "a run directory or step of ours: tools/import_hf.py writes one from a Hugging Face model"
+"""What a recipe field that names a checkpoint takes, said where it names none."""
+
+
+def resolve_checkpoint(path: str | os.PathLike, field: str | None = None) -> Path:
+    """A step directory, or a run / checkpoints directory whose `latest` names one; raises with what is wrong, after
+    the recipe `field` the path came from when one is given."""
+    path, named = Path(path), f"{field}: " if field else ""
     target = published_step(path)
     if target is not None:
         if not is_complete(target):
             latest = target.parent / LATEST_FILE
-            raise CheckpointError(f"{latest} names {target}, which is missing or incomplete (no .metadata)")
+            raise CheckpointError(f"{named}{latest} names {target}, which is missing or incomplete (no .metadata)")
         return target
+    ours = f" ({OURS})" if field else ""
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
+        raise CheckpointError(f"{named}checkpoint {path} does not exist{ours}")
     if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete DCP checkpoint (no .metadata); it is truncated or foreign")
+        raise CheckpointError(f"{named}{path} is not a complete DCP checkpoint (no .metadata); it is truncated or "
+                              f"foreign{ours}")  # fmt: skip
     return path
 
 

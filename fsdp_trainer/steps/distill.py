@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from fsdp_trainer.checkpoint.starts import Start
 from fsdp_trainer.checkpoint.storage import (
-    CheckpointError,
     checkpoint_recipe,
     checkpoint_tokenizer,
     resolve_checkpoint,
@@ -47,11 +46,7 @@ BETAS = {"forward_kl": 0.0, "reverse_kl": 1.0}
 
 def teacher_sections(recipe: Any) -> tuple[Path, dict]:
     """(the teacher's step directory, the recipe sections it was saved with), read without its weights."""
-    try:
-        path = resolve_checkpoint(recipe.distill.teacher)
-    except CheckpointError as e:
-        raise CheckpointError(f"distill.teacher: {e} (a run directory or step of ours: tools/import_hf.py writes one "
-                              "from a Hugging Face model)") from None  # fmt: skip
+    path = resolve_checkpoint(recipe.distill.teacher, "distill.teacher")
     return path, saved_sections(path)
 
 
