@@ -354,7 +354,7 @@ def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatc
     build.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "moe"])
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -362,7 +362,8 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     by 22% at most at 8B on 64 ranks (docs/benchmarks.md); it must not fall more than 5% below it, or a plan it
     calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the policy's, here over
     2 micro-batches (the accumulated gradients counted). Under LoRA, selective AC keeps each adapter's two matmul
-    outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes). A mixture of experts with
+    outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes). QLoRA's step quantizes as a
+    run does (it once measured bf16 LoRA). A mixture of experts with
     LoRA on its experts runs its grouped matmuls as a GPU would (selective AC keeps their outputs). The debug recipe's
     widths with two of its blocks: one that backward gathers again and the last, which stays gathered (each block is
     seconds of Python dispatch on fake tensors; more of them repeat the same terms)."""
@@ -371,6 +372,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
         "lora-1": ["--lora.rank", "16", "--data.micro_batch_size", "8", "--nproc", "1", "--nnodes", "1"],
+        # the projections held, gathered and sent in NF4, each rank storing its rows' parts alone; one node: k_proj's
+        # two NF4 scale blocks split over 2 ranks, not 4
+        "qlora": ["--lora.rank", "16", "--lora.quantize_base", "nf4", "--data.micro_batch_size", "8", "--nnodes", "1"],
         "moe": [
             "--model.family",
             "qwen3_moe",
@@ -394,7 +398,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     check = proc.stdout.split("| planned / measured |")[1]
     ratios = {tuple(row.split(" | ")[:2]): float(row.split(" | ")[-1].strip(" |")) for row in check.splitlines()[2:]
               if row.startswith("| ") and row.count(" | ") == 4}  # fmt: skip
-    assert len(ratios) == (3 if kind == "lora-1" else 15)  # 5 shardings (HYBRID_SHARD: 2 nodes) x 3 AC modes
+    assert len(ratios) == {"lora-1": 3, "qlora": 12}.get(kind, 15)  # 5 shardings (HYBRID_SHARD: 2 nodes) x 3 AC modes
     assert all(0.95 <= ratio <= 1.3 for ratio in ratios.values()), ratios
 
 

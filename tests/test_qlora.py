@@ -62,13 +62,14 @@ def _qlora_model(world: int):
     return model, build_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=0))
 
 
-def _nf4_parts(model) -> dict[str, list[torch.Tensor]]:
-    """Every quantized shard's stored parts (4-bit data, scales, their factors and mean), copied."""
+def _nf4_parts(model, copy: bool = True) -> dict[str, list[torch.Tensor]]:
+    """Every quantized shard's stored parts (4-bit data, scales, their factors and mean), copied unless not `copy`."""
     parts = {}
     for name, param in model.named_parameters():
         if is_nf4(param):
             local = param._local_tensor
-            parts[name] = [getattr(local, part).clone() for part in local.__tensor_flatten__()[0]]
+            kept = [getattr(local, part) for part in local.__tensor_flatten__()[0]]
+            parts[name] = [t.clone() for t in kept] if copy else kept
     return parts
 
 
@@ -93,6 +94,9 @@ def _shards_are_torchaos_whole_weight_quantized(rank, world):
             quantized += 1
     block.reshard()
     assert quantized == 7
+    # A rank stores its rows' parts alone, not the whole weight's storage that its rows were cut from.
+    for name, parts in _nf4_parts(model, copy=False).items():
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in parts), name
 
     # The model computes with exactly those weights: logits equal a plain model holding the dequantized weights.
     with torch.no_grad():

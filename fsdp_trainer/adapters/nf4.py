@@ -121,8 +121,9 @@ def fill_shard(param: torch.Tensor, values: torch.Tensor) -> None:
     whole = to_nf4(values.to(device=local.device, dtype=local.dtype))
     mine = torch.chunk(whole, count, dim=0)[index]
     # Set its parts, not copy_: torchao's copy_ leaves the per-tensor mean of a shard materialized from meta on meta.
+    # Each part copied: a slice of the whole's would keep all of the whole's storage alive on every rank.
     for name in mine.__tensor_flatten__()[0]:
-        setattr(local, name, getattr(mine, name))
+        setattr(local, name, getattr(mine, name).clone())
 
 
 def _shard_of(param: DTensor) -> tuple[int, int]:

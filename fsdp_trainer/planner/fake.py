@@ -21,6 +21,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_trainer.adapters import meta_model
+from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
@@ -62,10 +63,12 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     kind = training_kind(recipe)
     # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
-    model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision))
+    model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision), quantize=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         applied = parallelize(model, parallel, mesh)
         model.to_empty(device="cpu")
+        for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
+            fill_shard(weight, torch.zeros(weight.shape, dtype=compute_dtype(parallel.mixed_precision)))
         optimizer = build_optimizer(model, recipe.optim)
         shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
         windows = torch.randint(0, recipe.model.vocab_size, shape)
