@@ -709,3 +709,21 @@ def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_a
         planned, measured = map(float, check.split(" / "))
         assert planned >= 0.95 * measured, (ac, planned, measured)
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]  # recomputing more leaves room for longer windows
+
+
+def test_the_check_names_the_shardings_qloras_weights_do_not_split_over_and_measures_the_rest():
+    """Over a shard group its 4-bit projections do not split into (k_proj's two NF4 scale blocks over 4 ranks) a run
+    would refuse to start, so there is no step to measure: those rows say so in one line per sharding, the others are
+    measured."""
+    proc = plan_cli("--recipe", REPO / "recipes" / "debug.yaml", "--model.n_layers", "2", "--nproc", "2",
+                    "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", "--lora.rank", "16",
+                    "--lora.quantize_base", "nf4", "--data.micro_batch_size", "8",
+                    "--parallel.activation_checkpointing", "full")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check = proc.stdout.split("| planned / measured |")[1]
+    rows = {row.split(" | ")[0].strip("| "): row.strip(" |").split(" | ")[3:] for row in check.splitlines()[2:]
+            if row.startswith("| ") and row.count(" | ") == 4 and " | full | " in row}  # fmt: skip
+    assert rows["FULL_SHARD"] == rows["SHARD_GRAD_OP"] == rows["SHARD_OP"] == ["-", "-"]
+    assert 0.95 <= float(rows["NO_SHARD"][1]) and 0.95 <= float(rows["HYBRID_SHARD"][1])
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP"):
+        assert check.count(f"\n{sharding}: lora.quantize_base nf4: k_proj (128 x 256) does not split") == 1
