@@ -231,7 +231,7 @@ def is_complete(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-OURS = "a run directory or step of ours: tools/import_hf.py writes one from a Hugging Face model"
+CHECKPOINT_FIELD_HINT = "a run directory or step of ours: tools/import_hf.py writes one from a Hugging Face model"
 """What a recipe field that names a checkpoint takes, said where it names none."""
 
 
@@ -245,12 +245,12 @@ def resolve_checkpoint(path: str | os.PathLike, field: str | None = None) -> Pat
             latest = target.parent / LATEST_FILE
             raise CheckpointError(f"{named}{latest} names {target}, which is missing or incomplete (no .metadata)")
         return target
-    ours = f" ({OURS})" if field else ""
+    hint = f" ({CHECKPOINT_FIELD_HINT})" if field else ""
     if not path.is_dir():
-        raise CheckpointError(f"{named}checkpoint {path} does not exist{ours}")
+        raise CheckpointError(f"{named}checkpoint {path} does not exist{hint}")
     if not is_complete(path):
         raise CheckpointError(f"{named}{path} is not a complete DCP checkpoint (no .metadata); it is truncated or "
-                              f"foreign{ours}")  # fmt: skip
+                              f"foreign{hint}")  # fmt: skip
     return path
 
 
