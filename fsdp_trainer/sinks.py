@@ -14,7 +14,9 @@ import math
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fsdp_trainer.config import Recipe
 from fsdp_trainer.files import METRICS_FILE, TENSORBOARD_DIR, write_atomic
@@ -163,7 +165,10 @@ def scalars(record: dict) -> dict[str, float]:
 
 class TensorBoard:
     """OUT_DIR/tensorboard/: the records' numbers as scalars. Made by `open` only when the optional `tensorboard`
-    package is installed (metrics.jsonl has it all anyway)."""
+    package is installed (metrics.jsonl has it all anyway). A full disk does not stop the run: its writer, which
+    writes from a thread of its own and fails for good once a write fails, is dropped (a warning says so, once) and a
+    new one, in a new events file, takes the records as soon as one can be made; what the old one had queued is
+    TensorBoard's loss, not metrics.jsonl's."""
 
     @classmethod
     def open(cls, log_dir: str, start_step: int) -> TensorBoard | None:
@@ -172,17 +177,42 @@ class TensorBoard:
         except ImportError:
             return None
         # purge_step drops events a previous attempt wrote past the step this run resumes from.
-        return cls(SummaryWriter(log_dir, purge_step=start_step or None))
+        return cls(SummaryWriter(log_dir, purge_step=start_step or None), lambda: SummaryWriter(log_dir), log_dir)
 
-    def __init__(self, writer):
-        self.writer = writer
+    def __init__(self, writer, reopen: Callable[[], Any], log_dir: str = ""):
+        self.writer, self.reopen, self.log_dir, self.warned = writer, reopen, log_dir, False
 
     def write(self, record: dict) -> None:
-        for tag, value in scalars(record).items():
-            self.writer.add_scalar(tag, value, record["step"])
+        try:
+            if self.writer is None:
+                self.writer = self.reopen()
+            for tag, value in scalars(record).items():
+                self.writer.add_scalar(tag, value, record["step"])
+        except OSError as e:
+            self._drop(e)
+            return
+        self.warned = False
+
+    def _drop(self, error: OSError) -> None:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise error
+        if not self.warned:
+            logger.warning(f"{self.log_dir}: {error.strerror}; TensorBoard gets no records until there is room "
+                           "(metrics.jsonl keeps them all)")  # fmt: skip
+            self.warned = True
+        writer, self.writer = self.writer, None
+        try:
+            if writer is not None:
+                writer.close()
+        except OSError:
+            pass  # the failed writer's queue: gone with it
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except OSError as e:
+            self._drop(e)
 
 
 WANDB_RUN_FILE = "wandb_run.json"

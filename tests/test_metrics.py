@@ -264,3 +264,51 @@ def test_benchmark_scores_keep_their_names_in_tensorboard_and_wandb_and_one_log_
         "eval/gsm8k/exact_match_stderr,strict-match": 0.05,
     }
     assert score_lines(record) == ["arc_easy acc 0.5000 (+-0.100)", "gsm8k exact_match,strict-match 0.1250 (+-0.050)"]
+
+
+def test_a_full_disk_drops_tensorboards_writer_and_a_new_one_takes_the_records_once_there_is_room(caplog):
+    """TensorBoard's writer fails for good once a write fails (from its own thread, on a later call): on a full disk
+    the run goes on, warned once, and a new writer (a new events file) takes the records when one can be made; any
+    other error is the run's."""
+    import errno
+
+    from fsdp_trainer.sinks import TensorBoard
+
+    class Writer:
+        def __init__(self, fails: int):
+            self.scalars, self.fails, self.closed = [], fails, False
+
+        def add_scalar(self, tag, value, step):
+            if self.fails:
+                self.fails -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.scalars.append((tag, value, step))
+
+        def close(self):
+            self.closed = True
+
+    made = []
+
+    def reopen():
+        if len(made) < 1:  # the disk is still full: no new events file either
+            made.append(None)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        made.append(Writer(0))
+        return made[-1]
+
+    first = Writer(fails=1)
+    sink = TensorBoard(first, reopen, "out/tensorboard")
+    with caplog.at_level("WARNING", logger="fsdp_trainer"):
+        for step in (1, 2, 3):
+            sink.write({"step": step, "loss": float(step)})
+    assert first.closed and first.scalars == [] and made[0] is None
+    assert made[1].scalars == [("loss/train", 3.0, 3)]
+    warnings = [r.message for r in caplog.records if "tensorboard" in r.message]
+    assert warnings == [
+        "out/tensorboard: No space left on device; TensorBoard gets no records until there is room "
+        "(metrics.jsonl keeps them all)"
+    ]
+    broken = TensorBoard(Writer(0), reopen, "out/tensorboard")
+    broken.writer.add_scalar = lambda *a: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied"))
+    with pytest.raises(OSError, match="Permission denied"):
+        broken.write({"step": 1, "loss": 1.0})
