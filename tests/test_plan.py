@@ -727,3 +727,29 @@ def test_the_check_names_the_shardings_qloras_weights_do_not_split_over_and_meas
     assert 0.95 <= float(rows["NO_SHARD"][1]) and 0.95 <= float(rows["HYBRID_SHARD"][1])
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP"):
         assert check.count(f"\n{sharding}: lora.quantize_base nf4: k_proj (128 x 256) does not split") == 1
+
+
+def test_on_one_device_the_check_counts_the_frozen_weights_fsdp_leaves_alone_and_the_plan_the_rotary_tables():
+    """On one device the frozen weights stay outside FSDP, which torch's tracker does not see: the fake step hands
+    them to it, so its peak holds every one of them (the embedding, which no op makes a view of, included), and the
+    plan's total holds the model's buffers (the rotary tables), which no other term counts."""
+    from fsdp_trainer.adapters import meta_model
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
+                           "--model.vocab_size", "65536", "--model.tie_embeddings", "false", "--lora.rank", "8",
+                           "--lora.quantize_base", "nf4", "--data.micro_batch_size", "1", "--data.seq_len", "32",
+                           "--parallel.mixed_precision", "bf16",
+                           "--parallel.activation_checkpointing", "full"])  # fmt: skip
+    meta = meta_model(recipe.model, recipe.lora, frozen_dtype=torch.bfloat16, quantize=True)
+    frozen = 2 * (meta.model.embed_tokens.weight.numel() + meta.output_layer.weight.numel())  # bf16, 67 MB
+    assert frozen == 2 * 2 * 65536 * 256
+    assert measured_peak_gb(recipe, 1, 1) * 1e9 > frozen
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    row = estimate(recipe, nproc=1, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
+    assert buffers == 2 * 4 * recipe.model.max_seq_len * recipe.model.resolved_head_dim
+    assert row.buffers_gb == pytest.approx(buffers / 1e9)
+    others = row.state_gb + row.reference_gb + row.gathered_gb + row.accumulated_gb + row.runtime_gb
+    assert row.total_gb == pytest.approx(others + row.buffers_gb + max(
+        row.activations_gb + max(row.logits_gb, row.backward_gb), row.grad_buffers_gb, row.optimizer_step_gb,
+        row.copy_out_gb))  # fmt: skip

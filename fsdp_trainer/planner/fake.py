@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.adapters import meta_model
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
@@ -79,7 +80,11 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
         train_step(*args)
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((batches[0].inputs,))
+        # The tracker counts FSDP's parameters and what ops make; weights FSDP leaves alone (frozen ones in a shard
+        # group of one, a frozen model's) it would count only where a view of one is made, as a new allocation.
+        models = [model, *(start.model for start in step.starts)]
+        outside = [p for m in models for p in m.parameters() if not isinstance(p, DTensor)]
+        tracker.track_inputs((batches[0].inputs, *outside))
         with tracker:
             # The tracker takes the root's second forward for the next step's and refuses it; with accumulation,
             # each micro-batch's is one more. Its per-module numbers are cleared before each (the peak is kept), by a

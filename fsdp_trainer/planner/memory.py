@@ -6,6 +6,8 @@ and SHARD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes
 micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
 
 - training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
+- buffers: the model's, whole on every rank and on the device with offload too (the rotary tables, fp32:
+  2 x max_seq_len x head_dim, 0.13 GB for Llama 3.1's 131,072 positions);
 - LoRA (lora.rank): the frozen weights are held in the compute dtype, a bytes each, with no gradient or optimizer
   state, and only the adapters' gradients are reduced; QLoRA (lora.quantize_base nf4) holds, gathers and sends the
   adapted projections in NF4, 0.52 bytes a weight (4 bits and an 8-bit scale per 64), and dequantizes one projection
@@ -108,6 +110,7 @@ class Estimate:
     quantized: int = 0  # weights held in NF4 (QLoRA), each dequantized for its matmuls
     frozen_forward: float = 0.0  # the kind's forwards without gradient (a reference's, a teacher's), in policies
     copy_out_gb: float = 0.0  # beyond `gathered`, the all-gather outputs held at the first block's gather
+    buffers_gb: float = 0.0  # the model's buffers (its rotary tables): whole on every rank, on the device
 
     @property
     def total_gb(self) -> float:
@@ -124,7 +127,7 @@ class Estimate:
             self.optimizer_step_gb,
             self.copy_out_gb,
         )
-        held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb
+        held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb + self.buffers_gb
         return held + transient + self.runtime_gb
 
     def fits(self, device_mem_gb: float, host_mem_gb: float = math.inf) -> bool:
@@ -208,6 +211,11 @@ def unit_bytes(meta: Transformer, n_block: int, n_root: int, n_layers: int, a: i
     quantized_block = (quantized - quantized_root) // n_layers
     block = a * (n_block - quantized_block) + NF4_BYTES * quantized_block
     return block, a * (n_root - quantized_root) + NF4_BYTES * quantized_root
+
+
+def buffer_bytes(meta: Transformer) -> int:
+    """The model's buffers (its rotary tables), whole on every rank and on the device, offloaded or not."""
+    return sum(b.numel() * b.element_size() for b in meta.buffers())
 
 
 def logits_bytes(meta: Transformer, tokens: int, chunks: int, a: int) -> int:
@@ -296,5 +304,5 @@ def estimate(
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
-        traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb,
+        traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb, buffer_bytes(meta) / gb,
     )  # fmt: skip
