@@ -179,7 +179,7 @@ class TensorBoard:
         # purge_step drops events a previous attempt wrote past the step this run resumes from.
         return cls(SummaryWriter(log_dir, purge_step=start_step or None), lambda: SummaryWriter(log_dir), log_dir)
 
-    def __init__(self, writer, reopen: Callable[[], Any], log_dir: str = ""):
+    def __init__(self, writer, reopen: Callable[[], Any], log_dir: str):
         self.writer, self.reopen, self.log_dir, self.warned = writer, reopen, log_dir, False
 
     def write(self, record: dict) -> None:
