@@ -62,8 +62,14 @@ def check_adapters(model: ModelConfig, lora: LoraConfig, parallel: ParallelConfi
         require_torchao()
         # The launcher knows no world size yet: it checks the whole weights, each worker its shard group too
         world = int(os.environ.get("WORLD_SIZE", 1))
-        _, shard_ranks = SHARDING[parallel.sharding].mesh_shape(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        check_nf4_shapes(meta_model(model, lora), shard_ranks)
+        check_quantized_split(model, lora, parallel.sharding, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def check_quantized_split(model: ModelConfig, lora: LoraConfig, sharding: str, world: int, per_node: int) -> None:
+    """QLoRA's 4-bit projections split into whole rows and NF4 scale blocks over the shard group `sharding` makes of
+    `world` ranks, `per_node` a node; ValueError naming the one that does not."""
+    _, shard_ranks = SHARDING[sharding].mesh_shape(world, per_node)
+    check_nf4_shapes(meta_model(model, lora), shard_ranks)
 
 
 def start_adapters(model: nn.Module, lora: LoraConfig) -> bool:

@@ -21,8 +21,7 @@ from typing import Literal
 
 import torch
 
-from fsdp_trainer.adapters import meta_model, quantizes_base
-from fsdp_trainer.adapters.nf4 import check_nf4_shapes
+from fsdp_trainer.adapters import check_quantized_split, quantizes_base
 from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.parallelize import SHARDING
@@ -209,24 +208,25 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     none of."""
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
-    cannot = {}  # a sharding whose shard group QLoRA's weights do not split over: no run, no step to measure
+    refused = {}  # by sharding, why a run would refuse it (QLoRA's weights not splitting): no step to measure
     for e in estimates:
         if e.offload:
             continue
+        if quantizes_base(recipe.lora) and e.sharding not in refused:
+            try:
+                check_quantized_split(recipe.model, recipe.lora, e.sharding, nproc * nnodes, nproc)
+                refused[e.sharding] = None
+            except ValueError as error:
+                refused[e.sharding] = f"{e.sharding}: {error}"
+        planned = e.total_gb - e.runtime_gb
+        if refused.get(e.sharding):
+            rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | - | - |")
+            continue
         case = copy.deepcopy(recipe)
         case.parallel.sharding, case.parallel.activation_checkpointing = e.sharding, e.ac
-        planned = e.total_gb - e.runtime_gb
-        if quantizes_base(recipe.lora):
-            _, shard_ranks = SHARDING[e.sharding].mesh_shape(nproc * nnodes, nproc)
-            try:
-                check_nf4_shapes(meta_model(recipe.model, recipe.lora), shard_ranks)
-            except ValueError as error:
-                cannot[e.sharding] = f"{e.sharding}: {error}"
-                rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | - | - |")
-                continue
         measured = measured_peak_gb(case, nproc, nnodes)
         rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | {measured:.2f} | {planned / measured:.2f} |")
-    return "\n".join([*rows, *cannot.values()])
+    return "\n".join([*rows, *filter(None, refused.values())])
 
 
 def _parser():
