@@ -65,6 +65,10 @@ class LogLine:
         pass
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a disk (or quota) with no room left: the sinks that write files hold or skip records, not stop."""
+
+
 class JsonlFile:
     """OUT_DIR/metrics.jsonl, a JSON object per line. On resume, the records the interrupted attempt wrote after the
     checkpoint are dropped first, so each step appears once. A full disk does not stop the run: what it refuses is
@@ -91,7 +95,7 @@ class JsonlFile:
             while self.held:
                 self.held = self.held[os.write(self.fd, self.held) :]
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if e.errno not in FULL_DISK:
                 raise
             if not self.warned:
                 logger.warning(f"{self.path}: {e.strerror}; its records are held in memory until there is room")
@@ -194,7 +198,7 @@ class TensorBoard:
         self.warned = False
 
     def _drop(self, error: OSError) -> None:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if error.errno not in FULL_DISK:
             raise error
         if not self.warned:
             logger.warning(f"{self.log_dir}: {error.strerror}; TensorBoard gets no records until there is room "
