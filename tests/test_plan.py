@@ -354,6 +354,13 @@ def test_the_disk_check_of_a_lora_run_asks_room_for_its_adapters_only(monkeypatc
     build.check_disk_room(parse_recipe([*args, "--lora.rank", "16"]))  # 42M adapters: 0.5 GB
 
 
+def check_rows(stdout: str) -> list[list[str]]:
+    """`plan --check`'s table: each row's sharding, AC, planned, measured and ratio cells."""
+    check = stdout.split("| planned / measured |")[1]
+    rows = [row for row in check.splitlines()[2:] if row.startswith("| ") and row.count(" | ") == 4]
+    return [row.strip(" |").split(" | ") for row in rows]
+
+
 @pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
@@ -395,9 +402,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     proc = plan_cli("--recipe", REPO / "recipes" / "debug.yaml", "--model.n_layers", "2", "--nproc", "2",
                     "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check = proc.stdout.split("| planned / measured |")[1]
-    ratios = {tuple(row.split(" | ")[:2]): float(row.split(" | ")[-1].strip(" |")) for row in check.splitlines()[2:]
-              if row.startswith("| ") and row.count(" | ") == 4}  # fmt: skip
+    ratios = {(sharding, ac): float(ratio) for sharding, ac, _, _, ratio in check_rows(proc.stdout)}
     assert len(ratios) == {"lora-1": 3, "qlora": 12}.get(kind, 15)  # 5 shardings (HYBRID_SHARD: 2 nodes) x 3 AC modes
     assert all(0.95 <= ratio <= 1.3 for ratio in ratios.values()), ratios
 
@@ -413,10 +418,7 @@ def test_the_first_gather_holds_the_roots_and_the_blocks_all_gather_outputs_besi
                     "65536", "--model.tie_embeddings", "false", "--lora.rank", "8", "--data.micro_batch_size", "1",
                     "--data.seq_len", "32")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check = proc.stdout.split("| planned / measured |")[1]
-    rows = [
-        row.strip(" |").split(" | ") for row in check.splitlines()[2:] if row.startswith("| ") and row.count(" | ") == 4
-    ]
+    rows = check_rows(proc.stdout)
     assert len(rows) == 15
     for sharding, ac, planned, measured, ratio in rows:
         assert 0.95 <= float(ratio) <= (math.inf if sharding == "NO_SHARD" else 1.05), (sharding, ac, planned, measured)
@@ -721,8 +723,7 @@ def test_the_check_names_the_shardings_qloras_weights_do_not_split_over_and_meas
                     "--parallel.activation_checkpointing", "full")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     check = proc.stdout.split("| planned / measured |")[1]
-    rows = {row.split(" | ")[0].strip("| "): row.strip(" |").split(" | ")[3:] for row in check.splitlines()[2:]
-            if row.startswith("| ") and row.count(" | ") == 4 and " | full | " in row}  # fmt: skip
+    rows = {sharding: [measured, ratio] for sharding, ac, _, measured, ratio in check_rows(proc.stdout) if ac == "full"}
     assert rows["FULL_SHARD"] == rows["SHARD_GRAD_OP"] == rows["SHARD_OP"] == ["-", "-"]
     assert 0.95 <= float(rows["NO_SHARD"][1]) and 0.95 <= float(rows["HYBRID_SHARD"][1])
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP"):
