@@ -5,7 +5,10 @@ The terms, per rank, for P parameters, S ranks sharing one copy of the model (th
 and SHARD_OP, 1 for NO_SHARD, the ranks of a node for HYBRID_SHARD), a = 2 bytes (bf16) or 4 (fp32), t =
 micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forward widths, V the vocabulary:
 
-- training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas);
+- training state: fp32 weights 4P/S + fp32 gradients 4P/S + AdamW moments 8P/S (the ZeRO formulas); the step frees
+  the gradients before its forward, so without accumulation their shard exists only from backward's first reduction
+  on: the forward, the logits and the first block's backward see the state without it (1B on 8 ranks, every row but
+  NO_SHARD with full AC: 0.99-1.00 of the step on fake tensors, 1.03-1.18 with the shard counted there);
 - buffers: the model's, whole on every rank and on the device with offload too (the rotary tables, fp32:
   2 x max_seq_len x head_dim, 0.13 GB for Llama 3.1's 131,072 positions);
 - LoRA (lora.rank): the frozen weights are held in the compute dtype, a bytes each, with no gradient or optimizer
@@ -17,6 +20,9 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   SHARD_OP and NO_SHARD, which keep them from forward to backward; at the first block's gather, before any
   activation, FSDP2 holds the root's all-gather output (kept until the next is copied out) and the block's beside
   their unsharded copies: 2a x (root + block), the peak where the output layer is large against the activations;
+  each block frees its gathered weights after its backward, whatever it kept from forward, so from the last block's
+  backward on only the root and that block are gathered (1B on 8 ranks, NO_SHARD with full AC, whose peak is the
+  end of backward: 1.06 of the step, 1.18 with every block gathered there);
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
@@ -111,6 +117,9 @@ class Estimate:
     frozen_forward: float = 0.0  # the kind's forwards without gradient (a reference's, a teacher's), in policies
     copy_out_gb: float = 0.0  # beyond `gathered`, the all-gather outputs held at the first block's gather
     buffers_gb: float = 0.0  # the model's buffers (its rotary tables): whole on every rank, on the device
+    late_gradients_gb: float = 0.0  # of the state: the gradient shard no forward of a step sees (gradients_later)
+    block_activations_gb: float = 0.0  # of the activations: one block's, the last to run backward
+    gathered_late_gb: float = 0.0  # of the gathered: what is left once every block but the last has run backward
 
     @property
     def total_gb(self) -> float:
@@ -120,15 +129,20 @@ class Estimate:
         # the optimizer step's own allocations come after that.
         # Before any activation exists, the first block's gather holds the root's and the block's all-gather outputs
         # beside their unsharded copies (copy_out_gb): the peak of a large output layer over shallow or checkpointed
-        # blocks.
-        transient = max(
-            self.activations_gb + max(self.logits_gb, self.backward_gb),
-            self.grad_buffers_gb,
-            self.optimizer_step_gb,
-            self.copy_out_gb,
-        )
+        # blocks. Until backward reduces the first gradients, their shards may not exist yet (late_gradients_gb); by
+        # the last block's backward they all do, beside that block's activations alone, and every other block has
+        # freed its gathered weights (FSDP reshards each after its backward, whatever it kept from forward).
         held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb + self.buffers_gb
-        return held + transient + self.runtime_gb
+        early = held - self.late_gradients_gb
+        late = held - self.gathered_gb + self.gathered_late_gb
+        peak = max(
+            early + self.activations_gb + max(self.logits_gb, self.backward_gb),
+            late + self.block_activations_gb + self.backward_gb,
+            late + self.grad_buffers_gb,
+            late + self.optimizer_step_gb,
+            early + self.copy_out_gb,
+        )
+        return peak + self.runtime_gb
 
     def fits(self, device_mem_gb: float, host_mem_gb: float = math.inf) -> bool:
         return self.total_gb <= device_mem_gb and self.host_gb <= host_mem_gb
@@ -204,6 +218,20 @@ def accumulated_gradient_bytes(
     return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
 
 
+def gradient_buffer_bytes(a: int, unit_params: int, trained_share: float) -> float:
+    """Unsharded gradients awaiting their reduction, in the compute dtype plus, in bf16, an fp32 copy: one block's at a
+    time, and the root's, which all exist at the end of backward (`unit_params`, of which `trained_share` train)."""
+    return (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * unit_params * trained_share
+
+
+def gradients_later(accum: int, trainable: int, shard_group: int, offload: bool) -> float:
+    """Bytes of the gradient shard the state counts that exist only from a step's first reduction on: the step frees
+    gradients before its forward (train.train_step), so without accumulation its forward, its logits and the first
+    block's backward see none; with it, every micro-step after the first sees the shard (or what `accumulated` holds
+    in its place). Offloaded, the shard is the host's."""
+    return 0.0 if accum > 1 or offload else GRADIENT_BYTES * trainable / shard_group
+
+
 def unit_bytes(meta: Transformer, n_block: int, n_root: int, n_layers: int, a: int, quantized: int) -> tuple[int, int]:
     """Bytes of one block's and of the root's gathered parameters: the compute dtype's `a` a weight, and NF4's for the
     `quantized` weights of QLoRA's projections (the blocks', and the output layer, the root's, when adapted)."""
@@ -265,9 +293,7 @@ def estimate(
     # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
     copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
-    # Unsharded gradients wait for their reduction in the compute dtype plus, in bf16, an fp32 copy: one block's at a
-    # time, and the root's, which all exist at the end of backward.
-    gradient_buffers = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * (n_block + n_root) * trainable / n_params
+    gradient_buffers = gradient_buffer_bytes(a, n_block + n_root, trainable / n_params)
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = tokens * cfg.n_layers * saved
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
@@ -305,4 +331,6 @@ def estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
         traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb, buffer_bytes(meta) / gb,
+        gradients_later(accum, trainable, shard_group, on_host) / gb, activations / cfg.n_layers / gb,
+        min(gathered, first_gathers + dequantized) / gb,
     )  # fmt: skip

@@ -136,7 +136,7 @@ HEADROOM = 0.05
 """The share of a device's memory the recommendation leaves free when it can. The planner's peak is what tensors take;
 the caching allocator's fragmentation adds to it (5-10%), and at the card's edge it frees its cache and retries:
 llm-foundry's MPT-30B ran 23-30% slower at 8,192 tokens than at 4,096, where the planner puts it at 93% of the card
-(the 4,096 row at 91%): 5% is the least room to leave, not enough for every stack. A row that fits only in the last 5%
+(the 4,096 row at 90%): 5% is the least room to leave, not enough for every stack. A row that fits only in the last 5%
 is recommended when nothing else fits, and named when it would run faster."""
 
 
