@@ -64,12 +64,13 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     kind = training_kind(recipe)
     # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
-    model = meta_model(recipe.model, recipe.lora, frozen_dtype=compute_dtype(parallel.mixed_precision), quantize=True)
+    dtype = compute_dtype(parallel.mixed_precision)
+    model = meta_model(recipe.model, recipe.lora, frozen_dtype=dtype, quantize=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         applied = parallelize(model, parallel, mesh)
         model.to_empty(device="cpu")
         for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
-            fill_shard(weight, torch.zeros(weight.shape, dtype=compute_dtype(parallel.mixed_precision)))
+            fill_shard(weight, torch.zeros(weight.shape, dtype=dtype))
         optimizer = build_optimizer(model, recipe.optim)
         shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
         windows = torch.randint(0, recipe.model.vocab_size, shape)
