@@ -756,3 +756,19 @@ def test_on_one_device_the_check_counts_the_frozen_weights_fsdp_leaves_alone_and
     assert buffers == 2 * 4 * recipe.model.max_seq_len * recipe.model.resolved_head_dim
     assert row.buffers_gb == pytest.approx(buffers / 1e9)
     assert row.total_gb == pytest.approx(dataclasses.replace(row, buffers_gb=0).total_gb + row.buffers_gb)
+
+
+def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
+    """LoRA under NO_SHARD (a shard group of one) leaves the frozen weights outside FSDP, and to_empty makes a tied
+    output layer a tensor of its own: the trainer ties it to the embedding again (parallelize.materialize), and so
+    must the fake step (parallelize.allocate, both), or it measures the embedding twice (the 1B LoRA recipe's NO_SHARD
+    rows read 0.80-0.87 of the plan; here 0.65)."""
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
+                           "--model.vocab_size", "65536", "--lora.rank", "8", "--data.micro_batch_size", "1",
+                           "--data.seq_len", "32", "--parallel.mixed_precision", "bf16", "--parallel.sharding",
+                           "NO_SHARD", "--parallel.activation_checkpointing", "full"])  # fmt: skip
+    assert recipe.model.tied_output
+    row = estimate(recipe, nproc=2, nnodes=1, sharding="NO_SHARD", ac="full", device="cuda")
+    assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) == pytest.approx(1.0, abs=0.05)

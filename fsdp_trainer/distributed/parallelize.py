@@ -247,6 +247,16 @@ def fill_local_shard(param: nn.Parameter, values: torch.Tensor) -> None:
         param.copy_(values)
 
 
+def allocate(model: Transformer, device: torch.device | str) -> None:
+    """The meta-device model's storage on `device`, uninitialized (to_empty), its tied output layer still the
+    embedding: frozen weights left outside FSDP (a shard group of one) come out of to_empty as two tensors, which
+    would hold the embedding twice."""
+    model.to_empty(device=device)
+    embedding = model.model.embed_tokens.weight
+    if model.cfg.tied_output and model.lm_head.weight is not embedding:
+        model.lm_head.weight = embedding
+
+
 def materialize(
     model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False, fill: Callable | None = None
 ) -> None:
@@ -257,11 +267,7 @@ def materialize(
     on the device, so a run with offload starts from the same weights as one without. `fill` (default
     fill_local_shard) writes a parameter's full values into its shard.
     """
-    model.to_empty(device="cpu" if cpu_offload else device)
-    embedding = model.model.embed_tokens.weight
-    if model.cfg.tied_output and model.lm_head.weight is not embedding:
-        # Frozen weights left outside FSDP (a shard group of one) come out of to_empty as two tensors: tie them again.
-        model.lm_head.weight = embedding
+    allocate(model, "cpu" if cpu_offload else device)
     if cpu_offload:
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):

@@ -25,7 +25,7 @@ from fsdp_trainer.adapters import meta_model
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import SHARDING, parallelize
+from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.steps import training_kind
 from fsdp_trainer.train import train_step
@@ -68,7 +68,7 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     model = meta_model(recipe.model, recipe.lora, frozen_dtype=dtype, quantize=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         applied = parallelize(model, parallel, mesh)
-        model.to_empty(device="cpu")
+        allocate(model, "cpu")
         for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
             fill_shard(weight, torch.zeros(weight.shape, dtype=dtype))
         optimizer = build_optimizer(model, recipe.optim)
@@ -77,7 +77,7 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         batches = [kind.fake_batch(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in windows]
         step = kind.build(recipe, env, model)
         for start in step.starts:
-            start.model.to_empty(device="cpu")
+            allocate(start.model, "cpu")
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
         train_step(*args)
         tracker = FSDPMemTracker(model, optimizer)
