@@ -168,13 +168,15 @@ def test_communication_volume_orders_the_one_node_choice(precision, accum, best)
 def test_chunked_loss_counts_one_slice_of_logits_beside_the_output_layers_weight_gradient():
     """The output layer's backward holds one slice's logits, 12 bytes a token and class, and, when the layer trains,
     its unsharded weight gradient in the compute dtype, which each slice's backward adds into (twice while a slice's
-    own is added, with 8 bytes a token and class left); LoRA's frozen output layer has none."""
+    own is added, with 8 bytes a token and class left; three times while the two are summed into a new one); LoRA's
+    frozen output layer has none."""
     recipe = Recipe()
     tokens, vocab = recipe.data.micro_batch_size * recipe.data.seq_len, recipe.model.vocab_size
     head = 2 * vocab * recipe.model.dim  # bf16 on a GPU
 
     def planned(slice_tokens: int, head_gradient: int) -> float:
-        return max(12 * slice_tokens * vocab + head_gradient, 8 * slice_tokens * vocab + 2 * head_gradient) / 1e9
+        logits = slice_tokens * vocab
+        return max(12 * logits + head_gradient, 8 * logits + 2 * head_gradient, 3 * head_gradient) / 1e9
 
     whole = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
     assert whole.logits_gb == pytest.approx(planned(tokens, head))
@@ -183,9 +185,25 @@ def test_chunked_loss_counts_one_slice_of_logits_beside_the_output_layers_weight
     sliced = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
     assert sliced.logits_gb == pytest.approx(planned(math.ceil(tokens / 64), head))
     assert sliced.total_gb < whole.total_gb and sliced.state_gb == whole.state_gb
-    recipe.lora.rank = 8
+    recipe.train.loss_chunks = tokens  # a token a slice: the sum of two weight gradients is the larger
+    single = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    assert single.logits_gb == pytest.approx(3 * head / 1e9) == pytest.approx(planned(1, head))
+    recipe.lora.rank, recipe.train.loss_chunks = 8, 64
     frozen = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
     assert frozen.logits_gb == pytest.approx(planned(math.ceil(tokens / 64), 0))
+
+
+def test_small_slices_of_the_logits_peak_where_two_weight_gradients_are_summed():
+    """Small slices of a large vocabulary: the peak is the output layer's backward summing a slice's weight gradient
+    into the accumulated one, three of them at once (the plan priced two: 0.85 of the step on fake tensors)."""
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
+                           "--model.vocab_size", "65536", "--train.loss_chunks", "64", "--parallel.mixed_precision",
+                           "fp32", "--parallel.activation_checkpointing", "full"])  # fmt: skip
+    row = estimate(recipe, nproc=2, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
+    assert row.logits_gb == pytest.approx(3 * 4 * 65536 * recipe.model.dim / 1e9)
+    assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) == pytest.approx(1.0, abs=0.03)
 
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_OP", "NO_SHARD"])

@@ -306,7 +306,7 @@ def test_the_planner_prices_a_score_head_in_place_of_the_output_layer():
 
     def logits(classes: int) -> float:  # fp32 log-softmax and its two gradients; beside them the head's bf16 gradient
         head = 2 * classes * 1024
-        return max(12 * tokens * classes + head, 8 * tokens * classes + 2 * head) / 1e9
+        return max(12 * tokens * classes + head, 8 * tokens * classes + 2 * head, 3 * head) / 1e9
 
     assert reward.train.loss_chunks == language.train.loss_chunks == 1
     assert rows[0].logits_gb == pytest.approx(logits(1)) and rows[1].logits_gb == pytest.approx(logits(151_936))
