@@ -790,3 +790,17 @@ def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
     assert recipe.model.tied_output
     row = estimate(recipe, nproc=2, nnodes=1, sharding="NO_SHARD", ac="full", device="cuda")
     assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_blocks_backward_holds_the_output_layers_gradient_and_the_reduce_scatter_input_before_it():
+    """Full AC at the 8B's widths with a 32,000-token vocabulary (Llama 2's, Mistral 7B's): the peak is a block's
+    backward, beside the output layer's weight gradient, which waits for the root's reduction, and the previous
+    block's gradients in their fp32 reduce-scatter input, which FSDP2 keeps until the next reduction. Without the two
+    the plan read 0.93 of the step on fake tensors here, 0.89 at 32 blocks on 64 ranks."""
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe([*_8B, "--model.n_layers", "4", "--model.vocab_size", "32000", "--data.micro_batch_size",
+                           "1", "--parallel.mixed_precision", "bf16", "--parallel.activation_checkpointing",
+                           "full"])  # fmt: skip
+    row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
+    assert 0.95 <= (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 8, 1) <= 1.06

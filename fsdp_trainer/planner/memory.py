@@ -22,7 +22,7 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   their unsharded copies: 2a x (root + block), the peak where the output layer is large against the activations;
   each block frees its gathered weights after its backward, whatever it kept from forward, so from the last block's
   backward on only the root and that block are gathered (1B on 8 ranks, NO_SHARD with full AC, whose peak is the
-  end of backward: 1.06 of the step, 1.18 with every block gathered there);
+  end of backward: 1.07 of the step, 1.18 with every block gathered there);
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
@@ -37,8 +37,12 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   bytes with it, 8 with it twice (a slice's own weight gradient before it is added), and it three times (the two
   summed into a new one: small slices). Measured on fake tensors (Qwen3-0.6B, slices of 512-2,048 tokens, bf16 and
   fp32, full fine-tuning and LoRA): within 1.5%; slices of 16 tokens of 65,536 classes at width 256 in fp32: exact;
-- block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed;
-  it comes after the logits are freed, so the peak counts the larger of the two;
+- block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed,
+  beside the output layer's weight gradient (a x V x d when it trains, kept for the root's reduction) and the
+  previous block's gradients in their fp32 reduce-scatter input (4 x block parameters, trained ones), which FSDP2
+  keeps until the next reduction; it comes after the logits are freed, so the peak counts the larger of the two (the
+  8B's widths with a 32,000-token vocabulary, full AC, 64 ranks: 0.89 of the step on fake tensors without the two,
+  1.03 with them);
 - gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
   block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
   the larger of (activations + logits) and these;
@@ -247,12 +251,25 @@ def buffer_bytes(meta: Transformer) -> int:
     return sum(b.numel() * b.element_size() for b in meta.buffers())
 
 
+def head_gradient_bytes(meta: Transformer, a: int) -> int:
+    """The output layer's unsharded weight gradient, when it trains: made by the loss's backward, it waits for the
+    root's reduction at the end of backward."""
+    return a * meta.output_layer.weight.numel() if meta.output_layer.weight.requires_grad else 0
+
+
+def block_backward_bytes(meta: Transformer, tokens: int, full: int, recomputed: bool, a: int, trained: float) -> float:
+    """A block's backward: the gradients of its activations (about one block's worth, `full` bytes a token) and,
+    recomputed under AC, its activations again; beside them the output layer's weight gradient and the previous
+    block's `trained` gradients in their fp32 reduce-scatter input, which FSDP2 keeps until the next reduction."""
+    return tokens * full * (2 if recomputed else 1) + head_gradient_bytes(meta, a) + GRADIENT_BYTES * trained
+
+
 def logits_bytes(meta: Transformer, tokens: int, chunks: int, a: int) -> int:
     """The output layer's backward: one slice's logits (12 bytes a token and class), and beside them, when the layer
     trains, its weight gradient that every slice's backward adds into: twice while a slice's own exists, and three
     times while the two are summed into a new one (the peak of small slices)."""
     logits_slice = math.ceil(tokens / chunks) * meta.output_layer.weight.shape[0]
-    head_gradient = a * meta.output_layer.weight.numel() if meta.output_layer.weight.requires_grad else 0
+    head_gradient = head_gradient_bytes(meta, a)
     return max(12 * logits_slice + head_gradient, 8 * logits_slice + 2 * head_gradient, 3 * head_gradient)
 
 
@@ -299,9 +316,7 @@ def estimate(
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = tokens * cfg.n_layers * saved
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
-    # Backward of a block holds the gradients of its activations (about one block's worth), and under AC also the
-    # block's recomputed activations.
-    backward = tokens * full * (2 if ac != "none" else 1)
+    backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params)
     regathered = regathered_in_backward(cfg)
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
