@@ -388,7 +388,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
     bytes an element, a whole block's backward, gradient buffers in two dtypes), so it may exceed the measured peak,
-    by 17% at most at 8B on 64 ranks (docs/benchmarks.md), 10% at these shapes; it must not fall more than 5% below
+    by 4% at 8B on 64 ranks (docs/benchmarks.md), 10% at these shapes; it must not fall more than 5% below
     it, or a plan it calls a fit would not fit. A DPO step runs its reference's forward (a frozen copy) and the
     policy's, here over 2 micro-batches (the accumulated gradients counted). Under LoRA, selective AC keeps each
     adapter's two matmul outputs too (they once put its plan 20% under the step, 37% at Mistral-Nemo's shapes).
@@ -647,8 +647,8 @@ def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_
     At this size the gathers hide under compute: the fastest rows that fit are those without AC, FULL_SHARD's and
     HYBRID_SHARD's, equal to the step-time model, and of them the least memory, FULL_SHARD's, is recommended. Without
     a GPU to time them, the least recomputation and then the fewest bytes crossing between nodes: HYBRID_SHARD's, on a
-    37 GB card only when HEADROOM need not be left. On 25 GB/s without NVLink between the GPUs of a node (a PCIe box),
-    the same rows are slower."""
+    card where it fits only within HEADROOM only when that need not be left. On 25 GB/s without NVLink between the
+    GPUs of a node (a PCIe box), the same rows are slower."""
     recipe = parse_recipe([*_8B, "--data.micro_batch_size", "1", "--data.seq_len", "4096"])
     rows = plan(recipe, nproc=8, nnodes=2, device="cuda")
     times = [step_time(recipe, row, "A100", 8, 2) for row in rows]
@@ -656,8 +656,8 @@ def test_the_plan_recommends_the_fastest_row_that_fits_and_prices_the_network_a_
     assert (fastest.sharding, fastest.ac) == ("FULL_SHARD", "none")
     hybrid = recommend(rows, 40, 1e9)  # without times: the fewest bytes between nodes
     assert (hybrid.sharding, hybrid.ac) == ("HYBRID_SHARD", "none") and hybrid.total_gb > fastest.total_gb
-    assert 37 * (1 - HEADROOM) < hybrid.total_gb <= 37 and recommend(rows, 37, 1e9, headroom=0.0) == hybrid
-    assert recommend(rows, 37, 1e9).sharding == "FULL_SHARD"
+    card = hybrid.total_gb / (1 - HEADROOM / 2)  # it fits, in the last HEADROOM of the card
+    assert recommend(rows, card, 1e9, headroom=0.0) == hybrid and recommend(rows, card, 1e9).sharding == "FULL_SHARD"
     by_key = {(r.sharding, r.ac): (r, t) for r, t in zip(rows, times, strict=True) if not r.offload}
     full_shard, hybrid = by_key["FULL_SHARD", "none"][0], by_key["HYBRID_SHARD", "none"][0]
     assert full_shard.internode_gb == pytest.approx(full_shard.sent_gb / 8)
@@ -792,15 +792,19 @@ def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
     assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) == pytest.approx(1.0, abs=0.05)
 
 
-def test_a_blocks_backward_holds_the_output_layers_gradient_and_the_reduce_scatter_input_before_it():
-    """Full AC at the 8B's widths with a 32,000-token vocabulary (Llama 2's, Mistral 7B's): the peak is a block's
-    backward, beside the output layer's weight gradient, which waits for the root's reduction, and the previous
-    block's gradients in their fp32 reduce-scatter input, which FSDP2 keeps until the next reduction. Without the two
-    the plan read 0.93 of the step on fake tensors here, 0.89 at 32 blocks on 64 ranks."""
+@pytest.mark.parametrize("vocab", [32000, 128256])
+def test_full_ac_at_the_8bs_widths_is_planned_at_the_moments_fsdp_holds_most(vocab):
+    """Full AC at the 8B's widths, 4 blocks on 8 ranks. With a 32,000-token vocabulary (Llama 2's, Mistral 7B's) the
+    peak is a block's backward, beside the output layer's weight gradient, which waits for the root's reduction, and
+    the previous block's gradients in their fp32 reduce-scatter input, which FSDP2 keeps until the next reduction:
+    without those the plan read 0.93 of the step on fake tensors (0.89 at 32 blocks on 64 ranks). With Llama 3's
+    128,256 the plan's peak is the end of backward, where FSDP2 has freed every gathered weight (the root's before
+    reducing its gradients) and holds one block's gradients in flight, not its unsharded ones: counted as gathered and
+    unsharded there, the plan read 1.38."""
     from fsdp_trainer.planner.fake import measured_peak_gb
 
-    recipe = parse_recipe([*_8B, "--model.n_layers", "4", "--model.vocab_size", "32000", "--data.micro_batch_size",
+    recipe = parse_recipe([*_8B, "--model.n_layers", "4", "--model.vocab_size", str(vocab), "--data.micro_batch_size",
                            "1", "--parallel.mixed_precision", "bf16", "--parallel.activation_checkpointing",
                            "full"])  # fmt: skip
     row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
-    assert 0.95 <= (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 8, 1) <= 1.06
+    assert 0.95 <= (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 8, 1) <= 1.12

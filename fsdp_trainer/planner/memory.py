@@ -43,9 +43,11 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   keeps until the next reduction; it comes after the logits are freed, so the peak counts the larger of the two (the
   8B's widths with a 32,000-token vocabulary, full AC, 64 ranks: 0.89 of the step on fake tensors without the two,
   1.03 with them);
-- gradient buffers: unsharded gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16, of one
-  block and of the root, all alive at the end of backward, when the activations and logits are gone: the peak counts
-  the larger of (activations + logits) and these;
+- gradient buffers: at the end of backward, when the activations and logits are gone, the root's unsharded
+  gradients awaiting reduction, a bytes per parameter plus an fp32 copy in bf16 (its reduce-scatter input), beside
+  the last block's fp32 reduce-scatter input still in flight; FSDP2 frees the root's gathered weights before reducing
+  its gradients, as every block's, so nothing gathered is left then (the 8B with full AC on 64 ranks: 1.15-1.17 of
+  the step on fake tensors with the gathered root and a block's unsharded gradients counted, 1.02-1.04 without);
 - accumulated gradients, with grad_accum_steps > 1 in the sharded modes: where gradients are accumulated unsharded
   (SHARD_OP always; FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD with parallel.accumulate_unsharded), FSDP keeps every
   micro-step's in fp32 until the last one reduce-scatters them, 4P, while the gradient shard the state counts holds
@@ -130,8 +132,8 @@ class Estimate:
     def total_gb(self) -> float:
         # The saved activations are all alive when backward starts, next to the logits' memory (freed once the output
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
-        # unsharded gradient buffers of the root are largest at the end, by which time the activations are freed, and
-        # the optimizer step's own allocations come after that.
+        # root's unsharded gradients are largest at the end, by which time the activations and every gathered weight
+        # are freed (the root's too, before its reduction), and the optimizer step's own allocations come after that.
         # Before any activation exists, the first block's gather holds the root's and the block's all-gather outputs
         # beside their unsharded copies (copy_out_gb): the peak of a large output layer over shallow or checkpointed
         # blocks. Until backward reduces the first gradients, their shards may not exist yet (late_gradients_gb); by
@@ -143,7 +145,7 @@ class Estimate:
         peak = max(
             early + self.activations_gb + max(self.logits_gb, self.backward_gb),
             late + self.block_activations_gb + self.backward_gb,
-            late + self.grad_buffers_gb,
+            held - self.gathered_gb + self.grad_buffers_gb,
             late + self.optimizer_step_gb,
             early + self.copy_out_gb,
         )
@@ -223,10 +225,12 @@ def accumulated_gradient_bytes(
     return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
 
 
-def gradient_buffer_bytes(a: int, unit_params: int, trained_share: float) -> float:
-    """Unsharded gradients awaiting their reduction, in the compute dtype plus, in bf16, an fp32 copy: one block's at a
-    time, and the root's, which all exist at the end of backward (`unit_params`, of which `trained_share` train)."""
-    return (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * unit_params * trained_share
+def gradient_buffer_bytes(a: int, n_root: int, n_block: int, trained_share: float) -> float:
+    """The end of backward: the root's unsharded gradients awaiting their reduction, in the compute dtype plus, in
+    bf16, an fp32 copy (its reduce-scatter input), beside the last block's fp32 reduce-scatter input still in flight
+    (of each, the `trained_share` that trains)."""
+    root = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * n_root
+    return (root + GRADIENT_BYTES * n_block) * trained_share
 
 
 def gradients_later(accum: int, trainable: int, shard_group: int, offload: bool) -> float:
@@ -312,7 +316,7 @@ def estimate(
     # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
     copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
-    gradient_buffers = gradient_buffer_bytes(a, n_block + n_root, trainable / n_params)
+    gradient_buffers = gradient_buffer_bytes(a, n_root, n_block, trainable / n_params)
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = tokens * cfg.n_layers * saved
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
