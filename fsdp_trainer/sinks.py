@@ -212,9 +212,10 @@ class TensorBoard:
             pass  # the failed writer's queue: gone with it
 
     def close(self) -> None:
+        writer, self.writer = self.writer, None  # closed once, whatever its close raises
         try:
-            if self.writer is not None:
-                self.writer.close()
+            if writer is not None:
+                writer.close()
         except OSError as e:
             self._drop(e)
 

@@ -141,11 +141,12 @@ class Estimate:
         # freed its gathered weights (FSDP reshards each after its backward, whatever it kept from forward).
         held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb + self.buffers_gb
         early = held - self.late_gradients_gb
-        late = held - self.gathered_gb + self.gathered_late_gb
+        ungathered = held - self.gathered_gb
+        late = ungathered + self.gathered_late_gb
         peak = max(
             early + self.activations_gb + max(self.logits_gb, self.backward_gb),
             late + self.block_activations_gb + self.backward_gb,
-            held - self.gathered_gb + self.grad_buffers_gb,
+            ungathered + self.grad_buffers_gb,
             late + self.optimizer_step_gb,
             early + self.copy_out_gb,
         )
