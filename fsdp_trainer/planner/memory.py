@@ -22,21 +22,26 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   their unsharded copies: 2a x (root + block), the peak where the output layer is large against the activations;
   each block frees its gathered weights after its backward, whatever it kept from forward, so from the last block's
   backward on only the root and that block are gathered (1B on 8 ranks, NO_SHARD with full AC, whose peak is the
-  end of backward: 1.07 of the step, 1.18 with every block gathered there);
+  end of backward: 1.07 of the step, 1.18 with every block gathered there); while the loss runs, after the last
+  block's forward and before the first block's backward gathers the next, FULL_SHARD and HYBRID_SHARD hold only the
+  root and the last block, and FSDP2 keeps the last block's all-gather output until the root's forward returns, so
+  after the loss's forward (qwen3_30b_a3b_lora.yaml at two blocks, SHARD_GRAD_OP without AC: 0.93 of the step on fake
+  tensors without that output, 0.99 with it);
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
   with LoRA a*r more for each adapted projection (its adapter's A, rank r), and a*o (its B, output width o) where
   B widens no more than parallelize.WIDENING (8x);
-- logits: t x V x 12 bytes at the start of backward: the fp32 log-softmax saved by the loss, the gradient that
-  reaches it and the gradient it passes on (in forward, the compute-dtype logits, their fp32 copy and the
-  log-softmax take no more); with train.loss_chunks = c, one slice's worth, ceil(t / c) x V x 12, since each
-  slice is made, used and freed in turn, in forward and again in backward. Beside it, when the output layer trains,
-  its unsharded weight gradient (a x V x d), which every slice's backward adds into: the largest of a slice's 12
-  bytes with it, 8 with it twice (a slice's own weight gradient before it is added), and it three times (the two
-  summed into a new one: small slices). Measured on fake tensors (Qwen3-0.6B, slices of 512-2,048 tokens, bf16 and
-  fp32, full fine-tuning and LoRA): within 1.5%; slices of 16 tokens of 65,536 classes at width 256 in fp32: exact;
+- logits: t x V x 12 bytes at the start of backward: the fp32 log-softmax saved by the loss, the gradient that reaches
+  it and the gradient it passes on (in forward, 8: the fp32 logits and their log-softmax, the compute-dtype logits
+  freed once cast, but beside the last block's all-gather output); with train.loss_chunks = c, one slice's worth,
+  ceil(t / c) x V x 12 (8 in forward), since each slice is made, used and freed in turn, in forward and again in
+  backward. Beside it, when the output layer trains, its unsharded weight gradient (a x V x d), which every slice's
+  backward adds into: the largest of a slice's 12 bytes with it, 8 with it twice (a slice's own weight gradient before
+  it is added), and it three times (the two summed into a new one: small slices). Measured on fake tensors
+  (Qwen3-0.6B, slices of 512-2,048 tokens, bf16 and fp32, full fine-tuning and LoRA): within 1.5%; slices of 16 tokens
+  of 65,536 classes at width 256 in fp32: exact;
 - block backward: one block's worth of activation gradients, and under AC one more for the block being recomputed,
   beside the output layer's weight gradient (a x V x d when it trains, kept for the root's reduction) and the
   previous block's gradients in their fp32 reduce-scatter input (4 x block parameters, trained ones), which FSDP2
@@ -127,6 +132,9 @@ class Estimate:
     late_gradients_gb: float = 0.0  # of the state: the gradient shard no forward of a step sees (gradients_later)
     block_activations_gb: float = 0.0  # of the activations: one block's, the last to run backward
     gathered_late_gb: float = 0.0  # of the gathered: what is left once every block but the last has run backward
+    gathered_loss_gb: float = 0.0  # of the gathered: what the loss runs beside (the root and the last block, or all)
+    last_gather_gb: float = 0.0  # the last block's all-gather output, held until the root's forward returns
+    logits_forward_gb: float = 0.0  # one slice's logits in the loss's forward
 
     @property
     def total_gb(self) -> float:
@@ -134,6 +142,7 @@ class Estimate:
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
         # root's unsharded gradients are largest at the end, by which time the activations and every gathered weight
         # are freed (the root's too, before its reduction), and the optimizer step's own allocations come after that.
+        # The loss's forward runs beside the last block's all-gather output, its backward after FSDP2 has freed it.
         # Before any activation exists, the first block's gather holds the root's and the block's all-gather outputs
         # beside their unsharded copies (copy_out_gb): the peak of a large output layer over shallow or checkpointed
         # blocks. Until backward reduces the first gradients, their shards may not exist yet (late_gradients_gb); by
@@ -143,8 +152,11 @@ class Estimate:
         early = held - self.late_gradients_gb
         ungathered = held - self.gathered_gb
         late = ungathered + self.gathered_late_gb
+        at_loss = early - self.gathered_gb + self.gathered_loss_gb + self.activations_gb
         peak = max(
-            early + self.activations_gb + max(self.logits_gb, self.backward_gb),
+            at_loss + self.last_gather_gb + self.logits_forward_gb,
+            at_loss + self.logits_gb,
+            early + self.activations_gb + self.backward_gb,
             late + self.block_activations_gb + self.backward_gb,
             ungathered + self.grad_buffers_gb,
             late + self.optimizer_step_gb,
@@ -278,6 +290,12 @@ def logits_bytes(meta: Transformer, tokens: int, chunks: int, a: int) -> int:
     return max(12 * logits_slice + head_gradient, 8 * logits_slice + 2 * head_gradient, 3 * head_gradient)
 
 
+def logits_forward_bytes(meta: Transformer, tokens: int, chunks: int) -> int:
+    """The loss's forward on one slice: its fp32 logits and their log-softmax, 8 bytes a token and class (the
+    compute-dtype logits are freed once cast; in fp32 the cast is the same tensor)."""
+    return 8 * math.ceil(tokens / chunks) * meta.output_layer.weight.shape[0]
+
+
 def estimate(
     recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
 ) -> Estimate:
@@ -313,7 +331,7 @@ def estimate(
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
         gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
-        first_gathers = a * (n_root + n_block) * trainable / n_params
+        first_gathers, block_bytes = a * (n_root + n_block) * trainable / n_params, a * n_block * trainable / n_params
     # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
     copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
@@ -348,11 +366,13 @@ def estimate(
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
         copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
         traffic = (copied + run_plan.reductions(accum) * GRADIENT_BYTES * trainable) / shard_group
+    gathered_late = min(gathered, first_gathers + dequantized)
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
         traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb, buffer_bytes(meta) / gb,
         gradients_later(accum, trainable, shard_group, on_host) / gb, activations / cfg.n_layers / gb,
-        min(gathered, first_gathers + dequantized) / gb,
+        gathered_late / gb, (gathered_late if run_plan.reshard_after_forward else gathered) / gb, block_bytes / gb,
+        logits_forward_bytes(meta, tokens, recipe.train.loss_chunks) / gb,
     )  # fmt: skip
