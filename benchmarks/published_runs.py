@@ -100,6 +100,7 @@ class Run:
     recomputed: float | None = None
     """The share of a block's forward matmuls backward recomputes, where the run's AC is not ours (None: ours)."""
     hbm_gb_s: float | None = None  # the GPU's memory bandwidth, where it is not the datasheet's (a variant)
+    memory_gb: float | None = None  # the GPU's memory, where it is not the datasheet's (a variant)
 
     @property
     def name(self) -> str:
@@ -108,15 +109,16 @@ class Run:
         return f"{self.source} {self.model} {shape}{', compiled' if self.compile else ''}{kind}"
 
 
-def _foundry(gpu: str, rows: str, source: str = "llm-foundry", hbm_gb_s: float | None = None) -> list[Run]:
+def _foundry(
+    gpu: str, rows: str, source: str = "llm-foundry", hbm_gb_s: float | None = None, memory_gb: float | None = None
+) -> list[Run]:
     """Rows as the table prints them: model, seq len, GPUs, micro-batch, accumulation, AC (T/F), tokens/s/GPU."""
     runs = []
     for line in rows.strip().splitlines():
         model, seq, gpus, micro, accum, ac, tps = line.split()
         ac = "full" if ac == "T" else "none"
-        runs.append(
-            Run(source, gpu, model, int(seq), int(gpus), int(micro), int(accum), ac, float(tps), hbm_gb_s=hbm_gb_s)
-        )
+        runs.append(Run(source, gpu, model, int(seq), int(gpus), int(micro), int(accum), ac, float(tps),
+                        hbm_gb_s=hbm_gb_s, memory_gb=memory_gb))  # fmt: skip
     return runs
 
 
@@ -242,6 +244,8 @@ LLM_FOUNDRY_A100 = _foundry(
 """,
 )
 
+A100_40GB = {"hbm_gb_s": 1555, "memory_gb": 40}  # the 40GB SXM card: HBM2 at 1,555 GB/s
+
 # The same README's "A100 40GB" table: another stack, not among RUNS. Its precision is `bf16` with MP mode PURE (the
 # model, its gathered weights and its gradient reductions in bf16, no autocast), which our config cannot state: bf16
 # here keeps fp32 master weights and reduces in fp32. `fit_speed.py --pure_bf16` prices it for a look; HBM2 at 1,555
@@ -329,34 +333,35 @@ LLM_FOUNDRY_A100_40GB_PURE = _foundry(
 125m 512 8 104 3 F 156735
 """,
     source="llm-foundry A100 40GB, pure bf16",
-    hbm_gb_s=1555,
+    **A100_40GB,
 )
 
-# larger_mb_1.md's rows: (model, micro-batch, accumulation, tokens/s per GPU, HBM GB/s where not an 80GB A100's), on 8
+# larger_mb_1.md's rows: (model, micro-batch, accumulation, tokens/s per GPU, the card where not an 80GB A100), on 8
 # GPUs at 2,048 tokens.
 LLM_FOUNDRY_MICRO_BATCH = [
-    Run("llm-foundry micro-batches", "A100", model, 2048, 8, micro, accum, "none", tps, hbm_gb_s=hbm)
-    for model, micro, accum, tps, hbm in (
-        ("13b", 2, 2, 2228, None),
-        ("13b", 1, 2, 1867, None),
-        ("7b", 6, 2, 4715, None),
-        ("7b", 4, 2, 4513, None),
-        ("7b", 2, 2, 4044, None),
-        ("7b", 1, 2, 3366, None),
-        ("3b", 1, 2, 7076, 1555),  # A100 40GB
+    Run("llm-foundry micro-batches", "A100", model, 2048, 8, micro, accum, "none", tps, **card)
+    for model, micro, accum, tps, card in (
+        ("13b", 2, 2, 2228, {}),
+        ("13b", 1, 2, 1867, {}),
+        ("7b", 6, 2, 4715, {}),
+        ("7b", 4, 2, 4513, {}),
+        ("7b", 2, 2, 4044, {}),
+        ("7b", 1, 2, 3366, {}),
+        ("3b", 1, 2, 7076, A100_40GB),
     )
 ]
 
 # torchtitan's selective op AC saves the output of every other matmul and recomputes the rest ("Saves output of all
 # compute ops, except every second mm", its activation-checkpointing policy of 2024): half a forward's matmuls again.
 OP_SAC = 0.5
-GRAND_TETON_HBM = 2400  # GB/s: "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
+# GB/s and GB: "Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth"
+GRAND_TETON_HBM, GRAND_TETON_GB = 2400, 96
 
 
 def _grand_teton(gpus: int, tokens_per_s: float, compile: bool = False) -> Run:
     """torchtitan's Llama 3.1 8B on its H100s: local batch 2 x 8192, op-level selective AC."""
     return Run("torchtitan", "H100", "llama3_8b", 8192, gpus, 2, 1, "selective", tokens_per_s, compile=compile,
-               recomputed=OP_SAC, hbm_gb_s=GRAND_TETON_HBM)  # fmt: skip
+               recomputed=OP_SAC, hbm_gb_s=GRAND_TETON_HBM, memory_gb=GRAND_TETON_GB)  # fmt: skip
 
 
 TORCHTITAN = [

@@ -135,9 +135,10 @@ memory among them leaves the allocator room at the card's edge and the micro-bat
 HEADROOM = 0.05
 """The share of a device's memory the recommendation leaves free when it can. The planner's peak is what tensors take;
 the caching allocator's fragmentation adds to it (5-10%), and at the card's edge it frees its cache and retries:
-llm-foundry's MPT-30B ran 23-30% slower at 8,192 tokens than at 4,096, where the planner puts it at 93% of the card
-(the 4,096 row at 90%): 5% is the least room to leave, not enough for every stack. A row that fits only in the last 5%
-is recommended when nothing else fits, and named when it would run faster."""
+llm-foundry's MPT-30B ran 23-30% slower at 8,192 tokens than at 4,096, where the planner puts it at 97% of the card
+(the 4,096 row at 91%, 2,048 at 94%), and 21-27% slower than the step-time model predicts, which prices no retry: 5%
+is the least room to leave, not enough for every stack. A row that fits only in the last 5% is recommended when
+nothing else fits, with that said, and named when it would run faster."""
 
 
 def recommend(
@@ -380,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
     t = times[estimates.index(best)] if times else None
     if t is not None:
         print(_prediction(args, recipe, t))
+    if best.total_gb > mem * (1 - HEADROOM):
+        print(f"at the edge: nothing else fits, and this leaves less than plan.HEADROOM ({HEADROOM:.0%}) of the device "
+              f"free, which the allocator's fragmentation may take; its retries there slow a step beyond any "
+              f"prediction above (llm-foundry's MPT-30B at 97% of its card: 21-27%)")  # fmt: skip
     tight = recommend(estimates, mem, host_mem, times, headroom=0.0)
     if tight is not best:
         step = f", {times[estimates.index(tight)].step_s:.2f} s a step" if times else ""
