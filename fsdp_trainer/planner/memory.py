@@ -26,13 +26,18 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   block's forward and before the first block's backward gathers the next, FULL_SHARD and HYBRID_SHARD hold only the
   root and the last block, and FSDP2 keeps the last block's all-gather output until the root's forward returns, so
   after the loss's forward (qwen3_30b_a3b_lora.yaml at two blocks, SHARD_GRAD_OP without AC: 0.93 of the step on fake
-  tensors without that output, 0.99 with it);
+  tensors without that output, 0.99 with it); and while the last block's gather is copied out, the previous block's
+  output is held beside it (`wait_for_unshard` frees it on returning), before that block's activations exist (the
+  same recipe at eight blocks of 512 tokens, FULL_SHARD without AC: 0.89 without, 0.98 with); a shard group of one
+  gathers by copying from the shard, with no output to hold;
 - activations saved for backward, per layer and token (q = d unless head_dim is set): (8d + 4q + 4kv + 6f) bytes
   in bf16 and (16d + 8q + 8kv + 12f) in fp32 without AC (what model.py's block saves: planner/activations.py), and
   with Qwen3's QK-norm 2(q + kv) more in bf16, 4(q + kv) in fp32;
   a*d with full AC, and a*(3d + 2q + 2kv + 2f) with selective AC (block input plus the matmul and attention outputs),
   with LoRA a*r more for each adapted projection (its adapter's A, rank r), and a*o (its B, output width o) where
-  B widens no more than parallelize.WIDENING (8x);
+  B widens no more than parallelize.WIDENING (8x); with adapters on a mixture's experts and no AC, each layer keeps
+  its factors' copies too, whatever its tokens (activations.adapter_copies_per_block: 0.7 GB over Qwen3-30B-A3B's 48
+  layers, what 1 x 512 tokens' activations missed against the fake step);
 - logits: t x V x 12 bytes at the start of backward: the fp32 log-softmax saved by the loss, the gradient that reaches
   it and the gradient it passes on (in forward, 8: the fp32 logits and their log-softmax, the compute-dtype logits
   freed once cast, but beside the last block's all-gather output); with train.loss_chunks = c, one slice's worth,
@@ -100,7 +105,7 @@ from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, shardin
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
-from fsdp_trainer.planner.activations import activation_bytes_per_token
+from fsdp_trainer.planner.activations import activation_bytes_per_token, adapter_copies_per_block
 from fsdp_trainer.steps import training_kind
 
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}  # the runtime term (module docstring)
@@ -134,6 +139,7 @@ class Estimate:
     gathered_late_gb: float = 0.0  # of the gathered: what is left once every block but the last has run backward
     gathered_loss_gb: float = 0.0  # of the gathered: what the loss runs beside (the root and the last block, or all)
     last_gather_gb: float = 0.0  # the last block's all-gather output, held until the root's forward returns
+    last_copy_out_gb: float = 0.0  # the last two blocks' all-gather outputs, held at the last one's copy-out
     logits_forward_gb: float = 0.0  # one slice's logits in the loss's forward
 
     @property
@@ -142,7 +148,8 @@ class Estimate:
         # layer's backward is done) and then next to one block's backward (recomputation, activation gradients); the
         # root's unsharded gradients are largest at the end, by which time the activations and every gathered weight
         # are freed (the root's too, before its reduction), and the optimizer step's own allocations come after that.
-        # The loss's forward runs beside the last block's all-gather output, its backward after FSDP2 has freed it.
+        # The last block's gather holds the previous block's all-gather output beside its own until its copy-out is
+        # done; the loss's forward runs beside the last one's, its backward after FSDP2 has freed it.
         # Before any activation exists, the first block's gather holds the root's and the block's all-gather outputs
         # beside their unsharded copies (copy_out_gb): the peak of a large output layer over shallow or checkpointed
         # blocks. Until backward reduces the first gradients, their shards may not exist yet (late_gradients_gb); by
@@ -154,6 +161,7 @@ class Estimate:
         late = ungathered + self.gathered_late_gb
         at_loss = early - self.gathered_gb + self.gathered_loss_gb + self.activations_gb
         peak = max(
+            at_loss - self.block_activations_gb + self.last_copy_out_gb,
             at_loss + self.last_gather_gb + self.logits_forward_gb,
             at_loss + self.logits_gb,
             early + self.activations_gb + self.backward_gb,
@@ -290,6 +298,15 @@ def logits_bytes(meta: Transformer, tokens: int, chunks: int, a: int) -> int:
     return max(12 * logits_slice + head_gradient, 8 * logits_slice + 2 * head_gradient, 3 * head_gradient)
 
 
+def held_all_gather_outputs(block_bytes: float, shard_group: int, n_layers: int) -> tuple[float, float]:
+    """The all-gather outputs FSDP2 holds in forward beyond the gathered weights: (after the last block's gather, its
+    output, kept until the root's forward returns; during that gather's copy-out, the previous block's too, which
+    `wait_for_unshard` frees only on returning). A shard group of one gathers by copying from the shard: none."""
+    if shard_group == 1:
+        return 0.0, 0.0
+    return block_bytes, 2 * block_bytes if n_layers > 1 else 0.0
+
+
 def logits_forward_bytes(meta: Transformer, tokens: int, chunks: int) -> int:
     """The loss's forward on one slice: its fp32 logits and their log-softmax, 8 bytes a token and class (the
     compute-dtype logits are freed once cast; in fp32 the cast is the same tensor)."""
@@ -331,13 +348,13 @@ def estimate(
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
         gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
-        first_gathers, block_bytes = a * (n_root + n_block) * trainable / n_params, a * n_block * trainable / n_params
+        first_gathers = a * (n_root + n_block) * trainable / n_params
     # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
     copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
     gradient_buffers = gradient_buffer_bytes(a, n_root, n_block, trainable / n_params)
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
-    activations = tokens * cfg.n_layers * saved
+    activations = cfg.n_layers * (tokens * saved + adapter_copies_per_block(cfg, a, ac, recipe.lora))
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
     backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params)
     regathered = regathered_in_backward(cfg)
@@ -346,9 +363,8 @@ def estimate(
     )
     accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
     # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
-    # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's); the
-    # frozen weights it holds are in the compute dtype, sharded. Their gathered blocks are freed before the policy's
-    # forward, so they add to no peak.
+    # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's), whose
+    # frozen weights it holds in the compute dtype, sharded; their gathered blocks are freed before the policy's.
     kind = training_kind(recipe)
     forward = kind.forward_params(recipe, n_params)
     if shard_group > 1:
@@ -373,6 +389,7 @@ def estimate(
         RUNTIME_GB[device], sent / gb, internode / gb, accumulated / gb, optimizer_step / gb, offload, host / gb,
         traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb, buffer_bytes(meta) / gb,
         gradients_later(accum, trainable, shard_group, on_host) / gb, activations / cfg.n_layers / gb,
-        gathered_late / gb, (gathered_late if run_plan.reshard_after_forward else gathered) / gb, block_bytes / gb,
+        gathered_late / gb, (gathered_late if run_plan.reshard_after_forward else gathered) / gb,
+        *(held / gb for held in held_all_gather_outputs(block_bytes, shard_group, cfg.n_layers)),
         logits_forward_bytes(meta, tokens, recipe.train.loss_chunks) / gb,
     )  # fmt: skip
