@@ -858,3 +858,24 @@ def test_forward_holds_the_all_gather_outputs_fsdp2_keeps(blocks, batch, shardin
     assert row.last_gather_gb > 1.2  # a block's bf16 weights, 1.25 GB
     planned = row.total_gb - row.runtime_gb
     assert planned / measured_peak_gb(recipe, 8, 1) == pytest.approx(ratio, abs=0.01)
+
+
+def test_a_trained_tied_output_layer_sums_its_two_weight_gradients_beside_the_gathered_root():
+    """A tied embedding's backward comes after every block's: its weight gradient and the output layer's are summed
+    into a third (autograd adds a weight's two gradients out of place: `aten.add`, real tensors as fake), the root
+    still gathered and its gradient shard not yet made. With few tokens that is the step's peak: the 125m recipe (tied,
+    32,000 x 768) at 4 blocks of 256 tokens, full AC, on 8 ranks, 0.91 of it on fake tensors without the moment."""
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "125m.yaml"), "--model.n_layers", "4", "--data.seq_len",
+                           "256", "--data.micro_batch_size", "1", "--parallel.mixed_precision", "bf16",
+                           "--parallel.activation_checkpointing", "full"])  # fmt: skip
+    assert recipe.model.tied_output
+    row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="full", device="cuda")
+    cfg = recipe.model
+    n_block = count_params(cfg, one_block=True)
+    n_root = count_params(cfg) - cfg.n_layers * n_block  # the embedding (the output layer's too) and the final norm
+    gradient = 2 * cfg.vocab_size * cfg.dim
+    tied_moment = 2 * n_root + 3 * gradient - 4 * n_root / 8 + 4 * n_block  # + the last block's reduce-scatter input
+    assert row.grad_buffers_gb * 1e9 == pytest.approx(tied_moment)
+    assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 8, 1) == pytest.approx(1.0, abs=0.01)

@@ -34,6 +34,13 @@ BYTES_PER_VALUE = 0.5 + 1 / BLOCK
 """Stored bytes per quantized value: a 4-bit index, plus an int8 scale per block (a factor per 16,384 values aside)."""
 
 
+def dequantization_peak_bytes(compute_bytes: int) -> int:
+    """Bytes per value that torchao's eager dequantization (NF4Tensor.get_original_weight) holds at once, its locals
+    living until it returns: each half of the values' 4-bit indices widened to int64 (8 bytes a value in all), looked up
+    in the table, scaled, and the two halves stacked, three tensors of the compute dtype (the table's) a value."""
+    return 8 + 3 * compute_bytes
+
+
 def _torchao_nf4():
     """torchao's NF4 module, imported quietly (its import logs about GPU kernels a CPU build has no use for)."""
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]

@@ -14,7 +14,9 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
 - LoRA (lora.rank): the frozen weights are held in the compute dtype, a bytes each, with no gradient or optimizer
   state, and only the adapters' gradients are reduced; QLoRA (lora.quantize_base nf4) holds, gathers and sends the
   adapted projections in NF4, 0.52 bytes a weight (4 bits and an 8-bit scale per 64), and dequantizes one projection
-  at a time to a bytes a weight for its matmul;
+  at a time to a bytes a weight for its matmul, torchao's eager dequantization holding 8 + 3a bytes a weight while it
+  runs (adapters.nf4.dequantization_peak_bytes; the 8B's up projection, 14 bytes a weight: 0.82 GB, where a few
+  tokens' step peaks: 4 blocks of 256 tokens under NO_SHARD, 0.81 of the step on fake tensors with a bytes a weight);
 - gathered parameters: FSDP's unsharded compute copies, a bytes each: the current block and the
   parallel.prefetch_blocks prefetched ones plus the root (embedding, lm_head), or every block for SHARD_GRAD_OP,
   SHARD_OP and NO_SHARD, which keep them from forward to backward; at the first block's gather, before any
@@ -58,6 +60,9 @@ micro_batch_size x seq_len tokens, d / kv / f the model, key-value and feed-forw
   the last block's fp32 reduce-scatter input still in flight; FSDP2 frees the root's gathered weights before reducing
   its gradients, as every block's, so nothing gathered is left then (the 8B with full AC on 64 ranks: 1.15-1.17 of
   the step on fake tensors with the gathered root and a block's unsharded gradients counted, 1.02-1.04 without);
+  before that, a tied output layer that trains has the embedding's backward sum its two weight gradients into a
+  third (3a x V x d) beside the gathered root, before the root's gradient shard exists (the 125m recipe at 4 blocks
+  of 256 tokens, full AC, 8 ranks: 0.91 of the step without that moment, 1.00 with it);
 - accumulated gradients, with grad_accum_steps > 1 in the sharded modes: where gradients are accumulated unsharded
   (SHARD_OP always; FULL_SHARD, SHARD_GRAD_OP and HYBRID_SHARD with parallel.accumulate_unsharded), FSDP keeps every
   micro-step's in fp32 until the last one reduce-scatters them, 4P, while the gradient shard the state counts holds
@@ -100,6 +105,7 @@ from dataclasses import dataclass
 from fsdp_trainer.adapters import meta_model, quantizes_base
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
+from fsdp_trainer.adapters.nf4 import dequantization_peak_bytes
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
@@ -246,12 +252,21 @@ def accumulated_gradient_bytes(
     return GRADIENT_BYTES * max(0.0, waiting - (0.0 if offload else trainable / shard_group))
 
 
-def gradient_buffer_bytes(a: int, n_root: int, n_block: int, trained_share: float) -> float:
+def gradient_buffer_bytes(
+    meta: Transformer, a: int, n_root: int, n_block: int, trained_share: float, shard_group: int
+) -> float:
     """The end of backward: the root's unsharded gradients awaiting their reduction, in the compute dtype plus, in
     bf16, an fp32 copy (its reduce-scatter input), beside the last block's fp32 reduce-scatter input still in flight
-    (of each, the `trained_share` that trains)."""
-    root = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * n_root
-    return (root + GRADIENT_BYTES * n_block) * trained_share
+    (of each, the `trained_share` that trains). With a tied output layer that trains, the embedding's backward before
+    it holds more: the embedding's weight gradient and the output layer's, summed into a third (autograd adds a
+    weight's two gradients out of place), beside the root's gathered weights, and before the root's gradient shard
+    exists (the state counts it)."""
+    in_flight = GRADIENT_BYTES * n_block * trained_share
+    root = (a + (GRADIENT_BYTES if a < GRADIENT_BYTES else 0)) * n_root * trained_share
+    tied = head_gradient_bytes(meta, a) if meta.output_layer.weight is meta.model.embed_tokens.weight else 0
+    if tied:
+        root = max(root, a * n_root + 3 * tied - GRADIENT_BYTES * n_root * trained_share / shard_group)
+    return root + in_flight
 
 
 def gradients_later(accum: int, trainable: int, shard_group: int, offload: bool) -> float:
@@ -333,30 +348,30 @@ def estimate(
     optimizer = optimizer_state_bytes(recipe.optim, meta)
     optimizer_step = optimizer_step_bytes(recipe.optim, meta, shard_group)
     # QLoRA: the adapted projections' frozen weights in NF4, held, gathered and sent in that form; each is
-    # dequantized to the compute dtype for its matmul, one at a time.
+    # dequantized for its matmul, one at a time, inside a block's forward and backward (priced in its backward).
     projections = [m.weight.numel() for m in meta.modules() if isinstance(m, LoRALinear)]
     quantized = sum(projections) if quantizes_base(recipe.lora) else 0
-    dequantized = a * max(projections) if quantized else 0
+    dequantized = dequantization_peak_bytes(a) * max(projections) if quantized else 0
     # Frozen weights (LoRA) are held in the compute dtype, as they are gathered: no fp32 master copy to keep.
     held = MASTER_WEIGHT_BYTES * trainable + a * (n_params - trainable - quantized) + NF4_BYTES * quantized
     state = (held + GRADIENT_BYTES * trainable + optimizer) / shard_group
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if run_plan.reshard_after_forward else cfg.n_layers
     block_bytes, root_bytes = unit_bytes(meta, n_block, n_root, cfg.n_layers, a, quantized)
-    gathered = kept_blocks * block_bytes + root_bytes + dequantized
+    gathered = kept_blocks * block_bytes + root_bytes
     first_gathers = root_bytes + block_bytes  # the root's, then the first block's
     if shard_group == 1 and not offload and trainable < n_params:
         # Frozen weights stay outside FSDP in a shard group of one (parallelize.apply_fsdp): only adapters are copied.
-        gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params + dequantized
+        gathered = a * (kept_blocks * n_block + n_root) * trainable / n_params
         first_gathers = a * (n_root + n_block) * trainable / n_params
     # At the first block's gather: both all-gather outputs beside both copies, no prefetched block (module docstring).
-    copy_out = max(0, 2 * first_gathers - (gathered - dequantized))
+    copy_out = max(0, 2 * first_gathers - gathered)
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
-    gradient_buffers = gradient_buffer_bytes(a, n_root, n_block, trainable / n_params)
+    gradient_buffers = gradient_buffer_bytes(meta, a, n_root, n_block, trainable / n_params, shard_group)
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
     activations = cfg.n_layers * (tokens * saved + adapter_copies_per_block(cfg, a, ac, recipe.lora))
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
-    backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params)
+    backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params) + dequantized
     regathered = regathered_in_backward(cfg)
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
@@ -382,7 +397,7 @@ def estimate(
         # Each all-gather copies its fp32 (frozen: compute-dtype) shards to the device first.
         copied = gathered_per_step(sharding, accum, n_params, regathered) * held / n_params
         traffic = (copied + run_plan.reductions(accum) * GRADIENT_BYTES * trainable) / shard_group
-    gathered_late = min(gathered, first_gathers + dequantized)
+    gathered_late = min(gathered, first_gathers)
     gb = 1e9
     return Estimate(
         sharding, ac, state / gb, gathered / gb, activations / gb, logits / gb, backward / gb, gradient_buffers / gb,
