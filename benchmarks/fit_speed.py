@@ -21,8 +21,8 @@ from published_runs import LLM_FOUNDRY_A100_40GB_PURE, RUNS, Run, sections
 
 from fsdp_trainer.config import Recipe, parse_recipe
 from fsdp_trainer.planner.memory import estimate
-from fsdp_trainer.planner.plan import HEADROOM
-from fsdp_trainer.planner.speed import CALIBRATION, GPUS, Calibration, step_time
+from fsdp_trainer.planner.plan import HEADROOM, leaves_headroom
+from fsdp_trainer.planner.speed import CALIBRATION, GPUS, Calibration, Gpu, step_time
 
 BASE = str(Path(__file__).resolve().parents[1] / "recipes" / "8b.yaml")
 
@@ -49,13 +49,18 @@ def planned(runs: list[Run]) -> list[tuple]:
     return rows
 
 
+def card(run: Run) -> Gpu:
+    """The GPU `run` ran on: its datasheet's, with the run's memory and bandwidth where it was a variant."""
+    gpu = GPUS[run.gpu]
+    return dataclasses.replace(gpu, hbm_gb_s=run.hbm_gb_s or gpu.hbm_gb_s, memory_gb=run.memory_gb or gpu.memory_gb)
+
+
 def at_the_cards_edge(run: Run, row) -> bool:
     """Whether the planner puts `run` within plan.HEADROOM of its card's memory, where the plan recommends it only
     when nothing else fits and warns that the allocator's fragmentation and retries, which the step-time model does
     not price, may take it. Not decided where the run's AC is not ours (`recomputed`): the plan's activations are
     then not the run's."""
-    card = run.memory_gb or GPUS[run.gpu].memory_gb
-    return run.recomputed is None and row.total_gb > card * (1 - HEADROOM)
+    return run.recomputed is None and not leaves_headroom(row.total_gb, card(run).memory_gb)
 
 
 def errors(rows: list[tuple], calibration: Calibration) -> list[float]:
@@ -63,8 +68,7 @@ def errors(rows: list[tuple], calibration: Calibration) -> list[float]:
     out = []
     for run, recipe, row in rows:
         nproc, nnodes = world(run)
-        spec = dataclasses.replace(GPUS[run.gpu], hbm_gb_s=run.hbm_gb_s or GPUS[run.gpu].hbm_gb_s)
-        step = step_time(recipe, row, run.gpu, nproc, nnodes, calibration, spec=spec, recomputed=run.recomputed)
+        step = step_time(recipe, row, run.gpu, nproc, nnodes, calibration, spec=card(run), recomputed=run.recomputed)
         predicted = step.tokens_per_s_per_gpu
         out.append(predicted / run.tokens_per_s_per_gpu - 1)
     return out
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, ((run, _, row), error) in enumerate(zip(rows, errors(rows, calibration), strict=True)):
         mark = " (fitted on)" if i in fitted_on else ""
         if at_the_cards_edge(run, row):
-            mark += f" (at the card's edge: {row.total_gb:.1f} of {run.memory_gb or GPUS[run.gpu].memory_gb} GB)"
+            mark += f" (at the card's edge: {row.total_gb:.1f} of {card(run).memory_gb} GB)"
             edge.append(error)
         predicted = run.tokens_per_s_per_gpu * (1 + error)
         print(f"| {run.name}{mark} | {run.tokens_per_s_per_gpu:,.0f} | {predicted:,.0f} | {error:+.1%} |")

@@ -304,11 +304,16 @@ def block_backward_bytes(meta: Transformer, tokens: int, full: int, recomputed: 
     return tokens * full * (2 if recomputed else 1) + head_gradient_bytes(meta, a) + GRADIENT_BYTES * trained
 
 
+def slice_logits(meta: Transformer, tokens: int, chunks: int) -> int:
+    """Logits of one of the loss's `chunks` slices of `tokens` (train.loss_chunks): its tokens x the classes."""
+    return math.ceil(tokens / chunks) * meta.output_layer.weight.shape[0]
+
+
 def logits_bytes(meta: Transformer, tokens: int, chunks: int, a: int) -> int:
     """The output layer's backward: one slice's logits (12 bytes a token and class), and beside them, when the layer
     trains, its weight gradient that every slice's backward adds into: twice while a slice's own exists, and three
     times while the two are summed into a new one (the peak of small slices)."""
-    logits_slice = math.ceil(tokens / chunks) * meta.output_layer.weight.shape[0]
+    logits_slice = slice_logits(meta, tokens, chunks)
     head_gradient = head_gradient_bytes(meta, a)
     return max(12 * logits_slice + head_gradient, 8 * logits_slice + 2 * head_gradient, 3 * head_gradient)
 
@@ -325,7 +330,7 @@ def held_all_gather_outputs(block_bytes: float, shard_group: int, n_layers: int)
 def logits_forward_bytes(meta: Transformer, tokens: int, chunks: int) -> int:
     """The loss's forward on one slice: its fp32 logits and their log-softmax, 8 bytes a token and class (the
     compute-dtype logits are freed once cast; in fp32 the cast is the same tensor)."""
-    return 8 * math.ceil(tokens / chunks) * meta.output_layer.weight.shape[0]
+    return 8 * slice_logits(meta, tokens, chunks)
 
 
 def estimate(
@@ -405,6 +410,6 @@ def estimate(
         traffic / gb, reference / gb, quantized, forward / n_params, copy_out / gb, buffer_bytes(meta) / gb,
         gradients_later(accum, trainable, shard_group, on_host) / gb, activations / cfg.n_layers / gb,
         gathered_late / gb, (gathered_late if run_plan.reshard_after_forward else gathered) / gb,
-        *(held / gb for held in held_all_gather_outputs(block_bytes, shard_group, cfg.n_layers)),
+        *(outputs / gb for outputs in held_all_gather_outputs(block_bytes, shard_group, cfg.n_layers)),
         logits_forward_bytes(meta, tokens, recipe.train.loss_chunks) / gb,
     )  # fmt: skip

@@ -141,6 +141,11 @@ is the least room to leave, not enough for every stack. A row that fits only in 
 nothing else fits, with that said, and named when it would run faster."""
 
 
+def leaves_headroom(total_gb: float, device_mem_gb: float, headroom: float = HEADROOM) -> bool:
+    """Whether a row of `total_gb` leaves `headroom` of the device's memory free."""
+    return total_gb <= device_mem_gb * (1 - headroom)
+
+
 def recommend(
     estimates: list[Estimate],
     device_mem_gb: float,
@@ -159,7 +164,7 @@ def recommend(
         return None
     offload = min(e.offload for e, _ in fits)
     fits = [(e, t) for e, t in fits if e.offload == offload]
-    fits = [(e, t) for e, t in fits if e.total_gb <= device_mem_gb * (1 - headroom)] or fits
+    fits = [(e, t) for e, t in fits if leaves_headroom(e.total_gb, device_mem_gb, headroom)] or fits
 
     def cost(e: Estimate) -> tuple:
         return AC_MODES.index(e.ac), round(e.internode_gb, 3), round(e.sent_gb, 3), e.total_gb
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     t = times[estimates.index(best)] if times else None
     if t is not None:
         print(_prediction(args, recipe, t))
-    if best.total_gb > mem * (1 - HEADROOM):
+    if not leaves_headroom(best.total_gb, mem):
         print(f"at the edge: nothing else fits, and this leaves less than plan.HEADROOM ({HEADROOM:.0%}) of the device "
               f"free, which the allocator's fragmentation may take; its retries there slow a step beyond any "
               f"prediction above (llm-foundry's MPT-30B at 97% of its card: 21-27%)")  # fmt: skip
