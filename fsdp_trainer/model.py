@@ -266,8 +266,8 @@ def block_causal(
 def causal(T: int, window: int | None, device: torch.device, start: int = 0) -> torch.Tensor:
     """(T, start + T): query i, at position start + i, sees key j <= start + i, and with a sliding `window` only
     j > start + i - window (transformers' sliding window: the window counts the query itself)."""
-    distance = torch.arange(start, start + T, device=device)[:, None] - torch.arange(start + T, device=device)
-    return (distance >= 0) & (distance < window) if window else distance >= 0
+    visible = torch.ones(T, start + T, dtype=torch.bool, device=device).tril_(start)  # key - query <= start
+    return visible.triu_(start - window + 1) if window else visible  # made in place: no T x T of int64 distances
 
 
 def sliding_causal(T: int, window: int, device: torch.device, flex: bool) -> torch.Tensor | BlockMask:
@@ -338,11 +338,11 @@ class Transformer(nn.Module):
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0 (see block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
-        kinds = {i in self.local_layers for i in range(self.cfg.n_layers)}  # local (a sliding window), global, or both
-        inputs = {local: attention_inputs(self, tokens, documents, cache, local) for local in kinds}
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         if self.cfg.family == "gemma3":  # scaled by sqrt(dim), the scale rounded to the embeddings' dtype (as HF)
             x = x * self.embed_scale.to(x.dtype)
+        kinds = {i in self.local_layers for i in range(self.cfg.n_layers)}  # local (a sliding window), global, or both
+        inputs = {local: attention_inputs(self, tokens, documents, cache, local, x.dtype) for local in kinds}
         for i, block in enumerate(self.model.layers.values()):
             x = block(x, *inputs[i in self.local_layers], None if cache is None else cache.layer(i))
         if cache is not None:
@@ -398,10 +398,16 @@ def derived_buffers(cfg: ModelConfig, device: torch.device | str | None = None) 
 
 
 def attention_inputs(
-    model: Transformer, tokens: torch.Tensor, documents: torch.Tensor | None, cache: KVCache | None, local: bool
+    model: Transformer,
+    tokens: torch.Tensor,
+    documents: torch.Tensor | None,
+    cache: KVCache | None,
+    local: bool,
+    dtype: torch.dtype,
 ):
     """(cos, sin, mask) for the global or the `local` blocks of `model`: each position's rotary angles and what it
-    attends to (see Transformer.forward)."""
+    attends to (see Transformer.forward); a mask of every position, as the additive one (see additive) attention in
+    `dtype` reads."""
     T, window = tokens.shape[1], model.cfg.sliding_window if local else None
     prefix = "rope_local" if local and model.cfg.family == "gemma3" else "rope"  # Gemma 3's local layers: their own
     rope_cos, rope_sin = getattr(model, f"{prefix}_cos"), getattr(model, f"{prefix}_sin")
@@ -421,10 +427,20 @@ def attention_inputs(
     if documents is None:
         mask = None  # plain causal attention, unless a sliding window is shorter than the sequence
         if window and window < T:
-            mask = sliding_causal(T, window, tokens.device, model.flex_attention)
+            mask = additive(sliding_causal(T, window, tokens.device, model.flex_attention), dtype)
         return rope_cos[:T], rope_sin[:T], mask
     positions, mask = block_causal(documents, model.flex_attention, window)
-    return rope_cos[positions][:, None], rope_sin[positions][:, None], mask  # (B, 1, T, head_dim)
+    return rope_cos[positions][:, None], rope_sin[positions][:, None], additive(mask, dtype)  # (B, 1, T, head_dim)
+
+
+def additive(mask: torch.Tensor | BlockMask | TiledMask, dtype: torch.dtype) -> torch.Tensor | BlockMask | TiledMask:
+    """A boolean mask of every query and key (B, 1, T, T) as the scores' addend in `dtype`, 0 where it sees and -inf
+    where it does not: what scaled_dot_product_attention makes of a boolean mask on each call, which every layer's
+    backward would keep a copy of (T x T x layers); made once, the layers share it. Other masks as they are."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    sees, hidden = (torch.tensor(v, dtype=dtype, device=mask.device) for v in (0.0, float("-inf")))
+    return torch.where(mask, sees, hidden)
 
 
 def initial_values(cfg: ModelConfig, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:

@@ -261,3 +261,28 @@ def test_a_kv_cache_gives_the_logits_of_the_whole_sequence(family):
     pieces.append(model(tokens[:, 10:], cache=cache))
     assert cache.length == 14
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_windows_mask_is_kept_once_for_all_the_layers_backward(family):
+    """A window shorter than the sequence attends through a mask of every query and key (eager, as on a CPU or a GPU
+    without compile), which autograd keeps for each windowed layer's backward: one tensor for all of them, not the
+    T x T copy a layer that scaled_dot_product_attention makes of a boolean mask on each call (Mistral windows its 4
+    layers, Gemma 3 two of them: 0.5 GB a layer at 16,384 tokens in bf16)."""
+    pattern = {"sliding_window_pattern": 2} if family == "gemma3" else {}
+    T = 96
+    cfg = ModelConfig(family=family, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=T, sliding_window=8, **pattern)  # fmt: skip
+    model = Transformer(cfg)
+    model.init_weights(seed=0)
+    masks = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() >= T * T:
+            masks[t.untyped_storage().data_ptr()] = t.shape
+        return t
+
+    tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(tokens).sum().backward()
+    assert list(masks.values()) == [(1, 1, T, T)]
