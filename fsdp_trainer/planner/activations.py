@@ -3,7 +3,7 @@ from what autograd saves in model.py's and moe.py's forward (tests/test_plan.py 
 
 from __future__ import annotations
 
-from fsdp_trainer.config import LoraConfig, ModelConfig
+from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe
 from fsdp_trainer.distributed.parallelize import WIDENING
 from fsdp_trainer.moe import moe_layers
 
@@ -49,6 +49,16 @@ def activation_bytes_per_token(
             per_copy = kept_by_adapter(lora.rank, 2 * cfg.moe.ffn_dim) + kept_by_adapter(lora.rank, d)
             saved["selective"] += share * a * k * per_copy
     return saved[ac], full
+
+
+def attention_mask_bytes(recipe: Recipe, compute_bytes: int, device: str) -> int:
+    """Bytes every windowed layer's backward reads in one tensor: a sliding window shorter than the sequence, attended
+    eagerly (a CPU, or a GPU without compile), goes through the additive mask of every query and key, T x T in the
+    compute dtype, made once a forward (model.additive). Compiled on a GPU, flex_attention's block mask: a few bytes a
+    128 x 128 block, none counted."""
+    window, seq_len = recipe.model.sliding_window, recipe.data.seq_len
+    eager = device == "cpu" or not recipe.parallel.compile
+    return compute_bytes * seq_len * seq_len if eager and window and window < seq_len else 0
 
 
 def adapter_copies_per_block(cfg: ModelConfig, compute_bytes: int, ac: str, lora: LoraConfig | None = None) -> float:
