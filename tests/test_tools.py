@@ -196,6 +196,12 @@ def test_bench_lean_ops_times_both_sides_each_round():
         assert plain > 0 and lean > 0 and float(ratio) == pytest.approx(lean / plain, abs=0.06)
 
 
+def test_bench_window_mask_prints_the_peak_and_the_loss():
+    proc = run_bench("bench_window_mask.py", "--seq_len", 64, "--layers", 2, "--window", 8)
+    assert "2 layers (2 windowed), 64 tokens, window 8: peak RSS" in proc.stdout
+    assert float(proc.stdout.split("loss ")[-1]) > 0
+
+
 def test_bench_block_causal_times_both_attentions(tiny_data):
     args = ["--recipe", tiny_data, "--repeats", 2, "--steps", 1, "--example_tokens", 8]
     proc = run_bench("bench_block_causal.py", *args)
