@@ -3,8 +3,10 @@ from what autograd saves in model.py's and moe.py's forward (tests/test_plan.py 
 
 from __future__ import annotations
 
+import torch
+
 from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe
-from fsdp_trainer.distributed.parallelize import WIDENING
+from fsdp_trainer.distributed.parallelize import WIDENING, uses_flex_attention
 from fsdp_trainer.moe import moe_layers
 
 
@@ -57,8 +59,8 @@ def attention_mask_bytes(recipe: Recipe, compute_bytes: int, device: str) -> int
     compute dtype, made once a forward (model.additive). Compiled on a GPU, flex_attention's block mask: a few bytes a
     128 x 128 block, none counted."""
     window, seq_len = recipe.model.sliding_window, recipe.data.seq_len
-    eager = device == "cpu" or not recipe.parallel.compile
-    return compute_bytes * seq_len * seq_len if eager and window and window < seq_len else 0
+    dense = not uses_flex_attention(recipe.parallel, torch.device(device))
+    return compute_bytes * seq_len * seq_len if dense and window and window < seq_len else 0
 
 
 def adapter_copies_per_block(cfg: ModelConfig, compute_bytes: int, ac: str, lora: LoraConfig | None = None) -> float:
