@@ -108,9 +108,10 @@ math (64-256 measured alike at 1,920 tokens)."""
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; Qwen3 and Gemma 3 add an RMSNorm on each query and key head.
     Given a `mask`, a query attends only to the keys it marks (packed examples: block-causal; a sliding window): a
-    boolean (B, 1, T, T) through scaled_dot_product_attention, or a flex_attention BlockMask, which skips the blocks
-    the mask empties, or a TiledMask, computed tile by tile. Given `remember` (a KVCache's layer, when generating),
-    the queries attend to the keys and values it returns: the earlier positions' followed by these."""
+    (B, 1, T, T) through scaled_dot_product_attention, additive (see additive) or boolean, or a flex_attention
+    BlockMask, which skips the blocks the mask empties, or a TiledMask, computed tile by tile. Given `remember` (a
+    KVCache's layer, when generating), the queries attend to the keys and values it returns: the earlier positions'
+    followed by these."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
