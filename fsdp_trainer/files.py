@@ -31,18 +31,33 @@ LATEST_FILE = "latest"
 LOCK_FILE = "run.lock"
 
 
-def write_atomic(path: str | os.PathLike, content: bytes | str) -> None:
+def write_atomic(path: str | os.PathLike, content: bytes | str, sync: bool = False) -> None:
     """Write `content` to `path` through a temporary file and a rename: readers see the old file or the new one, also
-    when the write fails."""
+    when the write fails. With `sync`, the file and its directory are on disk when it returns (a power cut too)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_bytes(content.encode() if isinstance(content, str) else content)
+        with open(tmp, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
     except OSError as e:  # a full disk: no temp file left behind, and the error names the file
         tmp.unlink(missing_ok=True)
         e.filename = e.filename or str(tmp)
         raise
     os.replace(tmp, path)
+    if sync:
+        sync_dir(path.parent)
+
+
+def sync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so the renames into it survive a power cut."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def size_text(n: float) -> str:

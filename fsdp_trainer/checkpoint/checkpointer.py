@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from fsdp_trainer.checkpoint.holds import delete_step, step_holds
 from fsdp_trainer.checkpoint.restore import Restorer
 from fsdp_trainer.checkpoint.starts import Start, start_record
 from fsdp_trainer.checkpoint.storage import (
@@ -66,9 +67,9 @@ class Writes:
         self, cfg: CheckpointConfig, ckpt_dir: Path, states: dict[str, Stateful], attachments: dict, env: DistEnv
     ):
         self.cfg, self.dir, self.states, self.attachments = cfg, ckpt_dir, states, attachments
-        self.is_main = env.is_main
-        self.local_main = env.local_rank == 0  # says what every rank of its node found
+        self.is_main, self.local_main = env.is_main, env.local_rank == 0  # local_main says what its node's ranks found
         self.pending: tuple[Future, Path, float, float] | None = None  # future, path, start time, blocked seconds
+        self.said_held: set[Path] = set()  # the holds rotation has said it keeps a step for
         # The background write runs its own collectives; on the default group they would interleave with training's
         # and deadlock (gloo hangs until its timeout), so it gets a group of its own.
         self._async_group = dist.new_group(backend="gloo", timeout=env.timeout) if cfg.async_save else None
@@ -136,18 +137,25 @@ class Writes:
 
     def _published(self, path: Path, total_s: float, blocked_s: float) -> None:
         if self.is_main:
-            prune(self.dir, self.cfg.keep_last)
             logger.info(f"saved checkpoint {path} ({total_s:.2f} s, training blocked {blocked_s:.2f} s)")
+            prune(self.dir, self.cfg.keep_last, self.said_held)
 
 
-def prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Remove all but the `keep_last` newest published checkpoints (0: keep all)."""
+def prune(ckpt_dir: Path, keep_last: int, said: set[Path]) -> None:
+    """Remove all but the `keep_last` newest published checkpoints (0: keep all), except those another run holds
+    (holds.py): a line says which run holds each, once a run (`said`: the hold files said so far)."""
     if not keep_last:
         return
     latest = published_step(ckpt_dir).name
     published = sorted(p.name for p in ckpt_dir.iterdir() if STEP_DIR.match(p.name) and p.name <= latest)
     for name in published[:-keep_last]:
-        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+        held = step_holds(ckpt_dir / name)  # read just before the delete: a hold made a moment ago counts
+        if not held:
+            delete_step(ckpt_dir / name)
+        for h in held:
+            if h.file not in said:
+                said.add(h.file)
+                logger.warning(f"checkpoint.keep_last={keep_last} {h.kept()}")
 
 
 def run_attachments(recipe: Recipe, starts: list[Start]) -> dict[str, bytes]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
+from fsdp_trainer.checkpoint.holds import hold
 from fsdp_trainer.checkpoint.starts import Start, is_adapters_only, recorded_start, start_record
 from fsdp_trainer.checkpoint.storage import (
     CheckpointError,
@@ -94,9 +96,15 @@ def check_precision(path: Path, precision: str, is_main: bool) -> None:
         )
 
 
-def reload_starts(path: Path, starts: list[Start], attachments: dict[str, bytes], started_from: Path | None) -> None:
+def reload_starts(
+    path: Path,
+    starts: list[Start],
+    attachments: dict[str, bytes],
+    started_from: Path | None,
+    hold: Callable[[Path, list[str]], None],
+) -> None:
     """Resuming from `path`: every Start takes the weights its record there names (the weights the run started from,
-    not its latest), checked against the checkpoint the command names (`started_from`), and the record goes on."""
+    not its latest), checked against the checkpoint the command names (`started_from`), and held; the record goes on."""
     for start in starts:
         recorded = recorded_start(path, start.record, start.what)
         if start.source is not None and recorded != start.source.resolve():
@@ -110,8 +118,19 @@ def reload_starts(path: Path, starts: list[Start], attachments: dict[str, bytes]
                 f"{recorded}, or start a new run in another train.out_dir"
             )
         if recorded is not None:
+            hold(recorded, [start.use])
             load_weights(recorded, start.model)
         attachments[start.record] = (path / start.record).read_bytes()
+
+
+def load_whole(path: Path, states: dict[str, Stateful], precision: str, is_main: bool) -> None:
+    """Every state of a run from its checkpoint `path`, once its model's shapes and precision are checked."""
+    check_model_shapes(path, states["model"].state_dict())
+    check_precision(path, precision, is_main)
+    missing = set(states) - saved_entries(path)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
+    load_state(states, path)
 
 
 class Restorer:
@@ -132,6 +151,7 @@ class Restorer:
         self.dir, self.states, self.starts, self.attachments = ckpt_dir, states, starts, attachments
         self.resumes, self.is_main, self.precision = resumes, is_main, precision
         self.verification = SharedVerification(ckpt_dir, group, is_main)
+        self.hold = partial(hold, ckpt_dir.parent) if is_main else lambda path, uses: None  # the first rank records
 
     def load(self, resume: str) -> Path | None:
         """Restore the run as `resume` (auto | none | PATH) says; returns the step directory whose whole state it
@@ -160,28 +180,29 @@ class Restorer:
             # instead of starting over from the weights (and losing every step since).
             logger.info(f"{path} holds the weights this run started from; continuing the run from its own checkpoints")
             started_from, path = path, self.verification.newest_verified()
-        reload_starts(path, self.starts, self.attachments, started_from)
-        check_model_shapes(path, self.states["model"].state_dict())
-        check_precision(path, self.precision, self.is_main)
-        missing = set(self.states) - saved_entries(path)
-        if missing:
-            raise CheckpointError(f"checkpoint {path} lacks {sorted(missing)}: it was not written by this trainer")
-        load_state(self.states, path)
+        else:  # a run's own steps are not held
+            self.hold(path, ["resume"])
+        reload_starts(path, self.starts, self.attachments, started_from, self.hold)
+        load_whole(path, self.states, self.precision, self.is_main)
         return path
 
     def fill_own_sources(self) -> None:
         """A run from the recipe's seeded init: the Starts with weights of their own (a teacher) take them."""
         for start in self.starts:
             if start.source is not None:
+                self.hold(start.source, [start.use])
                 load_weights(start.source, start.model)
                 self.attachments[start.record] = start_record(start.source)
 
     def start_from(self, path: Path) -> None:
         """The weights of `path` into the model and every Start, recorded: fresh optimizer, data stream and step."""
         policy = self.states["model"].model
+        self.hold(path, [start.use for start in self.starts if start.source is None] or ["start"])
         load_weights(path, policy)
         for start in self.starts:
             source = start.source or path
+            if source != path:
+                self.hold(source, [start.use])
             if start.model is not policy or source != path:
                 load_weights(source, start.model)
             self.attachments[start.record] = start_record(source)

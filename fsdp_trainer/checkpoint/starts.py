@@ -34,6 +34,11 @@ class Start:
     source: Path | None = None
     """Where its weights come from when not from the checkpoint the run starts from (a distillation teacher)."""
 
+    @property
+    def use(self) -> str:
+        """What its checkpoint is to the run, for the hold the run makes on it: "lora base", "reference", "teacher"."""
+        return Path(self.record).stem.replace("_", " ")
+
 
 def lora_start(policy: nn.Module) -> Start:
     """A LoRA run's frozen base: the policy itself, whose adapters its checkpoints hold alone."""

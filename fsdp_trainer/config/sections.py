@@ -439,7 +439,8 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps and after the last step (0 = never)."""
     keep_last: int = 3
-    """Published checkpoints to keep; older ones are deleted (0 = keep all)."""
+    """Published checkpoints to keep; older ones are deleted (0 = keep all), except those another run holds
+    (tools/verify_checkpoint.py RUN lists them)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues."""
     resume: str = "auto"
