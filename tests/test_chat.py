@@ -502,7 +502,7 @@ def test_a_mixture_of_packed_files_reads_whole_windows_with_their_targets(tmp_pa
     (next tokens where flagged, IGNORE elsewhere) and example numbers."""
     pair = {"prompt": "Who goes there?", "response": "Bernardo?"}
     for name, conversations in (("a", shakespeare_conversations(20)), ("b", [pair] * 12)):
-        _chat_data(tmp_path / name, chatml_tokenizer[0], conversations, 64)
+        _chat_data(tmp_path / name, chatml_tokenizer[0], conversations, 64, "--val_fraction", "0")
     files = [TokenFile(tmp_path / name / "data" / "train.bin") for name in "ab"]
     windows = {}  # each window of either file -> (which file, its flags)
     for source, f in enumerate(files):
@@ -554,3 +554,30 @@ def test_the_output_layer_runs_on_the_trained_positions_alone(chunks):
             results.append((value.detach(), h.grad))
         torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
+
+
+def test_a_failed_empty_or_too_small_preparation_leaves_the_previous_files_byte_identical(tmp_path, chatml_tokenizer):
+    """New files are staged beside the previous set and moved in only when all are complete: a bad record, an input
+    without records, or a split left without a window (refused with the counts and the ways out) changes nothing."""
+    tokenizer_dir, _ = chatml_tokenizer
+    recipe, _ = _chat_data(tmp_path, tokenizer_dir, shakespeare_conversations(40), 128)
+    previous = {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()}
+    assert {"train.bin", "train.bin.flags", "train.bin.meta.json", "val.bin.inputs.json"} <= previous.keys()
+    good = json.dumps({"messages": CONVERSATION[1:3]})
+    cases = {
+        "bad.jsonl": (f"{good}\n{good}\n{{not json\n", "bad.jsonl:3: Expecting property name"),
+        "empty.jsonl": ("", "empty.jsonl: no conversations in it; nothing was written"),
+        "three.jsonl": (
+            f"{good}\n" * 3,
+            "val: 0 examples in 0 windows of 128 (0.0% filled, 0 supervised tokens; 0 truncated and 0 dropped as "
+            "longer than data.seq_len, 0 dropped with no answer left within it) from 3 conversations make no window "
+            "of data.seq_len=128; give more data, raise --val_fraction (now 0.2) or a shorter data.seq_len; nothing "
+            "was written",
+        ),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        proc = tool("prepare_data.py", "--recipe", recipe, "--format", "chat", "--input", tmp_path / name,
+                    "--val_fraction", "0.2", check=False)  # fmt: skip
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+        assert {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()} == previous, name

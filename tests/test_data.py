@@ -9,7 +9,7 @@ import torch
 from fsdp_trainer.data.encode import Part
 from fsdp_trainer.data.format import MANIFEST, TokenFile, open_tokens, write_token_file
 from fsdp_trainer.data.loader import Mixture, TokenLoader
-from fsdp_trainer.data.writers import ShardWriter
+from fsdp_trainer.data.writers import ShardWriter, replace
 from fsdp_trainer.tokenizer import run_tokenizer_path
 
 
@@ -24,6 +24,7 @@ def token_file(tmp_path, request):
     writer.add(Part(np.array([0, 1]), np.array([300, 300]), np.arange(600)))  # two documents, then a third
     writer.add(Part(np.array([2]), np.array([401]), np.arange(600, 1001)))
     writer.finish({})
+    replace([writer], tmp_path / "shards.replacing.json")
     shards = open_tokens(tmp_path / "shards")
     assert len(shards.shards) == 11 and len(shards) == 1001
     return shards
@@ -34,6 +35,7 @@ def test_shard_windows_are_windows_of_the_concatenated_shards(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 50_000, 100)
     writer.add(Part(np.array([0]), np.array([100]), tokens))
     writer.finish({})
+    replace([writer], tmp_path / "s.replacing.json")
     shards = open_tokens(tmp_path / "s")
     concatenated = np.concatenate([shard.tokens for shard in shards.shards])
     assert np.array_equal(concatenated, tokens)

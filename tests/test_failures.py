@@ -309,6 +309,13 @@ def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
     ), log.read_text()[-3000:]
 
 
+def _files_bytes(folder, prefix: str, but: str | None = None) -> dict:
+    """The bytes of every file under `folder` whose path there starts with `prefix`, but for those under `but`."""
+    files = [p for p in folder.rglob(f"{prefix}*") if p.is_file() or p.is_dir()]
+    files = {f for p in files for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()}
+    return {f: f.read_bytes() for f in files if but is None or but not in f.relative_to(folder).parts}
+
+
 def _tool_with_files_capped(tool: str, *args) -> subprocess.CompletedProcess:
     """tools/`tool` with every file it writes capped at 100 kB (EFBIG past that, as ENOSPC on a full disk)."""
     return subprocess.run(
@@ -325,24 +332,31 @@ def test_tools_that_run_out_of_room_leave_nothing_that_looks_complete(tiny_data,
     room left; no output a user or a later run could take for complete; the same commands with room succeed."""
     corpus, run = tiny_data.parent / "corpus.txt", tmp_path / "run"
     expected = r"error: writing (\S+) failed \(File too large\), [\d.,]+ [GM]B free there now; "
+    (tmp_path / "act_one.txt").write_text(corpus.read_text()[:20_000])  # a previous preparation, within the cap
     for out in (tmp_path / "tokens.bin", tmp_path / "shards"):
-        proc = _tool_with_files_capped(
-            "prepare_data.py", "--recipe", tiny_data, "--input", corpus, "--data.train_path", out, "--data.val_path",
-            "null", "--data.tokenizer_path", tiny_data.parent / "tokenizer.model", "--shard_tokens", "60000",
-        )  # fmt: skip
+        args = ["--data.train_path", out, "--data.val_path", "null", "--shard_tokens", "60000",
+                "--data.tokenizer_path", tiny_data.parent / "tokenizer.model"]  # fmt: skip
+        run_tool("prepare_data.py", "--recipe", tiny_data, "--input", tmp_path / "act_one.txt", *args)
+        previous = _files_bytes(tmp_path, out.name)
+        proc = _tool_with_files_capped("prepare_data.py", "--recipe", tiny_data, "--input", corpus, *args)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-        assert re.match(expected + "nothing half-written is left", proc.stderr), proc.stderr
-        if out.suffix:  # no file of the token file's family
-            assert not list(tmp_path.glob("tokens.bin*"))
+        assert re.match(expected + "nothing half-written is left and the previous files are as they were",
+                        proc.stderr), proc.stderr  # fmt: skip
+        staged = tmp_path / f"{out.name}.tmp"  # a directory of shards keeps its complete shards for a rerun to go on
+        assert _files_bytes(tmp_path, out.name, but=staged.name) == previous
+        if out.suffix:  # nothing of the token file's family staged
+            assert not list(tmp_path.glob("tokens.bin*.tmp"))
         else:  # no manifest (the loader refuses the directory; a rerun goes on) and no shard without its meta
-            assert not (out / "manifest.json").exists() and not list(out.glob("*.tmp"))
-            assert all((out / f"{shard.name}.meta.json").is_file() for shard in out.glob("shard_*.bin"))
+            assert not (staged / "manifest.json").exists() and not list(staged.glob("*.tmp"))
+            assert all((staged / f"{shard.name}.meta.json").is_file() for shard in staged.glob("shard_*.bin"))
 
     train_cli(run_args(tiny_data, run, 1, checkpoint={"every": 1}))
     proc = _tool_with_files_capped("consolidate.py", run, tmp_path / "hf", "--verify", "files")
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert re.match(expected + f"nothing was written to {tmp_path / 'hf'}$", proc.stderr.strip()), proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "shards"]  # no hf/, no temporary directory
+    # no hf/, no temporary directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["act_one.txt", "run", "shards", "shards.tmp", "tokens.bin",
+                                                          "tokens.bin.inputs.json", "tokens.bin.meta.json"]  # fmt: skip
 
     run_tool("consolidate.py", run, tmp_path / "hf")
     proc = _tool_with_files_capped("import_hf.py", tmp_path / "hf", tmp_path / "imported")

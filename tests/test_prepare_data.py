@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -165,9 +166,13 @@ def test_the_bytes_written_do_not_depend_on_the_workers(tiny_data, tmp_path, pla
     assert 0.03 < len(val) / (len(val) + len(shards)) < 0.08  # whole documents, about 5%
 
 
-def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_path, plays_jsonl):
+def test_a_killed_preparation_keeps_the_previous_one_and_restarts_from_its_complete_shards(
+    tiny_data, tmp_path, plays_jsonl
+):
     flags = ["--workers", "1", "--shard_tokens", 40_000]
     _run_tool(tiny_data, tmp_path / "whole", [plays_jsonl], *flags)
+    _run_tool(tiny_data, tmp_path / "cut", [tiny_data.parent / "corpus.txt"], *flags)  # a previous preparation
+    previous = _tree_bytes(tmp_path / "cut")
     cmd = [
         *TOOL,
         "--recipe",
@@ -186,13 +191,15 @@ def test_a_killed_preparation_restarts_from_its_complete_shards(tiny_data, tmp_p
     # Until both writers have complete shards past the one spoiled below: the restart goes on from the writer that is
     # behind, and the validation writer gets a task's documents only after the training writer has written its 11
     # shards of them. Waited for however long a loaded machine takes (no deadline: a clock would decide the verdict).
-    done = [tmp_path / "cut" / split / "shard_00004.bin.meta.json" for split in ("train", "val")]
+    done = [tmp_path / "cut" / f"{split}.tmp" / "shard_00004.bin.meta.json" for split in ("train", "val")]
     while not all(p.exists() for p in done) and proc.poll() is None:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (tmp_path / "cut" / "train" / "manifest.json").exists(), "finished before it could be killed"
-    (tmp_path / "cut" / "train" / "shard_00002.bin").write_bytes(b"\0" * 16)  # a complete shard gone bad: redone
+    assert not (tmp_path / "cut" / "train.tmp" / "manifest.json").exists(), "finished before it could be killed"
+    staged = {name for name in _tree_bytes(tmp_path / "cut") if name.split("/")[0].endswith(".tmp")}
+    assert {k: v for k, v in _tree_bytes(tmp_path / "cut").items() if k not in staged} == previous
+    (tmp_path / "cut" / "train.tmp" / "shard_00002.bin").write_bytes(b"\0" * 16)  # a complete shard gone bad: redone
     again = _run_tool(tiny_data, tmp_path / "cut", [plays_jsonl], *flags)
     assert "resumed at document" in again.stdout
     assert _tree_bytes(tmp_path / "cut") == _tree_bytes(tmp_path / "whole")
@@ -241,3 +248,54 @@ def test_bad_records_are_named_or_skipped_and_counted(tiny_data, tmp_path):
     assert "prepared 6 documents, 4 bad record(s) skipped" in proc.stdout, proc.stdout
     missing = _run_tool(tiny_data, tmp_path / "out", [tmp_path / "c.parquet"], "--text_key", "body", check=False)
     assert missing.returncode == 1 and "c.parquet: no column 'body'" in missing.stderr
+
+
+def test_a_preparation_stopped_while_moving_its_files_in_is_finished_by_the_next(tmp_path, monkeypatch):
+    """The staged set moves in under a journal: stopped after its first move, the next preparation finishes the moves
+    (a file, its stale margins removed, a directory of shards swapped whole) before it looks at anything."""
+    import fsdp_trainer.data.writers as writers
+
+    (tmp_path / "train.bin").write_bytes(b"old")
+    (tmp_path / "train.bin.margins").write_bytes(b"old margins")
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "shard_00000.bin").write_bytes(b"old shard")
+    (tmp_path / "train.bin.tmp").write_bytes(b"new")
+    (tmp_path / "train.bin.meta.json.tmp").write_bytes(b"new meta")
+    (tmp_path / "val.tmp").mkdir()
+    (tmp_path / "val.tmp" / "manifest.json").write_bytes(b"new manifest")
+
+    class Staged:
+        def __init__(self, *pairs):
+            self.pairs = pairs
+
+        def staged(self):
+            return [(a and str(tmp_path / a), str(tmp_path / b)) for a, b in self.pairs]
+
+    sets = [Staged(("train.bin.tmp", "train.bin"), (None, "train.bin.margins"),
+                   ("train.bin.meta.json.tmp", "train.bin.meta.json")), Staged(("val.tmp", "val"))]  # fmt: skip
+    moves, real_replace = [], os.replace
+
+    def stop_after_one(src, dst):  # the journal's own rename, then one move
+        if len(moves) == 2:
+            raise KeyboardInterrupt
+        moves.append(dst)
+        return real_replace(src, dst)
+
+    journal = tmp_path / "train.bin.replacing.json"
+    with monkeypatch.context() as patched:
+        patched.setattr(writers.os, "replace", stop_after_one)
+        with pytest.raises(KeyboardInterrupt):
+            writers.replace(sets, journal)
+    assert (tmp_path / "train.bin").read_bytes() == b"new" and journal.is_file()
+    writers.finish_replacement(journal)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.bin", "train.bin.meta.json", "val"]
+    assert (tmp_path / "train.bin.meta.json").read_bytes() == b"new meta"
+    assert [p.name for p in (tmp_path / "val").iterdir()] == ["manifest.json"]
+
+
+def test_training_on_an_empty_token_file_names_it(tmp_path):
+    from fsdp_trainer.data.format import write_token_file
+
+    write_token_file(tmp_path / "val.bin", np.zeros(0, np.uint16), 512, "sha")
+    with pytest.raises(ValueError, match=f"token file {tmp_path / 'val.bin'} holds no tokens: prepare it again"):
+        TokenFile(tmp_path / "val.bin")

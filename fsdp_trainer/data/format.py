@@ -71,8 +71,9 @@ def token_meta(n_tokens: int, vocab_size: int, tokenizer_sha256: str, **extra) -
     }
 
 
-def write_meta(path: str | os.PathLike, meta: dict) -> None:
-    write_atomic(f"{path}{META_SUFFIX}", json.dumps(meta, indent=2))
+def write_meta(path: str | os.PathLike, meta: dict, staged: str = "") -> None:
+    """The meta of token file `path`, at its name plus `staged` (a suffix) while staged beside the previous one."""
+    write_atomic(f"{path}{META_SUFFIX}{staged}", json.dumps(meta, indent=2))
 
 
 def write_token_file(
@@ -110,6 +111,8 @@ class TokenFile:
                 f"{self.path} holds {os.path.getsize(self.path)} bytes but its meta.json says {expected}; "
                 "the file is truncated or foreign: prepare the data again"
             )
+        if not expected:  # np.memmap cannot map an empty file, and no window can come from one
+            raise ValueError(f"token file {self.path} holds no tokens: prepare it again from more data")
         self.tokens = np.memmap(self.path, dtype=_DTYPES[dtype], mode="r")
         self.vocab_size = int(self.meta["vocab_size"])
         self.tokenizer_sha256 = self.meta.get("tokenizer_sha256", "")

@@ -34,7 +34,14 @@ from fsdp_trainer.data.encode import process
 from fsdp_trainer.data.format import disk_dtype
 from fsdp_trainer.data.options import PrepareOptions
 from fsdp_trainer.data.sources import BadRecords, expand_inputs, kind_of, read_documents
-from fsdp_trainer.data.writers import FileWriter, PackedWriter, ShardWriter, writer_kind
+from fsdp_trainer.data.writers import (
+    FileWriter,
+    PackedWriter,
+    ShardWriter,
+    finish_replacement,
+    replace,
+    writer_kind,
+)
 from fsdp_trainer.files import write_failure
 from fsdp_trainer.tokenizer import load_tokenizer, run_tokenizer_path, train_tokenizer
 
@@ -69,17 +76,10 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     recipe.model.check_vocab(f"data.tokenizer_path={data.tokenizer_path} (added tokens included)", tokenizer.vocab_size)
     fingerprint = tokenizer.fingerprint()
     stat = [os.stat(f) for f in files]
-    stamp = {
-        "inputs": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, stat, strict=True)],
-        "tokenizer": fingerprint,
-        "val_fraction": o.val_fraction,
-        "text_key": o.text_key,
-        "shard_tokens": o.shard_tokens,
-        "skip_bad_records": o.skip_bad_records,
-    }
-    if chat:
-        stamp.update(format=o.format, train_on=o.train_on, long_examples=o.long_examples, seq_len=data.seq_len)
+    stamp = _stamp(files, stat, fingerprint, o, data.seq_len)
     outputs = [data.train_path] + ([data.val_path] if data.val_path and o.val_fraction else [])
+    journal = Path(data.train_path + ".replacing.json")
+    finish_replacement(journal)  # a preparation killed while it moved its files in place
     if not o.force and all(writer_kind(p).is_done(p, stamp) for p in outputs):
         print(f"data already prepared: {', '.join(outputs)} (pass --force to rebuild)")
         return
@@ -104,15 +104,16 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     bad = BadRecords(skip=o.skip_bad_records)
     results = process(files, start, data.tokenizer_path, o, workers, validation=val is not None)
     writers = [w for w in (train, val) if w is not None]
+    what = {"text": "documents", "chat": "conversations"}.get(o.format, RECORDS.get(o.format))
     try:
-        n_docs = _write(results, train, val, bad, total_bytes)
-        for w in writers:
-            w.finish(stamp)
+        n_docs = _write(results, train, val, bad, total_bytes, stamp)
     except OSError as e:  # a full disk or quota: the writers removed what they had half-written
         raise OSError(
-            f"{write_failure(e, Path(data.train_path).parent)}; nothing half-written is left (complete shards are "
-            "kept): make room and run the same command again"
+            f"{write_failure(e, Path(data.train_path).parent)}; nothing half-written is left and the previous files "
+            "are as they were (complete shards are kept): make room and run the same command again"
         ) from e
+    _check_windows({"train": train, "val": val}, n_docs, what, files, data.seq_len, o.val_fraction)
+    replace(writers, journal)
     elapsed = time.perf_counter() - start_time
     for name, w in (("train", train), ("val", val)):
         if isinstance(w, PackedWriter):
@@ -120,7 +121,6 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     counts = f"{train.n_tokens:,} train" + (f" + {val.n_tokens:,} val" if val is not None else "")
     skipped = f", {bad.count:,} bad record(s) skipped" if bad.count else ""
     resumed = f" (resumed at document {start:,})" if start else ""
-    what = {"text": "documents", "chat": "conversations"}.get(o.format, RECORDS.get(o.format))
     written = sum(w.n_tokens for w in writers) * disk_dtype(tokenizer.vocab_size).itemsize / 1e6
     print(
         f"prepared {n_docs:,} {what}{resumed}{skipped}: {counts} tokens, "
@@ -129,9 +129,43 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     )
 
 
-def _write(results, train, val, bad: BadRecords, total_bytes: int) -> int:
-    """The workers' results into the writers, in input order; returns the documents written. On any failure the
-    writers are abandoned, so nothing half-written stays behind."""
+def _stamp(files: list[str], stat: list[os.stat_result], fingerprint: str, o: PrepareOptions, seq_len: int) -> dict:
+    """What a preparation's outputs are made from: the same stamp again means they are up to date."""
+    stamp = {
+        "inputs": [[f, s.st_size, s.st_mtime_ns] for f, s in zip(files, stat, strict=True)],
+        "tokenizer": fingerprint,
+        "val_fraction": o.val_fraction,
+        "text_key": o.text_key,
+        "shard_tokens": o.shard_tokens,
+        "skip_bad_records": o.skip_bad_records,
+    }
+    if o.format != "text":
+        stamp.update(format=o.format, train_on=o.train_on, long_examples=o.long_examples, seq_len=seq_len)
+    return stamp
+
+
+def _check_windows(writers: dict, n_docs: int, what: str, files: list[str], seq_len: int, val_fraction: float) -> None:
+    """Refuse a preparation whose inputs hold no record, or that leaves a split without one window of data.seq_len
+    (training would find it empty), with the counts and the ways out; what it staged goes."""
+    problem = f"--input {' '.join(files)}: no {what} in it" if not n_docs else None
+    for name, w in writers.items():
+        packed = isinstance(w, PackedWriter)  # whole windows of seq_len; a plain window holds seq_len + 1 tokens
+        if problem is None and w is not None and not (w.n_tokens if packed else w.n_tokens - 1) // seq_len:
+            held = w.summary() if packed else f"{w.n_tokens:,} tokens"
+            problem = (
+                f"{name}: {held} from {n_docs:,} {what} make no window of data.seq_len={seq_len}; give more data, "
+                f"{'lower' if name == 'train' else 'raise'} --val_fraction (now {val_fraction}) or a shorter "
+                "data.seq_len"
+            )
+    if problem is not None:
+        for w in filter(None, writers.values()):
+            w.discard()
+        raise ValueError(f"{problem}; nothing was written")
+
+
+def _write(results, train, val, bad: BadRecords, total_bytes: int, stamp: dict) -> int:
+    """The workers' results into the writers, in input order, and each writer's set staged; returns the documents
+    written. On any failure the writers are abandoned, so nothing half-written stays behind."""
     bar = _progress_bar(total_bytes) if sys.stdout.isatty() else None
     n_docs = 0
     try:
@@ -145,6 +179,8 @@ def _write(results, train, val, bad: BadRecords, total_bytes: int) -> int:
             if bar is not None:
                 bar.update(result.chars)  # characters, close to bytes for most text
                 bar.set_postfix(docs=f"{n_docs:,}", tokens=f"{train.n_tokens:,}", refresh=False)
+        for w in filter(None, (train, val)):
+            w.finish(stamp)
     except BaseException:
         for w in (train, val):
             if w is not None:

@@ -1,7 +1,12 @@
 """The writers of data preparation: a token file, a packed file of conversations with its flags, or a directory of
-shards with a manifest (the format is format.py's), each written so that nothing half-written is ever taken for
-complete, and a directory of shards so that a preparation killed at any instant and started again keeps the shards
-already complete and goes on from where the last one ends.
+shards with a manifest (the format is format.py's).
+
+Each writer stages its files beside the ones it replaces (`train.bin.tmp`, `train.bin.meta.json.tmp`, ...; a directory
+of shards as `train.tmp/`) and touches no file of the previous preparation. Once every writer of a preparation has
+staged a complete set, replace() moves them all in place under a journal, so that the previous set is replaced whole
+or not at all: a failure before (a bad record, a full disk, Ctrl-C, SIGKILL) leaves it byte-identical, and a kill
+during the moves is finished by the next preparation. A directory of shards killed mid-way keeps its complete staged
+shards, and the same preparation started again goes on from where the last one ends.
 """
 
 from __future__ import annotations
@@ -53,16 +58,21 @@ class FileWriter:
         self.n_tokens += len(part.ids)
 
     def abandon(self) -> None:
-        """After a failure: no half-written file stays behind, and none of the files finish() writes."""
+        """After a failure: nothing staged stays behind; the previous preparation's files were never touched."""
         try:
             self.file.close()
         except OSError:
             pass  # flushing the rest failed too: the file goes anyway
-        for suffix in (".tmp", "", META_SUFFIX, ".inputs.json"):
-            Path(self.path + suffix).unlink(missing_ok=True)
+        for staged, _ in self.staged():
+            if staged is not None:
+                Path(staged).unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """A complete set that prepare() refuses goes as a failed one does."""
+        self.abandon()
 
     def finish(self, stamp: dict) -> None:
-        """The file, then its meta, then the inputs' stamp that says it is complete; on a failure, none of them."""
+        """Stage the file, its meta, and the inputs' stamp that says it is complete; on a failure, none of them."""
         try:
             self._finish(stamp)
         except BaseException:
@@ -71,9 +81,14 @@ class FileWriter:
 
     def _finish(self, stamp: dict) -> None:
         self.file.close()
-        os.replace(self.path + ".tmp", self.path)
-        write_meta(self.path, token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256, **self.extra_meta()))
-        write_atomic(f"{self.path}.inputs.json", json.dumps(stamp))
+        meta = token_meta(self.n_tokens, self.vocab_size, self.tokenizer_sha256, **self.extra_meta())
+        write_meta(self.path, meta, staged=".tmp")
+        write_atomic(f"{self.path}.inputs.json.tmp", json.dumps(stamp))
+
+    def staged(self) -> list[tuple[str | None, str]]:
+        """(staged, final) for each file of the set, the stamp that says it is complete last; (None, final) for a file
+        of the previous set that the new one has none of, to be removed."""
+        return [(f"{self.path}{suffix}.tmp", f"{self.path}{suffix}") for suffix in ("", META_SUFFIX, ".inputs.json")]
 
     def extra_meta(self) -> dict:
         return {}
@@ -118,25 +133,27 @@ class PackedWriter(FileWriter):
         self.n_tokens += len(window.tokens)
 
     def abandon(self) -> None:
-        super().abandon()
         for file in filter(None, (self.flags, self.margins)):
             try:
                 file.close()
             except OSError:
                 pass
-        for suffix in (FLAGS_SUFFIX + ".tmp", FLAGS_SUFFIX, MARGINS_SUFFIX + ".tmp", MARGINS_SUFFIX):
-            Path(self.path + suffix).unlink(missing_ok=True)
+        super().abandon()
 
     def _finish(self, stamp: dict) -> None:
         for window in self.packer.finish():
             self._write(window)
         self.flags.close()
-        os.replace(self.path + FLAGS_SUFFIX + ".tmp", self.path + FLAGS_SUFFIX)
-        Path(self.path + MARGINS_SUFFIX).unlink(missing_ok=True)  # an earlier preparation's
         if self.margins is not None:
             self.margins.close()
-            os.replace(self.path + MARGINS_SUFFIX + ".tmp", self.path + MARGINS_SUFFIX)
         super()._finish(stamp)
+
+    def staged(self) -> list[tuple[str | None, str]]:
+        """The flags, and the margins where a pair had one (else an earlier preparation's go), before the token file's
+        set."""
+        flags, margins = self.path + FLAGS_SUFFIX, self.path + MARGINS_SUFFIX
+        margins_staged = margins + ".tmp" if self.margins is not None else None
+        return [(flags + ".tmp", flags), (margins_staged, margins), *super().staged()]
 
     def extra_meta(self) -> dict:
         p = self.packer
@@ -175,18 +192,23 @@ class _Chunk:
         return int(self.part.indices[k]), int(self.offsets[k] + pos - self.starts[k])
 
 
+def check_shard_dir(shard_dir: Path) -> None:
+    """Refuse a directory that holds anything but a preparation's shards: replacing it would lose the user's files."""
+    ours = ("shard_", MANIFEST, "progress.json")
+    strangers = [p.name for p in shard_dir.iterdir() if not p.name.startswith(ours)] if shard_dir.is_dir() else []
+    if strangers:
+        raise ValueError(
+            f"{shard_dir} exists and holds files that are not token shards ({', '.join(sorted(strangers)[:3])}); "
+            "choose another data path (a directory of shards, or a file name ending in .bin)"
+        )
+
+
 def kept_shards(shard_dir: Path, stamp: dict) -> tuple[list[dict], tuple[int, int]]:
-    """The shards a previous, interrupted run with the same `stamp` completed in `shard_dir` and that still verify,
-    and where the last of them ends ((0, 0) for none); everything else in it is removed."""
+    """The shards a previous, interrupted run with the same `stamp` completed in staging directory `shard_dir` and that
+    still verify, and where the last of them ends ((0, 0) for none); everything else in it is removed."""
     progress = shard_dir / "progress.json"
     if shard_dir.is_dir() and (not progress.is_file() or json.loads(progress.read_text()) != stamp):
-        ours = ("shard_", MANIFEST, "progress.json")
-        strangers = [p.name for p in shard_dir.iterdir() if not p.name.startswith(ours)]
-        if strangers:
-            raise ValueError(
-                f"{shard_dir} exists and holds files that are not token shards ({', '.join(sorted(strangers)[:3])});"
-                " choose another data path (a directory of shards, or a file name ending in .bin)"
-            )
+        check_shard_dir(shard_dir)
         shutil.rmtree(shard_dir)  # shards made from other inputs or options: start over
     shard_dir.mkdir(parents=True, exist_ok=True)
     shards, end = [], (0, 0)
@@ -230,7 +252,8 @@ class ShardWriter:
     before `offset` in the part of it this writer gets; a restart goes on from there."""
 
     def __init__(self, out_dir: str, shard_tokens: int, vocab_size: int, tokenizer_sha256: str, stamp: dict):
-        self.dir, self.shard_tokens = Path(out_dir), shard_tokens
+        check_shard_dir(Path(out_dir))
+        self.final, self.dir, self.shard_tokens = Path(out_dir), Path(out_dir + ".tmp"), shard_tokens  # dir: staged
         self.vocab_size, self.tokenizer_sha256 = vocab_size, tokenizer_sha256
         self.buffer: deque[_Chunk] = deque()
         self.buffered = 0
@@ -289,12 +312,48 @@ class ShardWriter:
         (self.dir / "progress.json").unlink()
 
     def abandon(self) -> None:
-        """After a failure: the complete shards stay, for a restart to check and keep; nothing else was written."""
+        """After a failure: the complete staged shards stay, for a restart to check and keep."""
+
+    def discard(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def staged(self) -> list[tuple[str, str]]:
+        return [(str(self.dir), str(self.final))]
 
     @staticmethod
     def is_done(path: str, stamp: dict) -> bool:
         manifest = Path(path) / MANIFEST
         return manifest.is_file() and json.loads(manifest.read_text()).get("stamp") == stamp
+
+
+def replace(writers: list, journal: Path) -> None:
+    """Move the staged sets of `writers` (each finished) in place of the previous preparation's files, all or none:
+    the moves are listed in `journal` first, so that a kill among them is finished by finish_replacement."""
+    write_atomic(journal, json.dumps({"moves": [pair for w in writers for pair in w.staged()]}), sync=True)
+    finish_replacement(journal)
+
+
+def finish_replacement(journal: Path) -> None:
+    """Carry out the moves a replacement's journal lists (those done already are passed over), then drop it; nothing
+    to do where there is no journal."""
+    if not journal.is_file():
+        return
+    for staged, final in json.loads(journal.read_text())["moves"]:
+        final = Path(final)
+        if staged is None:  # a file the new set has none of
+            final.unlink(missing_ok=True)
+            continue
+        staged, old = Path(staged), final.with_name(final.name + ".old")
+        if staged.is_dir():  # a directory of shards: the old one aside, the new one in, the old one gone
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+            staged.rename(final)
+        elif staged.exists():
+            os.replace(staged, final)
+        if final.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    journal.unlink()
 
 
 def writer_kind(path: str):
