@@ -4,9 +4,11 @@ the planner share them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,9 +21,15 @@ from fsdp_trainer.adapters.lora import init_lora
 from fsdp_trainer.adapters.nf4 import fill_shard
 from fsdp_trainer.checkpoint.checkpointer import Checkpointer
 from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base, lora_start
-from fsdp_trainer.checkpoint.storage import checkpoint_recipe, resolve_checkpoint, saved_entries
-from fsdp_trainer.checkpoint.weights import ModelState
-from fsdp_trainer.config import Recipe, compute_dtype, load_sections
+from fsdp_trainer.checkpoint.storage import (
+    CheckpointError,
+    checkpoint_recipe,
+    is_complete,
+    resolve_checkpoint,
+    saved_entries,
+)
+from fsdp_trainer.checkpoint.weights import ModelState, check_model_shapes
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, load_sections
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import Mixture, TokenLoader, open_data
 from fsdp_trainer.distributed.parallelize import (
@@ -33,7 +41,15 @@ from fsdp_trainer.distributed.parallelize import (
 )
 from fsdp_trainer.distributed.runtime import DistEnv, process_group_backend
 from fsdp_trainer.evaluation.tasks import check_tasks
-from fsdp_trainer.files import RunDirInUse, RunLock, check_run_dir_free, check_writable
+from fsdp_trainer.files import (
+    CHECKPOINTS_DIR,
+    RunDirInUse,
+    RunLock,
+    check_run_dir_free,
+    check_writable,
+    published_step,
+)
+from fsdp_trainer.metrics import trained_params
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.sinks import require_wandb
@@ -157,14 +173,50 @@ def check_disk_room(recipe: Recipe) -> None:
 
 
 def check_start(recipe: Recipe) -> None:
-    """A checkpoint named by checkpoint.resume exists and, when the run starts from its weights rather than resuming
-    it, everything those weights come from is there (a LoRA checkpoint's base, unchanged)."""
-    resume = recipe.checkpoint.resume
-    if resume in ("auto", "none"):
+    """The checkpoint the run starts from or resumes (named by checkpoint.resume, or the run's own latest) exists,
+    everything its weights come from is there (a LoRA checkpoint's base, unchanged), and it holds the weights of the
+    recipe's model: read from its metadata against the model built on the meta device, in seconds."""
+    resume, own = recipe.checkpoint.resume, published_step(Path(recipe.train.out_dir) / CHECKPOINTS_DIR)
+    if resume == "none" or (resume == "auto" and (own is None or not is_complete(own))):
         return
-    path = resolve_checkpoint(resume, "checkpoint.resume")
-    if not resumes(recipe, path) and is_adapters_only(path):
-        lora_base(path)
+    field = "checkpoint.resume" if resume != "auto" else "train.out_dir"
+    path = resolve_checkpoint(resume, field) if resume != "auto" else own
+    weights = lora_base(path) if is_adapters_only(path) else path  # None: the seeded init of its base
+    if weights is not None:
+        model = meta_model(recipe.model, recipe.lora)
+        try:
+            check_model_shapes(weights, model.state_dict(), adapters_optional=True)
+        except CheckpointError as e:
+            raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
+
+
+def model_fix(path: Path, model: ModelConfig) -> str:
+    """How a recipe takes the model of checkpoint `path`: the model.yaml of the import it is, else the model keys of
+    the recipe it was saved with that differ from `model`'s."""
+    imported = path.parents[1] / "model.yaml"
+    if imported.is_file():
+        return f"add `--recipe {imported}` after your recipe (the model section of that import)"
+    saved = _flat(asdict(load_sections(checkpoint_recipe(path))["model"]), "model.")
+    ours = _flat(asdict(model), "model.")
+    flags = [
+        f"--{key} {v if isinstance(v, str) else json.dumps(v)}" for key, v in saved.items() if ours.get(key, ...) != v
+    ]
+    return f"give the recipe the model it was saved with: {' '.join(flags)}"
+
+
+def _flat(section: dict, prefix: str) -> dict:
+    """A config section's keys as dotted flags (model.moe.experts), a null subsection as itself."""
+    flat = {}
+    for key, value in section.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def run_summary(recipe: Recipe) -> str:
+    """What a run trains, for the line fsdp-train starts with: `sft + LoRA r16, training 2.1M of 494.0M params`."""
+    adapters = f" + LoRA r{recipe.lora.rank}" if recipe.lora.rank is not None else ""
+    trained = trained_params(meta_model(recipe.model, recipe.lora), recipe.model)
+    return f"{training_kind(recipe).name}{adapters}, training {trained}"
 
 
 def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:

@@ -181,16 +181,19 @@ def main(argv: list[str] | None = None) -> None:
     if {"-h", "--help"} & set(trainer_args):
         print("fsdp-train [torchrun's options: --nproc_per_node N --nnodes M ...] --recipe R [--section.key value]\n")
     recipe = parse_recipe(trainer_args)  # bad recipe: one line, exit 1; --help prints and exits 0
-    from fsdp_trainer.build import check_run  # torch is imported only once the recipe reads
+    from fsdp_trainer.build import check_run, run_summary  # torch is imported only once the recipe reads
 
     with one_line_errors():  # missing or mismatched data, an unwritable out_dir: one line, nothing spawned
         check_run(recipe)
+        summary = run_summary(recipe)
 
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = torchrun.parse_args([*launcher_args, "--module", TRAINER_MODULE, *trainer_args])
+    nodes = f" on each of {args.nnodes} nodes" if args.nnodes not in ("1", "1:1") else ""
+    print(f"starting {args.nproc_per_node} worker(s){nodes}: {summary} -> {recipe.train.out_dir}", flush=True)
     if args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu") and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning about it
     quiet_torchrun()

@@ -263,12 +263,24 @@ def mixture_numbers(loader: TokenLoader | None) -> dict:
     return {"mixture": mixture} if mixture is not None else {}
 
 
-def run_banner(recipe: Recipe, env: DistEnv) -> str:
-    """The line a run opens with: the model, the ranks and how they shard, the global batch, where it writes."""
+def trained_params(model: torch.nn.Module, cfg: ModelConfig) -> str:
+    """What a run trains of its model: `all 494.0M params`, or `2.1M of 494.0M params` (adapters on a frozen base)."""
+    total = count_params(cfg)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a DTensor's numel is the whole tensor's
+    return (
+        f"all {total / 1e6:.1f}M params" if trained >= total else f"{trained / 1e6:.1f}M of {total / 1e6:.1f}M params"
+    )
+
+
+def run_banner(recipe: Recipe, env: DistEnv, model: torch.nn.Module) -> str:
+    """The line a run opens with: the model and what of it trains, the ranks and how they shard, the global batch,
+    where it writes."""
     data, parallel = recipe.data, recipe.parallel
     rows = data.micro_batch_size * data.grad_accum_steps * env.world_size
+    adapters = f"LoRA r{recipe.lora.rank}, " if recipe.lora.rank is not None else ""
     return (
-        f"{recipe.model.family} model, {count_params(recipe.model) / 1e6:.1f}M params | {env.world_size} rank(s), "
+        f"{recipe.model.family} model, {adapters}training {trained_params(model, recipe.model)} | "
+        f"{env.world_size} rank(s), "
         f"{parallel.sharding}, {parallel.mixed_precision} | global batch {rows} x {data.seq_len} tokens | "
         f"{recipe.train.steps} steps -> {recipe.train.out_dir}"
     )
@@ -299,7 +311,7 @@ class Metrics:
         self.window = Window(recipe, env, start_step, clock)
         self.sinks = Sinks(recipe, env.is_main, start_step, shown, resumed_from)
         if env.is_main:
-            logger.info(run_banner(recipe, env))
+            logger.info(run_banner(recipe, env, model))
 
     def step_done(self, step: int) -> None:
         """After every step: times it, moves the progress bar (no sync); after this process's first step, while the

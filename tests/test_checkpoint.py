@@ -92,7 +92,9 @@ def one_step_checkpoint(tiny_data, tmp_path_factory):
         (
             "shape",
             {"ffn_dim": 96},
-            "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64)",
+            "holds model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64): the "
+            "recipe's model section differs from the run that saved it; give the recipe the model it was saved with: "
+            "--model.ffn_dim 128",
         ),
         (
             "missing",

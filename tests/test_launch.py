@@ -130,19 +130,29 @@ def test_the_first_line_names_the_rank_that_failed_and_why(tiny_data, tmp_path, 
 
 @pytest.mark.slow
 def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data, tmp_path):
-    """A checkpoint of another model shape: found by every rank after the process group exists, said once."""
+    """A checkpoint of another model shape is refused before any worker starts, with the keys that fix the recipe; a
+    corrupted one is found by every rank after the process group exists, and said once."""
     train_cli(run_args(tiny_data, tmp_path / "small", 1, checkpoint={"every": 1}))
     log = tmp_path / "log.txt"
-    other_shape = run_args(
-        tiny_data, tmp_path / "run", 2, model={"ffn_dim": 96}, checkpoint={"resume": tmp_path / "small"}
-    )
+    resume = {"resume": tmp_path / "small"}
+    other_shape = run_args(tiny_data, tmp_path / "run", 2, model={"ffn_dim": 96, "rope_theta": 5e5}, checkpoint=resume)
     proc = _launch(other_shape, log)
+    assert proc.wait(timeout=120) == 1 and log.read_text() == ""  # no worker started: it would say so
+    (line,) = log.with_suffix(".err").read_text().strip().splitlines()
+    assert line == (
+        f"error: checkpoint.resume: checkpoint {tmp_path / 'small' / 'checkpoints' / 'step_00000001'} holds "
+        "model.layers.0.mlp.gate_proj.weight of shape (128, 64) but the recipe's model has (96, 64): the recipe's "
+        "model section differs from the run that saved it; give the recipe the model it was saved with: "
+        "--model.ffn_dim 128 --model.rope_theta 10000.0"
+    )
+    shard = next((tmp_path / "small" / "checkpoints" / "step_00000001").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped bit: the same size, another checksum
+    shard.write_bytes(bytes(data))
+    proc = _launch(run_args(tiny_data, tmp_path / "run", 2, checkpoint=resume), log)
     assert proc.wait(timeout=120) == 1
     (line,) = log.with_suffix(".err").read_text().strip().splitlines()
-    assert (
-        line.startswith("error: rank 0: checkpoint ")
-        and "of shape (128, 64) but the recipe's model has (96, 64)" in line
-    )
+    assert line.startswith("error: rank 0: checkpoint ") and "is corrupted" in line and shard.name in line, line
 
 
 @pytest.mark.slow

@@ -224,6 +224,12 @@ def test_lora_from_an_imported_model_starts_as_it_and_consolidates_merged(tiny_d
     # Every projection and the output layer (untied here), through training, both exports and a PEFT start.
     all_targets = {"targets": "[" + ", ".join(DENSE_TARGETS) + "]"}
     overrides = _lora_args(tiny_data, run, 4, checkpoint={"every": 4}, data={"seq_len": 16}, lora_extra=all_targets)[2:]
+    # Without the import's model section: refused before any model is built, with the fix.
+    forgot = train_cli([*args[:2], *args[4:], *overrides], check=False)
+    assert forgot.returncode == 1 and forgot.stderr.strip().splitlines()[-1].endswith(
+        f"the recipe's model section differs from the run that saved it; add `--recipe {model_yaml}` after your "
+        "recipe (the model section of that import)"
+    ), forgot.stderr
     train_cli([*args, *overrides])
     base_run = tmp_path / "base"
     base_args = [a if a != str(run) else str(base_run) for a in overrides]
