@@ -581,3 +581,35 @@ def test_a_failed_empty_or_too_small_preparation_leaves_the_previous_files_byte_
                     "--val_fraction", "0.2", check=False)  # fmt: skip
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
         assert {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()} == previous, name
+
+
+def test_sharegpt_records_prepare_to_the_tokens_of_their_messages(tmp_path, chatml_tokenizer):
+    """ShareGPT (`conversations` of `from` / `value`, a `system` text beside them), as axolotl and LlamaFactory users
+    have it, gives the bytes of the same conversations as `messages`; a record of another --format says which."""
+    tokenizer_dir, _ = chatml_tokenizer
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    conversations = [{"messages": [{"role": "system", "content": "Speak as in Elsinore."}, *CONVERSATION[1:]]}] * 6
+    sharegpt = [{"system": "Speak as in Elsinore.",
+                 "conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CONVERSATION[1:]]}]
+    outputs = {}
+    for name, records in (("messages", conversations), ("sharegpt", sharegpt * 6)):
+        _chat_data(tmp_path / name, tokenizer_dir, records, 64, "--val_fraction", "0")
+        outputs[name] = {p.name: p.read_bytes() for p in (tmp_path / name / "data").iterdir()
+                         if not p.name.endswith(".inputs.json")}  # fmt: skip
+    assert outputs["sharegpt"] == outputs["messages"] and len(outputs["messages"]["train.bin"]) > 0
+
+    recipe = tmp_path / "messages" / "recipe.yaml"
+    cases = {
+        "chat": ({"prompt": "Who?", "chosen": "I.", "rejected": "Thou."}, "it is a preference pair; prepare it with "
+                 "--format preference"),
+        "preference": ({"prompt": "Who?", "completion": "I.", "label": True}, "it is an unpaired record; prepare it "
+                       "with --format unpaired"),
+        "unpaired": (sharegpt[0], "it is a conversation; prepare it with --format chat"),
+        "chat ": ({"conversations": [{"from": "narrator", "value": "x"}]}, "conversations turn 0 is from 'narrator', "
+                  "not one of system, human"),
+    }  # fmt: skip
+    for fmt, (record, message) in cases.items():
+        (tmp_path / "other.jsonl").write_text(json.dumps(record) + "\n")
+        proc = tool("prepare_data.py", "--recipe", recipe, "--format", fmt.strip(), "--input", tmp_path / "other.jsonl",
+                    check=False)  # fmt: skip
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr

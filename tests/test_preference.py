@@ -274,7 +274,11 @@ def test_bad_preference_input_is_one_line(tiny_data, pairs, tmp_path):
     assert "--train_on=all applies to --format chat: a preference pair is measured on its answers" in proc.stderr
     # Pairs without a preference loss, and a preference loss on plain token files: refused before any process starts.
     proc = train_cli(_args(tiny_data, pairs, tmp_path / "a", 1, preference={"loss": None}), check=False)
-    assert proc.returncode == 1 and "holds preference pairs: set preference.loss" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "holds preference pairs, and the next-token kind" in proc.stderr, proc.stderr
+    assert "or set preference.loss (sigmoid for DPO, ipo or robust) to train on these" in proc.stderr
+    proc = train_cli(_args(tiny_data, pairs, tmp_path / "a", 1, preference={"loss": "kto"}), check=False)
+    assert "holds preference pairs, and the kto kind this recipe asks for trains on" in proc.stderr, proc.stderr
+    assert "prepare them with tools/prepare_data.py --format unpaired" in proc.stderr
     proc = train_cli(run_args(tiny_data, tmp_path / "b", 1, preference={"loss": "sigmoid"}), check=False)
     assert proc.returncode == 1 and "trains on preference pairs, and" in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr

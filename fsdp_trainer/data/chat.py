@@ -1,6 +1,7 @@
 """Conversations -> fine-tuning examples, and examples -> packed windows (numpy only, like all of data preparation).
 
-A record is `{"messages": [{"role": ..., "content": ...}, ...]}` (the HF / OpenAI chat format) or
+A record is `{"messages": [{"role": ..., "content": ...}, ...]}` (the HF / OpenAI chat format), ShareGPT's
+`{"conversations": [{"from": "human" | "gpt" | ..., "value": ...}, ...]}` (axolotl's and LlamaFactory's), or
 `{"prompt": ..., "response": ...}` (one user turn and the assistant's answer). It is rendered with the tokenizer's
 own chat template (`chat_template` of tokenizer_config.json, or chat_template.jinja), through jinja2 the way
 transformers renders it, or for a tokenizer without one with DEFAULT_TEMPLATE. The tokens trained on are the
@@ -77,18 +78,60 @@ def _template_environment():
     return env
 
 
+SHAREGPT_ROLES = {
+    "system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "function_call": "assistant", "observation": "tool", "tool": "tool",
+}  # fmt: skip
+"""ShareGPT's speakers (`from`, as axolotl and LlamaFactory read them) as chat roles."""
+
+FORMATS = {"chat": ("messages", "conversations", "response"), "preference": ("chosen", "rejected"),
+           "unpaired": ("completion", "label")}  # fmt: skip
+"""Keys that only records of one --format have, to tell a user which format a record is of."""
+
+
+def other_format(record: dict, expected: str) -> str:
+    """`: it is a preference record; prepare it with --format preference` where a record's keys are another format's."""
+    for name, keys in FORMATS.items():
+        if name != expected and any(key in record for key in keys):
+            what = {"chat": "a conversation", "preference": "a preference pair", "unpaired": "an unpaired record"}
+            return f" ({', '.join(sorted(record))}): it is {what[name]}; prepare it with --format {name}"
+    return ""
+
+
+def sharegpt_messages(record: dict) -> list:
+    """A ShareGPT record's turns (`conversations` of {"from", "value"}, an optional `system` text) as messages."""
+    turns = record["conversations"]
+    if not isinstance(turns, list):
+        raise BadConversation("'conversations' is not a list")
+    messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
+    for k, turn in enumerate(turns):
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        if speaker not in SHAREGPT_ROLES:
+            raise BadConversation(
+                f"conversations turn {k} is from {speaker!r}, not one of {', '.join(SHAREGPT_ROLES)} (ShareGPT)"
+            )
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn.get("value")})
+    return messages
+
+
 def conversation_of(record: object) -> list[dict]:
-    """The messages of a record (parsed JSON or a parquet row), checked."""
+    """The messages of a record (parsed JSON or a parquet row), checked: `messages` (HF / OpenAI), `conversations`
+    (ShareGPT) or a `prompt` / `response` pair."""
     if not isinstance(record, dict):
         raise BadConversation("not a JSON object")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list):
             raise BadConversation("'messages' is not a list")
+    elif "conversations" in record:
+        messages = sharegpt_messages(record)
     elif isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     else:
-        raise BadConversation("no 'messages' list and no 'prompt' / 'response' text pair")
+        raise BadConversation(
+            "no 'messages' list, no ShareGPT 'conversations' and no 'prompt' / 'response' text pair"
+            + other_format(record, "chat")
+        )
     _check_messages(messages)
     if not any(message["role"] == "assistant" for message in messages):
         raise BadConversation("no assistant turn: nothing to train on")
@@ -106,13 +149,16 @@ def _check_messages(messages: list, where: str = "") -> None:
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 
 
-def fields(record: object, keys: tuple[str, ...], what: str) -> list:
-    """The values of `keys` in a record (parsed JSON or a parquet row), or BadConversation naming those it lacks."""
+def fields(record: object, keys: tuple[str, ...], what: str, fmt: str) -> list:
+    """The values of `keys` in a record (parsed JSON or a parquet row) of --format `fmt`, or BadConversation naming
+    those it lacks, and the format it is of where its keys say."""
     if not isinstance(record, dict):
         raise BadConversation("not a JSON object")
     missing = [key for key in keys if key not in record]
     if missing:
-        raise BadConversation(f"no {' / '.join(map(repr, missing))}: {what} has {', '.join(keys)}")
+        raise BadConversation(f"no {' / '.join(map(repr, missing))}: {what} has {', '.join(keys)}" + other_format(
+            record, fmt
+        ))  # fmt: skip
     return [record[key] for key in keys]
 
 
@@ -120,7 +166,7 @@ def preference_of(record: object) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt, chosen, rejected) messages of a preference record, checked: TRL's layouts, either three texts (a user
     turn and two assistant answers to it) or three message lists (the conversation so far, and the two answers as
     assistant turns)."""
-    prompt, chosen, rejected = fields(record, PREFERENCE_KEYS, "a preference record")
+    prompt, chosen, rejected = fields(record, PREFERENCE_KEYS, "a preference record", "preference")
     if all(isinstance(x, str) for x in (prompt, chosen, rejected)):
         answers = [[{"role": "assistant", "content": answer}] for answer in (chosen, rejected)]
         return [{"role": "user", "content": prompt}], *answers
@@ -235,7 +281,7 @@ UNPAIRED_KEYS = ("prompt", "completion", "label")
 def unpaired_of(record: object) -> tuple[list[dict], list[dict], bool]:
     """(prompt, completion, desirable) of an unpaired preference record, checked: TRL's KTO layout, a prompt and a
     completion (two texts, or the conversation so far and the answer's assistant messages) and a boolean label."""
-    prompt, completion, label = fields(record, UNPAIRED_KEYS, "an unpaired record")
+    prompt, completion, label = fields(record, UNPAIRED_KEYS, "an unpaired record", "unpaired")
     if not isinstance(label, bool):
         raise BadConversation(f"'label' is {label!r}: it must be true (a desirable completion) or false")
     if isinstance(prompt, str) and isinstance(completion, str):

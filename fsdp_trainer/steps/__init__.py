@@ -43,4 +43,7 @@ def check_data(recipe: Any, train_file: Any) -> None:
             f"prepare the data with {kind.prepared_with}"
         )
     fits = next(other for other in KINDS if other.trains_on == held)
-    raise ValueError(f"{train_file.path} holds {DATA_KINDS[held]}: {fits.chosen_by} to train on them")
+    raise ValueError(
+        f"{train_file.path} holds {DATA_KINDS[held]}, and the {kind.name} kind this recipe asks for trains on "
+        f"{DATA_KINDS[kind.trains_on]}: prepare them with {kind.prepared_with}, or {fits.chosen_by} to train on these"
+    )
