@@ -589,8 +589,12 @@ def test_sharegpt_records_prepare_to_the_tokens_of_their_messages(tmp_path, chat
     tokenizer_dir, _ = chatml_tokenizer
     speakers = {"system": "system", "user": "human", "assistant": "gpt"}
     conversations = [{"messages": [{"role": "system", "content": "Speak as in Elsinore."}, *CONVERSATION[1:]]}] * 6
-    sharegpt = [{"system": "Speak as in Elsinore.",
-                 "conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CONVERSATION[1:]]}]
+    sharegpt = [
+        {
+            "system": "Speak as in Elsinore.",
+            "conversations": [{"from": speakers[m["role"]], "value": m["content"]} for m in CONVERSATION[1:]],
+        }
+    ]
     outputs = {}
     for name, records in (("messages", conversations), ("sharegpt", sharegpt * 6)):
         _chat_data(tmp_path / name, tokenizer_dir, records, 64, "--val_fraction", "0")

@@ -131,3 +131,21 @@ def test_print_config_prints_the_resolved_recipe_that_reproduces_it(tmp_path, ca
     printed = parse_recipe(["--recipe", str(tmp_path / "printed.yaml")])
     assert printed == parse_recipe(["--recipe", str(recipe_path), "--train.steps", "7"])
     assert printed.train.steps == 7
+
+
+def test_an_unknown_key_names_the_closest_known_one_and_the_recipe_file_it_is_in(tmp_path):
+    from fsdp_trainer.config.parse import RecipeError, read_recipe, recipe_parser
+
+    (tmp_path / "key.yaml").write_text("model:\n  dimm: 64\n")
+    (tmp_path / "section.yaml").write_text("lora:\n  rank: 4\nmodle:\n  dim: 64\n")
+    cases = {
+        ("--recipe", str(tmp_path / "key.yaml")): f"'dimm'; did you mean model.dim? (in {tmp_path / 'key.yaml'})",
+        ("--recipe", str(tmp_path / "section.yaml")): f"did you mean model.dim? (in {tmp_path / 'section.yaml'})",
+        ("--trian.steps", "4"): "unrecognized arguments: --trian.steps 4; did you mean train.steps?",
+        ("--lora.rnak", "4"): "did you mean lora.rank?",
+        ("--train.zzz", "4"): "--train.zzz 4; fsdp-train --help lists the sections and their keys",
+    }
+    for argv, message in cases.items():
+        with pytest.raises(RecipeError) as refused:
+            read_recipe(recipe_parser(), ["--recipe", str(Path(__file__).parents[1] / "recipes" / "debug.yaml"), *argv])
+        assert str(refused.value).endswith(message), str(refused.value)

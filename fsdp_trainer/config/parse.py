@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import NoReturn
 
 from fsdp_trainer.config.recipe import SECTIONS, Recipe
@@ -45,8 +45,43 @@ def _parse_sections(parser, argv: list[str] | None):
     try:
         namespace = parser.instantiate(parser.parse_args(argv))  # runs each section's __post_init__
     except (ArgumentError, ValueError, TypeError) as e:
-        raise RecipeError(" ".join(str(e).split())) from e
+        message = " ".join(str(e).split())
+        raise RecipeError(message + unknown_key_hint(message, sys.argv[1:] if argv is None else argv)) from e
     return {name: namespace[name] for name in SECTIONS}, namespace
+
+
+def unknown_key_hint(message: str, argv: list[str]) -> str:
+    """For an unknown key: the closest known one, and the recipe file that has it (`; did you mean model.dim? (in
+    my.yaml)`); "" for any other error."""
+    import difflib
+    import re
+
+    import yaml
+
+    keys = [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)]
+    if found := re.search(r"Group '(\w+)' does not accept option '([\w.]+)'", message):
+        key = f"{found[1]}.{found[2]}"
+    elif found := re.search(r"Option '([\w.]+)' is not accepted", message):
+        key = found[1]
+    elif found := re.search(r"unrecognized arguments: --([\w.]+)", message):
+        key = found[1]
+    else:
+        return ""
+    section, _, name = key.partition(".")
+    if section in SECTIONS:  # a key's typo: the closest key of its section
+        close = [f"{section}.{n}" for n in difflib.get_close_matches(name, [f.name for f in fields(SECTIONS[section])])]
+    else:  # a section's typo: the closest section, if it has the key
+        close = [f"{s}.{name}" for s in difflib.get_close_matches(section, list(SECTIONS)) if f"{s}.{name}" in keys]
+    hint = f"; did you mean {close[0]}?" if close else "; fsdp-train --help lists the sections and their keys"
+    files = [argv[k + 1] for k, arg in enumerate(argv[:-1]) if arg == "--recipe"]
+    for path in files:
+        try:
+            recipe = yaml.safe_load(open(path)) or {}
+            if name.split(".")[0] in (recipe.get(section) or {}):
+                return f"{hint} (in {path})"
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            continue
+    return hint
 
 
 def read_recipe(parser, argv: list[str] | None = None):
