@@ -35,7 +35,7 @@ from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_recipe, write_config
 from fsdp_trainer.convert import export_hf_sharded
 from fsdp_trainer.data.format import Tokens
-from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader
+from fsdp_trainer.data.loader import MicroBatch, Mixture, TokenLoader, eval_batches
 from fsdp_trainer.distributed.parallelize import (
     SHARDING,
     ShardingPlan,
@@ -194,12 +194,14 @@ class TrainState(Stateful):
 
 def evaluate(model: torch.nn.Module, step: Step, val_file: Tokens, recipe: Recipe, env: DistEnv) -> dict:
     """The step's loss and metrics over the first train.eval_steps global micro-batches of the validation file (the
-    same every time): over its targets, its supervised tokens or its pairs, as the training kind counts them."""
+    same every time; no more than it holds whole): over its targets, its supervised tokens or its pairs, as the training
+    kind counts them."""
     data = recipe.data
     loader = TokenLoader(
         val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
     )
-    return step.evaluate(model, [loader.next_batch()[0] for _ in range(recipe.train.eval_steps)])
+    n, _ = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.world_size, recipe.train.eval_steps)
+    return step.evaluate(model, [loader.next_batch()[0] for _ in range(n)])
 
 
 def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: Tokens | None) -> None:
@@ -226,6 +228,11 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     first_step = state.step + 1  # logged whatever log_every says: the first sign of life (and of the loss)
     if recipe.parallel.compile and env.is_main:
         logger.info("parallel.compile: the first step compiles the blocks and takes longer (minutes on a CPU)")
+    data = recipe.data
+    if val_file is not None and env.is_main:
+        _, note = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.world_size, cfg.eval_steps)
+        if note:
+            logger.warning(note)
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)

@@ -190,3 +190,21 @@ def test_a_null_tokenizer_path_is_the_one_that_came_with_the_checkpoint(tmp_path
     assert run_tokenizer_path(None, "auto", str(run)) == str(imported)
     with pytest.raises(ValueError, match="data.tokenizer_path is null.*checkpoint.resume=none names no checkpoint"):
         run_tokenizer_path(None, "none", str(run))
+
+
+def test_an_evaluation_reads_no_window_twice_and_says_when_eval_steps_asks_for_more(tmp_path):
+    from fsdp_trainer.data.loader import eval_batches
+
+    write_token_file(tmp_path / "val.bin", np.arange(101), vocab_size=1001, tokenizer_sha256="abc")
+    val = TokenFile(tmp_path / "val.bin")  # (101 - 1) // 10 = 10 windows of 10 (+1) tokens
+    assert eval_batches(val, 10, 2, 2, 2) == (2, None)  # 8 of its windows
+    n, note = eval_batches(val, 10, 2, 2, 50)
+    assert n == 2 and note == (
+        f"train.eval_steps=50 is more than {val.path} holds (10 windows, 2 global micro-batches of 4): each "
+        "evaluation scores those 2, each window once"
+    )
+    loader = TokenLoader(val, 10, 2, 1, 0, 1, shuffle=False)
+    seen = [tuple(row) for _ in range(5) for row in loader.next_batch()[0].inputs.tolist()]
+    assert len(set(seen)) == len(seen) == 10  # the first 10 windows in order: none twice
+    n, note = eval_batches(val, 10, 8, 2, 3)
+    assert n == 1 and "fewer than one global micro-batch (16): each evaluation scores some of them twice" in note

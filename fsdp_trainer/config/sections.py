@@ -377,7 +377,8 @@ class TrainConfig:
     eval_every: int = 100
     """Evaluate on data.val_path every this many steps (0 = never); also after the last step."""
     eval_steps: int = 10
-    """Batches per evaluation (each the size of one global micro-batch)."""
+    """Batches per evaluation (each the size of one global micro-batch); no more than the validation file holds
+    whole, so that no window is scored twice (a warning says so)."""
     loss_chunks: int = 1
     """Compute the output layer and the loss in this many slices of the tokens, each slice's logits freed at once and
     recomputed in backward, so the full (tokens x vocab) fp32 logits never exist (1 = in one piece). Same loss and

@@ -95,6 +95,24 @@ def open_data(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     return train_file, val_file
 
 
+def eval_batches(val_file: Tokens, seq_len: int, micro_batch_size: int, world_size: int, eval_steps: int):
+    """(global micro-batches an evaluation reads, a note or None): train.eval_steps, or as many whole ones as the
+    validation file holds, so that no window is scored twice (the note says so, once a run)."""
+    windows, per_batch = _Epochs(val_file, seq_len, [0], shuffle=False).n_samples, micro_batch_size * world_size
+    whole = windows // per_batch
+    if eval_steps <= whole:
+        return eval_steps, None
+    if not whole:
+        return 1, (
+            f"{val_file.path} holds {windows} windows of {seq_len}, fewer than one global micro-batch ({per_batch}): "
+            "each evaluation scores some of them twice; prepare more validation data (--val_fraction)"
+        )
+    return whole, (
+        f"train.eval_steps={eval_steps} is more than {val_file.path} holds ({windows} windows, {whole} global "
+        f"micro-batches of {per_batch}): each evaluation scores those {whole}, each window once"
+    )
+
+
 def holds(tokens: Tokens) -> str:
     """What a token file holds, in words."""
     return RECORDS[tokens.records] if tokens.records else "token windows or examples"
