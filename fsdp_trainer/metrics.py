@@ -353,11 +353,14 @@ class Metrics:
         self.sinks.write(record)
         return record
 
-    def log_eval(self, step: int, results: dict[str, torch.Tensor] | None, prefix: str = "val_") -> None:
+    def log_eval(self, step: int, results: dict[str, torch.Tensor | float] | None, prefix: str = "val_") -> None:
         """One record of an evaluation, whose time is no step's: the kind's loss and metrics on the validation data
-        (as `val_` + name), or with no prefix benchmark scores (eval/TASK/METRIC; None off rank 0)."""
+        (as `val_` + name; device tensors), or with no prefix benchmark scores (eval/TASK/METRIC, Python floats kept
+        at full precision; None off rank 0)."""
         if results:
-            values = torch.stack([torch.as_tensor(v) for v in results.values()]).tolist()  # one host sync
+            tensors = [v for v in results.values() if isinstance(v, torch.Tensor)]
+            read = iter(torch.stack(tensors).tolist() if tensors else [])  # one host sync
+            values = [next(read) if isinstance(v, torch.Tensor) else v for v in results.values()]
             record = {f"{prefix}{name}": value for name, value in zip(results, values, strict=True)}
             self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
         self.window.restart(step)

@@ -146,6 +146,9 @@ def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
         for lm in (ModelLM(model, tokenizer, batch_size=5), hf)
     )
     assert ours == theirs and set(ours) == set(tasks)
+    from fsdp_trainer.evaluation.tasks import task_manager
+
+    assert task_manager(tasks, include).all_tasks == ["arc_easy_local"]  # lm-eval's registry of thousands not indexed
     assert ours["arc_easy_local"]["sample_len"] == 3 and 0 <= ours["shakespeare_next_line"]["acc,none"] <= 1
     # --apply_chat_template: the few-shot examples as turns of a conversation, rendered by the tokenizer's template
     chats = [ModelLM(model, tokenizer), hf]
@@ -167,12 +170,19 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
     train_cli(run_args(tiny_data, tmp_path / "run", 2, lora={"rank": 4}, checkpoint={"every": 2}))
     flags = [str(tmp_path / "run"), "--tasks", "shakespeare_next_line", "--limit", "30", "--batch_size", "4"]
     results = []
-    for nproc, shard in ((1, []), (2, []), (2, ["--shard"])):
+    for nproc, shard in ((1, ["--log_samples"]), (2, []), (2, ["--shard"])):
         path = tmp_path / f"scores_{nproc}{''.join(shard)}.json"
         proc = tool("evaluate.py", *flags, *shard, "--output_path", path, nproc=nproc, check=False)  # torchrun's ranks
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
         results.append(json.loads(path.read_text())["results"])
+        config = json.loads(path.read_text())["config"]  # lm-eval's own default seeds, as `lm_eval` draws examples
+        assert [config[f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")] == [0, 1234, 1234, 1234]
+    # --log_samples: each document's result beside the JSON, as lm_eval writes them
+    samples = [json.loads(line) for line in (tmp_path / "scores_1--log_samples_samples_shakespeare_next_line.jsonl")
+               .read_text().splitlines()]  # fmt: skip
+    assert len(samples) == 30 and {s["doc_id"] for s in samples} == set(range(30))
+    assert sum(s["acc"] for s in samples) / 30 == pytest.approx(results[0]["shakespeare_next_line"]["acc,none"])
     one, *two = (r["shakespeare_next_line"] for r in results)
     for split in two:  # whole on each process, or sharded over them
         assert {k: v for k, v in one.items() if "stderr" not in k} == {
@@ -204,6 +214,7 @@ def test_scores_during_training_are_the_tools_on_each_checkpoint_and_a_resume_sc
     theirs = json.loads((tmp_path / "s.json").read_text())["results"]["shakespeare_next_line"]
     assert records[0]["eval/shakespeare_next_line/acc"] == theirs["acc,none"]
     assert records[0]["eval/shakespeare_next_line/acc_norm"] == theirs["acc_norm,none"]
+    assert records[0]["eval/shakespeare_next_line/acc_stderr"] == theirs["acc_stderr,none"]  # kept at full precision
 
 
 def test_an_unknown_eval_task_is_one_line_before_training(tiny_data, tmp_path):

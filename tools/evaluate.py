@@ -20,6 +20,7 @@ from jsonargparse import ArgumentParser
 from fsdp_trainer.config import ParallelConfig, one_line_errors
 from fsdp_trainer.convert import is_hf_dir, load_model
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
+from fsdp_trainer.files import write_atomic
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,7 +35,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="render each request with the tokenizer's chat template (a chat model)")  # fmt: skip
     parser.add_argument("--include_path", type=str | None, default=None, help="a directory of task YAML files")
     parser.add_argument("--output_path", type=str | None, default=None, help="where to write lm-eval's results JSON")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=str | None, default=None,
+                        help="seeds of Python, numpy, torch and the few-shot draw: one integer for all four, or four "
+                        "comma-separated; default lm-eval's, 0,1234,1234,1234 (lm_eval's examples)")  # fmt: skip
+    parser.add_argument("--log_samples", type=bool, nargs="?", const=True, default=False,
+                        help="write each document's result (arguments, responses, answer, metrics) as "
+                        "OUTPUT_PATH's name + _samples_TASK.jsonl beside the results JSON (as lm_eval)")  # fmt: skip
     parser.add_argument("--shard", type=bool, nargs="?", const=True, default=False,
                         help="shard the model over the processes (FSDP2) instead of one whole copy each: for a model "
                         "that does not fit one device; our checkpoints only")  # fmt: skip
@@ -51,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
             check_tasks(tasks, args.include_path)
         except ValueError as e:
             raise ValueError(f"--tasks: {e}") from None
+        seeds = parse_seeds(args.seed)
+        if args.log_samples and not args.output_path:
+            raise ValueError("--log_samples writes beside --output_path: name one")
         if args.shard and is_hf_dir(args.path):
             raise ValueError(f"--shard reads our checkpoints; import {args.path} first (tools/import_hf.py)")
         env = init_distributed(ParallelConfig())
@@ -61,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                 model, tokenizer = load_model(args.path)
             lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks, lockstep=args.shard)
             results = evaluate(lm, tasks, args.num_fewshot, args.limit, args.apply_chat_template, args.include_path,
-                               args.seed)  # fmt: skip
+                               seeds, args.log_samples)  # fmt: skip
         finally:
             close_distributed()
     if results is None:  # not rank 0
@@ -69,7 +78,31 @@ def main(argv: list[str] | None = None) -> None:
     for line in result_lines(results):
         print(line)
     if args.output_path:
-        Path(args.output_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+        write_results(results, Path(args.output_path))
+
+
+def parse_seeds(seed: str | None) -> list[int] | None:
+    """--seed as lm-eval's four seeds: one integer for all, or four comma-separated; None for lm-eval's defaults."""
+    if seed is None:
+        return None
+    try:
+        seeds = [int(s) for s in seed.split(",")]
+    except ValueError:
+        seeds = []
+    if len(seeds) not in (1, 4):
+        raise ValueError(f"--seed {seed}: one integer, or four comma-separated (python,numpy,torch,fewshot)")
+    return seeds * 4 if len(seeds) == 1 else seeds
+
+
+def write_results(results: dict, path: Path) -> None:
+    """lm-eval's results JSON at `path`, and each task's per-document samples (if logged) beside it as
+    NAME_samples_TASK.jsonl, a document a line."""
+    samples = results.pop("samples", None) or {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(results, indent=2, default=str) + "\n")
+    for task, documents in samples.items():
+        lines = "".join(json.dumps(doc, default=str, ensure_ascii=False) + "\n" for doc in documents)
+        write_atomic(path.with_name(f"{path.stem}_samples_{task}.jsonl"), lines)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ class TrainingScores:
     @torch.no_grad()
     def score(self, model: nn.Module) -> dict[str, float] | None:
         """{eval/TASK/METRIC: value} on rank 0 (None elsewhere). Collective. The random states training draws from
-        are as they were before: lm-eval seeds Python's, numpy's and torch's generators (0, as tools/evaluate.py
-        does, so the scores are the ones it gives on the checkpoint)."""
+        are as they were before: lm-eval seeds Python's, numpy's and torch's generators (its own defaults, as
+        tools/evaluate.py and `lm_eval` do, so the scores are the ones they give on the checkpoint)."""
         cfg = self.cfg
         lm = ModelLM(model, self.tokenizer, cfg.batch_size, cfg.max_gen_toks, lockstep=True, device=self.env.device)
         python_state, numpy_state = random.getstate(), np.random.get_state()

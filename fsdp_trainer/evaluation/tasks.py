@@ -62,13 +62,21 @@ def require_lm_eval() -> None:
         raise ModuleNotFoundError(f"scoring tasks needs lm-eval ({e}): pip install -e '.[eval]'") from None
 
 
+def task_manager(tasks: list[str], include_path: str | None = None):
+    """lm-eval's TaskManager for `tasks`: over `include_path` alone where it (with ours) has them all, as lm-eval's own
+    `--include_path` can be told (indexing its registry of thousands of tasks takes a minute on a loaded machine),
+    else with lm-eval's registry too."""
+    local = registry(include_path, defaults=False)
+    if all(name in SHIPPED or (include_path is not None and local.match_tasks([name])) for name in tasks):
+        return local
+    return registry(include_path)
+
+
 def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
     """Every name in `tasks` is shipped here or known to lm-eval (its registry, `include_path`): else ValueError
     naming the unknown ones (ModuleNotFoundError without lm-eval)."""
     require_lm_eval()
-    if all(name in SHIPPED for name in tasks):
-        return
-    manager = registry(include_path)
+    manager = task_manager(tasks, include_path)
     unknown = [name for name in tasks if name not in SHIPPED and not manager.match_tasks([name])]
     if unknown:
         raise ValueError(
@@ -84,11 +92,15 @@ def evaluate(
     limit: int | float | None = None,
     apply_chat_template: bool = False,
     include_path: str | None = None,
-    seed: int = 0,
+    seeds: list[int | None] | None = None,
+    log_samples: bool = False,
 ) -> dict | None:
     """lm-eval's results (its JSON) for `tasks` scored by `lm`, on rank 0 (None on the others): `limit` items of
-    each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None)."""
+    each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None); `seeds`
+    for Python, numpy, torch and the few-shot draw (None: lm-eval's own defaults, 0, 1234, 1234, 1234, so that a task
+    picks the examples `lm_eval` picks); with `log_samples`, each document's result under "samples"."""
     from lm_eval import simple_evaluate
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
     if limit is not None and limit >= 1:
         limit = int(limit)  # lm-eval reads a float as a fraction
@@ -100,12 +112,12 @@ def evaluate(
         num_fewshot=num_fewshot,
         limit=limit,
         apply_chat_template=apply_chat_template,
-        task_manager=registry(include_path, defaults=not all(name in SHIPPED for name in tasks)),
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        log_samples=False,
+        task_manager=task_manager(tasks, include_path),
+        random_seed=seeds[0] if seeds else DEFAULT_RANDOM_SEED,
+        numpy_random_seed=seeds[1] if seeds else DEFAULT_OTHER_SEED,
+        torch_random_seed=seeds[2] if seeds else DEFAULT_OTHER_SEED,
+        fewshot_random_seed=seeds[3] if seeds else DEFAULT_OTHER_SEED,
+        log_samples=log_samples,
     )
 
 
