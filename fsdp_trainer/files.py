@@ -178,7 +178,10 @@ class RunLock:
         while True:
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if _same_file(f, self.path):
+                    break
+                f.close()  # its holder removed it as it released it (a run that wrote nothing): take the new one
+                f = open(self.path, "a+")
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     f.seek(0)
@@ -211,10 +214,26 @@ class RunLock:
         self._file = f
 
     def release(self) -> None:
-        """Empty the record (a clean end) and drop the lock. The file stays: deleting a lock file races with the next
-        run that has it open."""
+        """Empty the record (a clean end) and drop the lock. The file stays, for the next run of the directory; of a
+        run that wrote nothing there (refused as it started) it goes, with the directory if that is left empty: the
+        next run checks that the file it locked is still the one at the path (acquire)."""
         if self._file is None:
             return
         self._file.truncate(0)
+        run_dir = self.path.parent
+        if not (run_dir / CONFIG_FILE).exists() and not (run_dir / CHECKPOINTS_DIR).exists():
+            self.path.unlink(missing_ok=True)  # still locked: no run can take it before it is gone
+            try:
+                run_dir.rmdir()
+            except OSError:  # the user's files, or another run's
+                pass
         self._file.close()  # closing drops the flock
         self._file = None
+
+
+def _same_file(f, path: Path) -> bool:
+    """Whether the open file `f` is still the file at `path` (not removed or replaced since it was opened)."""
+    try:
+        return os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False

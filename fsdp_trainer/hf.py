@@ -124,9 +124,11 @@ def hf_config(cfg: ModelConfig, dtype: str, tokenizer: Tokenizer | None = None) 
         config["bos_token_id"] = tokenizer.bos_id
     if tokenizer is not None and tokenizer.eos_id is not None:
         config["eos_token_id"] = tokenizer.eos_id
+    if tokenizer is not None and tokenizer.pad_id is not None:  # what batched generation and a score head pad with
+        config["pad_token_id"] = tokenizer.pad_id
     if cfg.num_labels is not None:
-        pad_id = None if tokenizer is None else tokenizer.pad_id
-        config.update(id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}, pad_token_id=pad_id)
+        config.update(id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_labels)})
+        config.setdefault("pad_token_id", None)
         config["label2id"] = {label: int(i) for i, label in config["id2label"].items()}
     return config
 

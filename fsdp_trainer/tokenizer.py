@@ -224,7 +224,7 @@ class HFTokenizer(Tokenizer):
         self.config = json.loads(files[HF_CONFIG].read_text()) if HF_CONFIG in files else {}
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = self._special_id("bos_token"), self._special_id("eos_token")
-        self.pad_id = self._special_id("pad_token", missing_ok=True)  # read by a reward model's export only
+        self.pad_id = self._special_id("pad_token", missing_ok=True)  # an export's config.json pad_token_id
         self.chat_template = self.config.get("chat_template")
         if HF_CHAT_TEMPLATE in files:
             self.chat_template = files[HF_CHAT_TEMPLATE].read_text()

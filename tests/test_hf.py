@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from dataclasses import asdict
@@ -211,3 +212,17 @@ def test_import_holds_one_tensor_at_a_time_and_writes_what_it_read(tmp_path, mon
     saved = load_model_weights(path, {name: t.shape for name, t in expected.items()})
     assert all(torch.equal(saved[name], expected[name]) for name in expected)
     assert len(list(path.glob("*.distcp"))) == len(expected)
+
+
+def test_the_exported_config_carries_the_tokenizers_pad_token_id():
+    from types import SimpleNamespace
+
+    from fsdp_trainer.config import ModelConfig
+    from fsdp_trainer.hf import hf_config
+
+    cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512, max_seq_len=64)
+    padded = SimpleNamespace(bos_id=1, eos_id=2, pad_id=5)
+    assert hf_config(cfg, "fp32", padded)["pad_token_id"] == 5
+    assert "pad_token_id" not in hf_config(cfg, "fp32", SimpleNamespace(bos_id=1, eos_id=2, pad_id=None))
+    reward = hf_config(dataclasses.replace(cfg, num_labels=1), "fp32", None)
+    assert reward["pad_token_id"] is None and reward["id2label"] == {"0": "LABEL_0"}

@@ -153,6 +153,7 @@ def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data,
     assert proc.wait(timeout=120) == 1
     (line,) = log.with_suffix(".err").read_text().strip().splitlines()
     assert line.startswith("error: rank 0: checkpoint ") and "is corrupted" in line and shard.name in line, line
+    assert not (tmp_path / "run").exists()  # a run refused as it started leaves no empty run.lock behind
 
 
 @pytest.mark.slow
