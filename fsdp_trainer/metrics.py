@@ -201,6 +201,7 @@ class Window:
         self.peak = peak_flops(env.device, recipe.parallel.mixed_precision)  # resolved (auto is decided at start-up)
         self.step_timer = StepTimer(env.device, clock)
         self.total_steps, self.progress_every_s = recipe.train.steps, recipe.train.progress_every_s
+        self.steady: tuple[float, int] | None = None  # (time, step) after this process's first step: ETAs from there
         self.restart(start_step)
 
     def restart(self, step: int) -> None:
@@ -214,8 +215,10 @@ class Window:
         now = self.clock()
         if not self.progress_every_s or now - self.last_line < self.progress_every_s or step <= self.last_step:
             return
+        if self.steady is None or step <= self.steady[1]:  # timed from the steady steps: not a compiling first one
+            return
         self.last_line = now
-        per_step = (now - self.last_time) / (step - self.last_step)
+        per_step = (now - self.steady[0]) / (step - self.steady[1])
         eta = round(per_step * (self.total_steps - step))
         logger.info(
             f"step {step:>6} of {self.total_steps} | {per_step:.2f} s/step | eta {eta // 3600}h{eta // 60 % 60:02d}m"
@@ -324,6 +327,9 @@ class Metrics:
         if step == self.first_step:
             state = training_state_gb(self.model, self.optimizer, self.env.device)  # host sync, once
             self.sinks.write({"step": step, **state, "mixed_precision": self.precision})
+            self.window.steady = (self.clock(), step)  # an ETA from the steady steps, not a compiling first one
+            if self.sinks.bar is not None:
+                self.sinks.bar.steady(step)
 
     def log(
         self,

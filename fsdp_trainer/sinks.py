@@ -294,6 +294,11 @@ class ProgressBar:
     def update(self, step: int) -> None:
         self.bar.update(step - self.bar.n)
 
+    def steady(self, step: int) -> None:
+        """Rate and ETA from `step` on: a first step that compiles or warms up would have them say hours for minutes."""
+        self.bar.reset(total=self.bar.total)
+        self.bar.initial = self.bar.n = self.bar.last_print_n = step
+
     def write(self, record: dict) -> None:
         if "loss" in record:
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False)

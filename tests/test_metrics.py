@@ -88,17 +88,21 @@ def test_off_a_terminal_a_slow_run_prints_progress_between_log_steps(tmp_path, c
     try:
         clock = FakeClock()
         model = torch.nn.Linear(4, 4)
-        metrics = Metrics(recipe, env, model, torch.optim.SGD(model.parameters()), clock=clock)
-        for step in range(1, 8):  # 25 s a step: a line once 60 s have passed since the last one
-            clock.now += 25
-            metrics.step_done(step)
-        metrics.close()
+        for first in (25, 900):  # a first step that compiles for 15 minutes counts in no ETA
+            clock.now = 0.0
+            metrics = Metrics(recipe, env, model, torch.optim.SGD(model.parameters()), clock=clock)
+            for step in range(1, 8):  # 25 s a step: a line once 60 s have passed since the last one
+                clock.now += first if step == 1 else 25
+                metrics.step_done(step)
+            metrics.close()
     finally:
         close_distributed()
     lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines() if "s/step" in line]
     assert lines == [
         "step      3 of 100 | 25.00 s/step | eta 0h40m25s",
         "step      6 of 100 | 25.00 s/step | eta 0h39m10s",
+        "step      2 of 100 | 25.00 s/step | eta 0h40m50s",
+        "step      5 of 100 | 25.00 s/step | eta 0h39m35s",
     ]
 
 
@@ -312,3 +316,17 @@ def test_a_full_disk_drops_tensorboards_writer_and_a_new_one_takes_the_records_o
     broken.writer.add_scalar = lambda *a: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied"))
     with pytest.raises(OSError, match="Permission denied"):
         broken.write({"step": 1, "loss": 1.0})
+
+
+def test_the_progress_bars_rate_counts_from_the_first_steady_step(capsys):
+    from fsdp_trainer.sinks import ProgressBar
+
+    bar = ProgressBar(total_steps=10, start_step=0)
+    try:
+        bar.update(1)
+        bar.bar.start_t -= 900  # a first step that compiled for 15 minutes
+        bar.steady(1)
+        bar.update(3)
+        assert bar.bar.n == 3 and bar.bar.initial == 1 and bar.bar.format_dict["elapsed"] < 60
+    finally:
+        bar.close()
