@@ -77,9 +77,15 @@ def test_yaml_typo_names_the_key(tmp_path, capsys):
     assert "dimm" in capsys.readouterr().err
 
 
-def test_help_documents_every_key(capsys):
+def test_help_is_short_and_help_all_documents_every_key(capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_recipe(["--help"])
+    assert exit_info.value.code == 0
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) < 30 and "--help_all lists every key" in short
+    assert all(f"  {section} " in short for section in SECTIONS)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe(["--help_all"])
     assert exit_info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for section, cls in SECTIONS.items():
@@ -131,6 +137,21 @@ def test_print_config_prints_the_resolved_recipe_that_reproduces_it(tmp_path, ca
     printed = parse_recipe(["--recipe", str(tmp_path / "printed.yaml")])
     assert printed == parse_recipe(["--recipe", str(recipe_path), "--train.steps", "7"])
     assert printed.train.steps == 7
+    # A recipe training would refuse is refused here too, not printed.
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe(["--recipe", str(recipe_path), "--data.seq_len", "4096", "--print_config"])
+    assert exit_info.value.code == 1 and capsys.readouterr().out == ""
+
+
+def test_a_tools_help_shows_its_own_flags_first(capsys):
+    from fsdp_trainer.config.parse import parse_args, recipe_parser
+
+    parser = recipe_parser("tools/x.py", "A tool.")
+    parser.add_argument("--format", default="text", help="what the inputs are")
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2:6] == ["A tool.", "", "flags:", "  --format: what the inputs are (default: text)"]
 
 
 def test_an_unknown_key_names_the_closest_known_one_and_the_recipe_file_it_is_in(tmp_path):

@@ -35,7 +35,32 @@ def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = No
     parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
     for name, cls in SECTIONS.items():
         parser.add_class_arguments(cls, nested_key=name)
+    parser.recipe_dests = {action.dest for action in parser._actions}  # a tool's own flags come after these
     return parser
+
+
+def short_help(parser) -> str:
+    """What `--help` prints: the command, its own flags (a tool's), and the recipe's sections with where their keys
+    are told; `--help_all` prints every key."""
+    own = [a for a in parser._actions if a.dest not in parser.recipe_dests]
+    lines = [f"usage: {parser.prog} --recipe FILE [--recipe FILE ...] [--section.key VALUE ...]"
+             + (" [flags below]" if own else ""), "", parser.description or "", ""]  # fmt: skip
+    if own:
+        lines.append("flags:")
+        for action in own:
+            names = ", ".join(action.option_strings) or action.dest
+            default = (
+                "" if action.default in (None, False) or not action.option_strings else f" (default: {action.default})"
+            )
+            lines.append(f"  {names}: {' '.join((action.help or '').split())}{default}")
+        lines.append("")
+    lines.append("recipe sections, each key a flag --section.key VALUE that overrides the --recipe files:")
+    for name, cls in SECTIONS.items():
+        summary = " ".join((cls.__doc__ or "").split()).split(". ")[0].rstrip(".")
+        lines.append(f"  {name:<11}{summary} ({len(fields(cls))} keys)")
+    lines += ["", "--help_all lists every key with its default and meaning (docs/recipe_reference.md, as a table); "
+              "--print_config prints the resolved recipe, checked as training checks it."]  # fmt: skip
+    return "\n".join(lines)
 
 
 def _parse_sections(parser, argv: list[str] | None):
@@ -94,11 +119,23 @@ def read_recipe(parser, argv: list[str] | None = None):
 
 
 def parse_args(parser, argv: list[str] | None = None):
-    """read_recipe for a command line: any error exits 1 with one `error: ...` line (see fail)."""
+    """read_recipe for a command line: any error exits 1 with one `error: ...` line (see fail). `--help` prints
+    short_help, `--help_all` every key, `--print_config` the recipe once it reads and validates; each exits 0."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {"-h", "--help"} & set(argv):
+        print(short_help(parser))
+        sys.exit(0)
+    if "--help_all" in argv:
+        argv = ["--help"]
+    printing = [arg for arg in argv if arg.startswith("--print_config")]
     try:
-        return read_recipe(parser, argv)
+        recipe, namespace = read_recipe(parser, [arg for arg in argv if arg not in printing])
     except RecipeError as e:
         fail(e)
+    if printing:
+        print(recipe_to_yaml(recipe), end="")
+        sys.exit(0)
+    return recipe, namespace
 
 
 def parse_recipe(argv: list[str] | None = None) -> Recipe:
