@@ -37,6 +37,8 @@ EXPECTED_PARAMS = {
     "gemma3_12b_lora.yaml": 11_766_034_176,  # gemma-3-12b-it's language model (its text_config), tied output
     "distill_qwen3_8b_to_0.6b.yaml": 596_049_920,
     "distill_llama3_1_8b_to_3_2_1b.yaml": 1_235_814_400,
+    "tiny_sft.yaml": 4_196_608,  # the debug model
+    "tiny_dpo.yaml": 4_196_608,
 }
 
 

@@ -424,7 +424,7 @@ class EvalConfig:
     apply_chat_template: bool = False
     """Render each request with the tokenizer's chat template (a chat model's run)."""
     include_path: str | None = None
-    """A directory of task YAML files of your own (README: Evaluation)."""
+    """A directory of task YAML files of your own (docs/evaluation.md)."""
 
     def __post_init__(self) -> None:
         require(self.every >= 0, f"eval.every={self.every} must be >= 0")

@@ -1,5 +1,5 @@
 """The benchmark tasks a run is scored on, through lm-evaluation-harness: any task of lm-eval's registry (its
-datasets come from the Hugging Face Hub, or from a local copy, README's "Evaluation" says how), a task of the user's
+datasets come from the Hugging Face Hub, or from a local copy, docs/evaluation.md says how), a task of the user's
 own (a YAML file in a directory given as `include_path`), or one this package ships, which needs no download.
 """
 
