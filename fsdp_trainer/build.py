@@ -20,6 +20,7 @@ from fsdp_trainer.adapters import adapter_kind, check_adapters, has_adapters, me
 from fsdp_trainer.adapters.lora import init_lora
 from fsdp_trainer.adapters.nf4 import fill_shard
 from fsdp_trainer.checkpoint.checkpointer import Checkpointer
+from fsdp_trainer.checkpoint.holds import all_holds
 from fsdp_trainer.checkpoint.starts import is_adapters_only, lora_base, lora_start
 from fsdp_trainer.checkpoint.storage import (
     CheckpointError,
@@ -177,11 +178,21 @@ def check_start(recipe: Recipe) -> None:
     everything its weights come from is there (a LoRA checkpoint's base, unchanged), and it holds the weights of the
     recipe's model: read from its metadata against the model built on the meta device, in seconds."""
     resume, own = recipe.checkpoint.resume, published_step(Path(recipe.train.out_dir) / CHECKPOINTS_DIR)
-    if resume == "none" or (resume == "auto" and (own is None or not is_complete(own))):
+    fresh = resume == "none" or (resume == "auto" and (own is None or not is_complete(own)))
+    held = all_holds(Path(recipe.train.out_dir) / CHECKPOINTS_DIR) if fresh else []
+    if held:  # a fresh run there would save its steps over them
+        raise CheckpointError(
+            f"train.out_dir={recipe.train.out_dir} holds checkpoints other runs depend on ({held[0].step.name}: run "
+            f"{held[0].describe()}), which a run starting afresh there would overwrite; choose another train.out_dir, "
+            f"or release them (`python tools/verify_checkpoint.py {recipe.train.out_dir} --release RUN`)"
+        )
+    if fresh:
         return
     field = "checkpoint.resume" if resume != "auto" else "train.out_dir"
     path = resolve_checkpoint(resume, field) if resume != "auto" else own
-    weights = lora_base(path) if is_adapters_only(path) else path  # None: the seeded init of its base
+    weights = path
+    while weights is not None and is_adapters_only(weights):  # a LoRA checkpoint's weights are its base's (None: the
+        weights = lora_base(weights)  # seeded init), and that base may be a LoRA checkpoint in turn
     if weights is not None:
         model = meta_model(recipe.model, recipe.lora)
         try:

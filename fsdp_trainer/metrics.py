@@ -289,6 +289,13 @@ def run_banner(recipe: Recipe, env: DistEnv, model: torch.nn.Module) -> str:
     )
 
 
+def host_values(numbers: dict[str, torch.Tensor | float]) -> list[float]:
+    """The values of `numbers`: device tensors read in one host sync, Python numbers as they are (full precision)."""
+    tensors = [v for v in numbers.values() if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else v for v in numbers.values()]
+
+
 class Metrics:
     """Measures the run and turns the loop's device tensors into numbers on log steps only (the host syncs of a
     step), as one record per log step that every sink on rank 0 receives. Every rank calls it alike: the cross-rank
@@ -328,8 +335,7 @@ class Metrics:
             state = training_state_gb(self.model, self.optimizer, self.env.device)  # host sync, once
             self.sinks.write({"step": step, **state, "mixed_precision": self.precision})
             self.window.steady = (self.clock(), step)  # an ETA from the steady steps, not a compiling first one
-            if self.sinks.bar is not None:
-                self.sinks.bar.steady(step)
+            self.sinks.steady(step)
 
     def log(
         self,
@@ -364,10 +370,7 @@ class Metrics:
         (as `val_` + name; device tensors), or with no prefix benchmark scores (eval/TASK/METRIC, Python floats kept
         at full precision; None off rank 0)."""
         if results:
-            tensors = [v for v in results.values() if isinstance(v, torch.Tensor)]
-            read = iter(torch.stack(tensors).tolist() if tensors else [])  # one host sync
-            values = [next(read) if isinstance(v, torch.Tensor) else v for v in results.values()]
-            record = {f"{prefix}{name}": value for name, value in zip(results, values, strict=True)}
+            record = {f"{prefix}{name}": value for name, value in zip(results, host_values(results), strict=True)}
             self.sinks.write({"step": step, **record, "elapsed_s": self.clock() - self.start})
         self.window.restart(step)
 

@@ -336,6 +336,11 @@ class Sinks:
         ]
         self.sinks = [sink for sink in sinks if sink is not None]
 
+    def steady(self, step: int) -> None:
+        """The first step is done: the progress bar's rate and ETA count from here."""
+        if self.bar is not None:
+            self.bar.steady(step)
+
     def write(self, record: dict) -> None:
         for sink in self.sinks:
             sink.write(record)

@@ -46,6 +46,13 @@ def test_lora_sft_then_lora_dpo_then_sft_past_keep_last_keeps_the_dpo_base(tiny_
     listing = tool("verify_checkpoint.py", sft).stdout
     assert f"step_00000002  held by {dpo.resolve()} (its lora base)" in listing, listing
 
+    # A run starting afresh in the SFT run's directory would save over the held step: refused before any worker.
+    fresh = train_cli([*sft_args(2), "--checkpoint.resume", "none"], check=False)
+    assert fresh.returncode == 1 and fresh.stderr.strip().splitlines() == [
+        f"error: train.out_dir={sft} holds checkpoints other runs depend on (step_00000002: run {dpo.resolve()} (its "
+        "lora base)), which a run starting afresh there would overwrite; choose another train.out_dir, or release them "
+        f"(`python tools/verify_checkpoint.py {sft} --release RUN`)"
+    ], fresh.stderr
     # The DPO run exports and resumes from the base it stands on.
     tool("consolidate.py", dpo, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
