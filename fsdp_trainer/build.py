@@ -26,6 +26,7 @@ from fsdp_trainer.checkpoint.storage import (
     CheckpointError,
     checkpoint_recipe,
     is_complete,
+    read_metadata,
     resolve_checkpoint,
     saved_entries,
 )
@@ -193,12 +194,20 @@ def check_start(recipe: Recipe) -> None:
     weights = path
     while weights is not None and is_adapters_only(weights):  # a LoRA checkpoint's weights are its base's (None: the
         weights = lora_base(weights)  # seeded init), and that base may be a LoRA checkpoint in turn
-    if weights is not None:
+    if weights is not None and metadata_reads(weights):  # a damaged one: verification says so (resume auto falls back)
         model = meta_model(recipe.model, recipe.lora)
         try:
             check_model_shapes(weights, model.state_dict(), adapters_optional=True)
         except CheckpointError as e:
             raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
+
+
+def metadata_reads(path: Path) -> bool:
+    try:
+        read_metadata(path)
+        return True
+    except CheckpointError:
+        return False
 
 
 def model_fix(path: Path, model: ModelConfig) -> str:
