@@ -222,7 +222,6 @@ def test_published_checkpoint_imports_fine_tunes_and_exports(tmp_path, variant):
     for sample in (text[:2000], "Café — naïve 12345 \U0001f600", "<|im_start|> as text"):
         assert exported(sample).input_ids == original_tokenizer(sample).input_ids
     assert exported.chat_template == CHAT_TEMPLATE
-    assert again.config.pad_token_id == exported.pad_token_id  # batched generation pads with it
 
     # generate.py samples from the run and decodes with the run's own tokenizer (its BOS not shown).
     sample = tool("generate.py", run, "--prompt", "KING HENRY", "--max_new_tokens", "8", "--temperature", "0").stdout
