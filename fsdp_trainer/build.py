@@ -26,11 +26,10 @@ from fsdp_trainer.checkpoint.storage import (
     CheckpointError,
     checkpoint_recipe,
     is_complete,
-    read_metadata,
     resolve_checkpoint,
     saved_entries,
 )
-from fsdp_trainer.checkpoint.weights import ModelState, check_model_shapes
+from fsdp_trainer.checkpoint.weights import ModelState, check_shapes, saved_shapes
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, load_sections
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import Mixture, TokenLoader, open_data
@@ -194,20 +193,16 @@ def check_start(recipe: Recipe) -> None:
     weights = path
     while weights is not None and is_adapters_only(weights):  # a LoRA checkpoint's weights are its base's (None: the
         weights = lora_base(weights)  # seeded init), and that base may be a LoRA checkpoint in turn
-    if weights is not None and metadata_reads(weights):  # a damaged one: verification says so (resume auto falls back)
-        model = meta_model(recipe.model, recipe.lora)
-        try:
-            check_model_shapes(weights, model.state_dict(), adapters_optional=True)
-        except CheckpointError as e:
-            raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
-
-
-def metadata_reads(path: Path) -> bool:
+    if weights is None:
+        return
     try:
-        read_metadata(path)
-        return True
-    except CheckpointError:
-        return False
+        saved = saved_shapes(weights)
+    except CheckpointError:  # damaged metadata: the workers' verification says so (resume auto falls back past it)
+        return
+    try:
+        check_shapes(weights, saved, meta_model(recipe.model, recipe.lora).state_dict(), adapters_optional=True)
+    except CheckpointError as e:
+        raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
 
 
 def model_fix(path: Path, model: ModelConfig) -> str:

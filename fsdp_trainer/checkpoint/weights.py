@@ -66,13 +66,17 @@ def check_model_shapes(path: Path, model_state: dict[str, Any], adapters_optiona
     """Refuse a checkpoint of another model before DCP fails deep inside with a shape error. With
     `adapters_optional`, a checkpoint without what a LoRA run trains (its base model), or a language model's without
     a reward model's score head, passes: those keep their init."""
+    check_shapes(path, saved_shapes(path), model_state, adapters_optional)
+
+
+def saved_shapes(path: Path) -> dict[str, tuple | None]:
+    """The shapes of the model weights a checkpoint holds, by name (None: not a tensor), from its metadata alone."""
     metadata = read_metadata(path).state_dict_metadata
-    saved = {
+    return {
         key.removeprefix("model."): tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
         for key, meta in metadata.items()
         if key.startswith("model.")
     }
-    check_shapes(path, saved, model_state, adapters_optional)
 
 
 def check_shapes(
