@@ -226,7 +226,7 @@ def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room
             + re.escape(str(ckpts / "latest"))
             + r" still names (step_\d{8}); training on"
         )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 900  # bounds a broken test only: a loaded machine takes what it takes
         while not (found := warning.search(log.read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
@@ -241,7 +241,7 @@ def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room
             time.sleep(0.1)
         for pid in child_pids(proc.pid):  # as a scheduler's preemption does: the current step is saved, exit 0
             os.kill(pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -261,12 +261,12 @@ def _error_lines(log: str) -> list[str]:
 @pytest.mark.slow
 def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
     script = str(REPO / "tests" / "helpers" / "exit_early.py")
-    cmd = torchrun_command([script, *run_args(tiny_data, tmp_path, parallel={"timeout_s": 60})], nproc=2)
+    # A closed connection fails at once, not after the collectives' timeout: an hour here, so a run that waited for
+    # it would overrun the 15 minutes given below however slow or loaded the machine is.
+    cmd = torchrun_command([script, *run_args(tiny_data, tmp_path, parallel={"timeout_s": 3600})], nproc=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_STEP": "3", "EXIT_RANK": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
     assert proc.returncode != 0
-    assert time.monotonic() - start < 60  # a closed connection fails at once, long before the timeout
     [line] = _error_lines(proc.stderr)
     assert line.startswith("error: rank 0: ") and line.endswith(
         "rank 1 reported no failure of its own: it exited or hangs, look there first"
@@ -288,11 +288,11 @@ def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
         # Rank 0's error line is the behaviour under test; once it is out, the stopped rank is killed rather than
         # left to torchrun, which would wait 30 s for it to answer SIGTERM.
         while not any(line.startswith("error: rank 0: ") for line in _error_lines(log.read_text())):
-            assert proc.poll() is None and time.monotonic() - start < 120, log.read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() - start < 900, log.read_text()[-3000:]
             time.sleep(0.2)
         waited = time.monotonic() - start
         os.kill(rank1, signal.SIGKILL)
-        proc.wait(timeout=60)
+        proc.wait(timeout=900)
     finally:
         for pid in stopped:
             try:
@@ -302,7 +302,7 @@ def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert 10 <= waited < 90, waited
+    assert waited >= 10, waited  # not before the timeout; after it, however long a loaded machine takes to say so
     lines = _error_lines(log.read_text())
     assert any(
         line.startswith("error: rank 0: ") and "rank 1 reported no failure of its own" in line for line in lines

@@ -62,7 +62,7 @@ def test_bad_input_is_one_line_before_any_worker_starts(tiny_data, tmp_path, fla
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=120,
+        timeout=900,
     )
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
@@ -76,7 +76,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_and_exits_0(tiny_data, tmp_p
     proc = _launch(run_args(tiny_data, out, 100_000), log)
     wait_for_step(out, 3, proc, log)
     proc.send_signal(signal.SIGTERM)  # to the launcher alone, as Kubernetes sends it
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=900) == 0
     assert log.with_suffix(".err").read_text() == ""  # no traceback, no summary
     assert "SIGTERM: saving step" in log.read_text()
     step = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
@@ -91,7 +91,7 @@ def test_a_worker_killed_by_a_signal_is_one_line_and_the_shells_exit_code(tiny_d
     workers = child_pids(proc.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGKILL)  # as the OOM killer would
-    assert proc.wait(timeout=120) == 128 + signal.SIGKILL
+    assert proc.wait(timeout=900) == 128 + signal.SIGKILL
     line, *after = log.with_suffix(".err").read_text().strip().splitlines()
     assert line.startswith("error: rank 1 ") and f"(pid {max(workers)}) was killed by SIGKILL" in line
     assert after in ([], ["rank 0 stopped because rank 1 failed"]), after  # not the survivor's gloo error
@@ -119,7 +119,7 @@ def test_the_first_line_names_the_rank_that_failed_and_why(tiny_data, tmp_path, 
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1", **INJECT, "INJECT_FAIL": how},
     )
-    assert proc.wait(timeout=120) == code
+    assert proc.wait(timeout=900) == code
     lines = log.with_suffix(".err").read_text().strip().splitlines()
     assert lines[0].startswith(first), lines
     if how == "exit":
@@ -137,7 +137,7 @@ def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data,
     resume = {"resume": tmp_path / "small"}
     other_shape = run_args(tiny_data, tmp_path / "run", 2, model={"ffn_dim": 96, "rope_theta": 5e5}, checkpoint=resume)
     proc = _launch(other_shape, log)
-    assert proc.wait(timeout=120) == 1 and log.read_text() == ""  # no worker started: it would say so
+    assert proc.wait(timeout=900) == 1 and log.read_text() == ""  # no worker started: it would say so
     (line,) = log.with_suffix(".err").read_text().strip().splitlines()
     assert line == (
         f"error: checkpoint.resume: checkpoint {tmp_path / 'small' / 'checkpoints' / 'step_00000001'} holds "
@@ -150,7 +150,7 @@ def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data,
     data[len(data) // 2] ^= 0xFF  # a flipped bit: the same size, another checksum
     shard.write_bytes(bytes(data))
     proc = _launch(run_args(tiny_data, tmp_path / "run", 2, checkpoint=resume), log)
-    assert proc.wait(timeout=120) == 1
+    assert proc.wait(timeout=900) == 1
     (line,) = log.with_suffix(".err").read_text().strip().splitlines()
     assert line.startswith("error: rank 0: checkpoint ") and "is corrupted" in line and shard.name in line, line
     assert not (tmp_path / "run").exists()  # a run refused as it started leaves no empty run.lock behind
@@ -201,7 +201,7 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_crash_needs_no_c
             assert line.startswith("error: ") and holder in line and second.stderr.count(holder) == 1, line
             assert nproc == 2 or not torchruns
         launcher = subprocess.run(
-            [*LAUNCHER, "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+            [*LAUNCHER, "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO, timeout=900
         )
         assert launcher.returncode == 1 and launcher.stderr.startswith(f"error: {holder}"), launcher.stderr
         assert launcher.stderr.count("\n") == 1

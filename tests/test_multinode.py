@@ -104,7 +104,7 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
     try:
         wait_for_step(out, 3, job, log)
         job.send_signal(signal.SIGUSR1)
-        job.wait(timeout=120)
+        job.wait(timeout=900)
     finally:
         if job.poll() is None:
             job.kill()
@@ -117,7 +117,7 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
     # The requeued job: same job id, so same out_dir; it resumes from latest and finishes.
     env["PORT"] = str(free_port())
     proc = subprocess.run(
-        [*script, "--train.steps", str(saved + 2)], capture_output=True, text=True, env=env, timeout=300
+        [*script, "--train.steps", str(saved + 2)], capture_output=True, text=True, env=env, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_{saved:08d} at step {saved}" in proc.stdout

@@ -251,7 +251,7 @@ def test_offload_is_recommended_only_when_nothing_else_fits():
 
 def plan_cli(*args) -> subprocess.CompletedProcess:
     """`python -m fsdp_trainer.planner.plan *args`, forked (tests/helpers/forked.py)."""
-    return forked.run("fsdp_trainer.planner.plan", list(args), timeout=600)
+    return forked.run("fsdp_trainer.planner.plan", list(args), timeout=1800)
 
 
 def test_plan_cli_recommends_or_says_what_to_change():

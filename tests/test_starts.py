@@ -87,7 +87,7 @@ def starts(tiny_data, pairs, tmp_path_factory):
     runs.append(("full_in_lora_dir", _kind_args("full", tiny_data, pairs, root / "lora", 4), None))
     runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, cwd=REPO, timeout=600
+        [sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, cwd=REPO, timeout=1800
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])

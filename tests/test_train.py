@@ -298,7 +298,7 @@ assert signal.getsignal(signal.SIGTERM) is users_handler, signal.getsignal(signa
 assert not dist.is_initialized()
 print("clean")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("clean"), proc.stderr[-3000:]
 
 
@@ -373,7 +373,7 @@ def _run_on_terminal(args: list[str]) -> str:
             break
         chunks.append(chunk)
     os.close(master)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=900) == 0
     return b"".join(chunks).decode(errors="replace")
 
 

@@ -62,7 +62,7 @@ def train_cli(
     nproc: int = 1,
     check: bool = True,
     env: dict | None = None,
-    timeout: float = 300,
+    timeout: float = 900,
     torchrun: bool | None = None,
 ):
     """Run fsdp_trainer.train: in processes forked from one that imported it already (tests/helpers/forked.py), or
@@ -103,7 +103,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 300) -> list[str]:
+def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 900) -> list[str]:
     """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine that meet through c10d rendezvous, the
     way the nodes of a cluster do; returns each agent's output."""
     endpoint = f"127.0.0.1:{free_port()}"
@@ -171,7 +171,7 @@ def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags:
     )
 
 
-def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 180) -> int:
+def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> int:
     """Block until metrics.jsonl has logged `step` (returns the newest logged step); fail if the run dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -94,7 +94,7 @@ def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, 
 
 
 def run(
-    target: str, argv: list[str], nproc: int = 1, env: dict | None = None, cwd: Path = REPO, timeout: float = 300
+    target: str, argv: list[str], nproc: int = 1, env: dict | None = None, cwd: Path = REPO, timeout: float = 900
 ) -> subprocess.CompletedProcess:
     """Run `target` (module or script) with `argv` in `nproc` forked processes (ranks 0..nproc-1 of one node when
     more than one); returns what subprocess.run would: exit code 1 if any rank failed (the others then get SIGTERM,
