@@ -3,6 +3,8 @@ error boundary."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import sys
 from contextlib import contextmanager
@@ -21,17 +23,22 @@ class RecipeError(ValueError):
 def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = None):
     """The one parser of recipes: `--recipe FILE` (repeatable, later files and flags override earlier ones) and a
     `--section.key value` flag for every key. Tools add their own arguments to it, so every tool reads a recipe the
-    way the trainer does."""
+    way the trainer does. Each call gets its own copy of one parser built per process (building it reads every
+    section's source for its docstrings: 0.3 s of CPU, against 0.01 s for the copy)."""
+    parser = copy.deepcopy(_sections_parser())
+    parser.prog = prog
+    parser.description = (
+        description or "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes."
+    )
+    return parser
+
+
+@functools.cache
+def _sections_parser():
     from jsonargparse import ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(
-        prog=prog,
-        description=description
-        or "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
-        print_config="--print_config",
-        exit_on_error=False,
-    )
+    parser = ArgumentParser(print_config="--print_config", exit_on_error=False)
     parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
     for name, cls in SECTIONS.items():
         parser.add_class_arguments(cls, nested_key=name)
