@@ -4,7 +4,11 @@ A test's CPU seconds are those of the pytest process and everything it started: 
 children's (torchrun, tools run as subprocesses) and those of the processes still alive beside it (the forkserver of
 tests/helpers/forked.py, which reaps the runs forked from it, and their children), read from /proc before and after
 the test; runs of other tests on another xdist worker are not counted. Processes started counts every subprocess and
-every forked rank. Fixtures count where they are set up (a session fixture in the first test that asks for it)."""
+every forked rank. Fixtures count where they are set up (a session fixture in the first test that asks for it).
+
+The table's last line is the machine's busy CPU seconds over the session (/proc/stat: user, nice, system), which also
+counts what no process tree shows (a forkserver that outlives its pytest worker is reaped by init, so `time pytest`
+misses every run forked from it) and whatever else ran beside the suite."""
 
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def _tree_cpu() -> float:
         fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
         pid = int(entry.name)
         children[int(fields[1])].append(pid)
-        times[pid] = sum(map(int, fields[11:15])) / _TICK  # utime, stime, cutime, cstime
+        # utime, stime, cutime, cstime; not a zombie's, which its parent's cutime takes over once it reaps it
+        times[pid] = 0.0 if fields[0] == "Z" else sum(map(int, fields[11:15])) / _TICK
     total, stack = 0.0, [os.getpid()]
     while stack:
         pid = stack.pop()
@@ -68,8 +73,14 @@ def pytest_addoption(parser):
     parser.addoption("--cost_table", default=None, help="write each test file's and the slowest tests' cost here")
 
 
+def _machine_cpu() -> float:
+    user, nice, system = map(int, Path("/proc/stat").read_text().split()[1:4])
+    return (user + nice + system) / _TICK
+
+
 def pytest_configure(config):
     _count_starts()
+    config._cost_machine = _machine_cpu()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -98,7 +109,8 @@ def pytest_sessionfinish(session):
     path = session.config.getoption("cost_table")
     if not path or hasattr(session.config, "workerinput"):  # xdist workers report to the controller
         return
-    Path(path).write_text(table(_ROWS))
+    busy = _machine_cpu() - session.config._cost_machine
+    Path(path).write_text(table(_ROWS) + f"\nThe machine's busy CPU over the session: {busy:.0f} s\n")
 
 
 def table(rows: list[tuple], slowest: int = 30) -> str:
