@@ -1,6 +1,8 @@
 """What the forkserver of tests/helpers/forked.py imports once, for every run forked from it: torch, the trainer and
 its tools' modules, transformers (which the tools import to verify an export), and what a run imports on its way
-(about 1 s of CPU a forked rank otherwise spends on each)."""
+(about 1 s of CPU a forked rank otherwise spends on each); then two steps of the tests' tiny model on one fake rank,
+which leave DTensor's sharding rules for its ops cached (0.3 s of CPU a forked 1-process run otherwise spends finding
+them on its first step)."""
 
 import torch  # noqa: F401
 import torch._dynamo  # noqa: F401  (a model built on the meta device reaches it: torch._refs' ops disable dynamo)
@@ -17,8 +19,51 @@ try:  # every run writes TensorBoard events where the package is installed (the 
 except ImportError:
     pass
 
+
+def _warm_sharding_rules() -> None:
+    """Two training steps of the tests' tiny recipe (tests/conftest.py's tiny_data: fp32, micro-batches of 2 x 32)
+    on a fake process group of one rank. DTensor caches each op's sharding rule by its arguments' specs, which name
+    the mesh by its ranks, not its process group: a 1-process run forked later finds them. Not on 2 fake ranks: what
+    is cached there holds rank 0's shard offsets, which a forked rank 1 would take for its own (DCP then refuses the
+    checkpoint's plan)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_trainer.build import build_model, build_step
+    from fsdp_trainer.config import DataConfig, ModelConfig, ParallelConfig, Recipe
+    from fsdp_trainer.data.loader import MicroBatch
+    from fsdp_trainer.distributed.runtime import DistEnv
+    from fsdp_trainer.optim import build_optimizer
+    from fsdp_trainer.train import train_step
+    from tests.helpers import TINY_MODEL
+
+    recipe = Recipe(
+        model=ModelConfig(**TINY_MODEL),
+        parallel=ParallelConfig(mixed_precision="fp32"),
+        data=DataConfig(seq_len=32, micro_batch_size=2),
+    )
+    tokens = torch.randint(0, TINY_MODEL["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(0))
+    batch = MicroBatch(tokens[:, :-1], tokens[:, 1:])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+        env = DistEnv(0, 1, 0, 1, torch.device("cpu"), mesh, timedelta(seconds=60))
+        model, applied = build_model(recipe, env)
+        optimizer, step = build_optimizer(model, recipe.optim), build_step(recipe, env, model)
+        for _ in range(2):
+            train_step(model, optimizer, [batch], 1e-3, 1.0, plan=applied.plan, step_losses=step)
+    finally:
+        dist.destroy_process_group()
+
+
+_warm_sharding_rules()
+
 import gc  # noqa: E402
 
 # What is loaded so far lives as long as the server and every fork: kept out of each run's garbage collections (a run's
 # gc.collect() otherwise walks it all, 0.2 s at a run's end) and out of the pages a collection would copy.
+gc.collect()
 gc.freeze()
