@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from runner import report_header, torchrun_command
+from runner import launch, report_header, torchrun_command
 
 from fsdp_trainer.build import build_model
 from fsdp_trainer.checkpoint.checkpointer import OptimState
@@ -147,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_checkpoint_"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", ARGV_ENV: json.dumps([*argv, "--work_dir", str(work)])}
     try:
-        proc = subprocess.run(torchrun_command([str(Path(__file__).resolve())], args.nproc), env=env)
+        proc = launch(torchrun_command([str(Path(__file__).resolve())], args.nproc), env=env)
+        print(proc.stdout, end="")
+        print(proc.stderr, end="", file=sys.stderr)
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

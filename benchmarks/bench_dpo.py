@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from runner import nearest_run, parse_kinds_args, report_header, run_ours
+from runner import launch, nearest_run, parse_kinds_args, report_header, run_ours
 
 from fsdp_trainer.config import recipe_to_yaml
 from fsdp_trainer.data.format import META_SUFFIX
@@ -52,7 +51,9 @@ def prepare(recipe_path: str, tmp: Path) -> tuple[str, str]:
     pairs = tmp / "pairs.bin"
     cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", recipe_path, "--format", "preference",
            "--data.train_path", str(pairs), "--data.val_path", "null", "--val_fraction", "0"]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    proc = launch(cmd)
+    if proc.returncode:
+        sys.exit(f"error: tools/prepare_data.py exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     plain = tmp / "plain.bin"
     for suffix in ("", ".flags"):
         shutil.copy(f"{pairs}{suffix}", f"{plain}{suffix}")

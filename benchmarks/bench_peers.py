@@ -24,14 +24,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from runner import torchrun_command
+from runner import launch, torchrun_command
 
 from fsdp_trainer.convert import consolidate, import_hf
 from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
@@ -97,7 +96,7 @@ def split(path: Path, examples: int, val: int, work: Path, name: str) -> tuple[P
 
 
 def tool(name: str, *args) -> str:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / name), *map(str, args)], capture_output=True, text=True)
+    proc = launch([sys.executable, str(REPO / "tools" / name), *map(str, args)])
     if proc.returncode:
         sys.exit(f"error: tools/{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -143,7 +142,7 @@ def run_ours(kind, args, imported, data, seq_len, work: Path) -> dict:
         flags += ["--lora.rank", rank, "--lora.alpha", str(2 * args.lora_rank), "--lora.targets", targets]
     start = time.perf_counter()
     cmd = torchrun_command(["-m", "fsdp_trainer.train", *flags], args.nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(f"error: ours ({kind}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     process_s = time.perf_counter() - start
@@ -175,7 +174,7 @@ def run_trl(kind, args, hf: Path, train: Path, work: Path, max_length: int, pack
     (out / "job.json").write_text(json.dumps(job))
     start = time.perf_counter()
     cmd = torchrun_command([str(Path(__file__).with_name("peers_trl.py")), str(out / "job.json")], args.nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = launch(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(f"error: TRL ({kind}) exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     result = json.loads((out / "result.json").read_text())

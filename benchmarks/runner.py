@@ -72,9 +72,15 @@ def report_header(recipe, args, names: tuple[str, ...]) -> dict:
     return {"args": {name: args[name] for name in names}, "recipe": recipe_to_yaml(recipe)}
 
 
+def launch(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a job's command line (torchrun's, or `python ...`) to its end, its output captured: every benchmark starts
+    its jobs here, so that the tests can start them otherwise (forked from a process that imported torch already)."""
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
 def run(cmd: list[str]) -> str:
     """Run a benchmark job and return its output; if it fails, exit naming it, with the end of its output."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = launch(cmd)
     if proc.returncode:
         sys.exit(
             f"error: {' '.join(cmd[:8])} ... exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

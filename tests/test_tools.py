@@ -3,24 +3,52 @@ asserts)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import runpy
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import Transformer, count_params, generate
-from tests.helpers import REPO, TINY_MODEL, run_args, script, train_cli, train_losses
+from tests.helpers import REPO, TINY_MODEL, forked, run_args, script, train_cli, train_losses
 from tests.helpers import tool as run_tool
 
 BENCHMARKS = REPO / "benchmarks"
 
 
-def run_bench(name: str, *args, nproc: int = 1, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
-    """A benchmark script, forked as `python benchmarks/name ...` (helpers.script); the jobs it launches are its own:
-    torchrun, as a user's run of it starts them."""
-    return script(BENCHMARKS / name, *args, nproc=nproc, cwd=cwd, check=check)
+def run_bench(name: str, *args, cwd=REPO, check: bool = True) -> subprocess.CompletedProcess:
+    """A benchmark script run as `python benchmarks/name ...` runs it, but in this process, and the jobs it launches
+    (benchmarks/runner.py's launch) forked as that many ranks (tests/helpers/forked.py) instead of new interpreters
+    under torchrun: each of those spends 3-6 s of CPU importing torch and the package before the job starts."""
+    import runner  # the module the benchmark scripts import, as tests/helpers puts their folder on the path
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "launch", forked.run_command)
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", [str(BENCHMARKS / name), *map(str, args)])
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+        except SystemExit as e:  # as the interpreter exits: a message is printed and exits 1
+            if isinstance(e.code, str):
+                err.write(e.code + "\n")
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    proc = subprocess.CompletedProcess([name, *map(str, args)], code, out.getvalue(), err.getvalue())
+    if check and proc.returncode:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+def run_forked(name: str, *args, nproc: int = 1) -> subprocess.CompletedProcess:
+    """A benchmark script that launches no jobs, forked as `python benchmarks/name ...` (as `nproc` ranks under
+    torchrun's environment when more than one): what it times runs on one thread, as its own process."""
+    return script(BENCHMARKS / name, *args, nproc=nproc)
 
 
 @pytest.mark.slow
@@ -188,7 +216,7 @@ def test_bench_loss_chunks_reports_each_chunk_count_against_one(tiny_data, tmp_p
 
 
 def test_bench_lean_ops_times_both_sides_each_round():
-    proc = run_bench("bench_lean_ops.py", "--shapes", "16x8", "32x4", "--calls", 2, "--rounds", 2, "--dtype", "fp32")
+    proc = run_forked("bench_lean_ops.py", "--shapes", "16x8", "32x4", "--calls", 2, "--rounds", 2, "--dtype", "fp32")
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| 16x8", "| 32x4"))]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [("16x8", "1"), ("16x8", "2"), ("32x4", "1"), ("32x4", "2")]
     for _, _, plain, lean, ratio in rows:
@@ -197,14 +225,14 @@ def test_bench_lean_ops_times_both_sides_each_round():
 
 
 def test_bench_window_mask_prints_the_peak_and_the_loss():
-    proc = run_bench("bench_window_mask.py", "--seq_len", 64, "--layers", 2, "--window", 8)
+    proc = run_forked("bench_window_mask.py", "--seq_len", 64, "--layers", 2, "--window", 8)
     assert "2 layers (2 windowed), 64 tokens, window 8: peak RSS" in proc.stdout
     assert float(proc.stdout.split("loss ")[-1]) > 0
 
 
 def test_bench_block_causal_times_both_attentions(tiny_data):
     args = ["--recipe", tiny_data, "--repeats", 2, "--steps", 1, "--example_tokens", 8]
-    proc = run_bench("bench_block_causal.py", *args)
+    proc = run_forked("bench_block_causal.py", *args)
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| model", "| attention"))]
     assert [r[0].strip() for r in rows] == [
         "model forward + backward",
@@ -219,7 +247,7 @@ def test_bench_moe_times_grouped_experts_against_transformers_loop(tmp_path):
     model = {"family": "qwen3_moe", "dim": 64, "n_heads": 4, "n_kv_heads": 2,
              "moe": {"experts": 8, "top_k": 2, "ffn_dim": 32}}  # fmt: skip
     (tmp_path / "moe.yaml").write_text(json.dumps({"model": model}))
-    proc = run_bench("bench_moe.py", "--recipe", tmp_path / "moe.yaml", "--tokens", 64, "--repeats", 2, "--steps", 1)
+    proc = run_forked("bench_moe.py", "--recipe", tmp_path / "moe.yaml", "--tokens", 64, "--repeats", 2, "--steps", 1)
     assert float(proc.stdout.split("max |ours - transformers'| = ")[1].split()[0]) <= 1e-5  # the same layer
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| grouped", "| loop"))]
     assert [r[0].strip() for r in rows] == ["grouped (ours)", "loop over experts (transformers)"]
@@ -230,7 +258,7 @@ def test_bench_moe_times_grouped_experts_against_transformers_loop(tmp_path):
 def test_bench_optimizer_times_adamw_and_muon_on_two_ranks(tiny_data):
     """bench_optimizer.py as torchrun's two workers run it (their environment, forked): each optimizer's step time,
     over the two ranks' FULL_SHARD."""
-    proc = run_bench("bench_optimizer.py", "--recipe", tiny_data, "--repeats", 2, "--steps", 1, nproc=2)
+    proc = run_forked("bench_optimizer.py", "--recipe", tiny_data, "--repeats", 2, "--steps", 1, nproc=2)
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines() if "| " in line}
     assert float(rows["AdamW (fused)"][0]) >= 0 and float(rows["Muon (+ AdamW for embeddings, head, norms)"][1]) > 0
     assert "2 rank(s), FULL_SHARD" in proc.stdout

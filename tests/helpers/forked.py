@@ -11,6 +11,7 @@ the one error line a node prints, fsdp-train) start it as a subprocess.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import runpy
@@ -153,3 +154,20 @@ def _wait(procs: list, timeout: float, cmd: list[str]) -> None:
         time.sleep(0.05)
     for p in procs:
         p.join()
+
+
+def run_command(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`run` for a command line as benchmarks/runner.py builds it: `python -m torch.distributed.run --standalone
+    --nproc_per_node=N` then `-m module args` or `script args`, or `python` with either; the same target and
+    arguments run forked, as N ranks under torchrun's environment."""
+    python, *rest = cmd
+    nproc = 1
+    if rest[:2] == ["-m", "torch.distributed.run"]:
+        rest = rest[2:]
+        flags = list(itertools.takewhile(lambda arg: arg.startswith("--"), rest))
+        rest = rest[len(flags) :]
+        if any(flag != "--standalone" and not flag.startswith("--nproc_per_node=") for flag in flags):
+            raise ValueError(f"torchrun flags a forked run does not reproduce: {flags}")
+        nproc = next(int(flag.split("=")[1]) for flag in flags if flag.startswith("--nproc_per_node="))
+    target, argv = (rest[1], rest[2:]) if rest[0] == "-m" else (rest[0], rest[1:])
+    return run(target, argv, nproc=nproc, env=env, timeout=timeout)
