@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import PAIRS_SEQ_LEN
-from tests.helpers import REPO, run_args
+from tests.helpers import run_args, script
 
 KINDS = {
     "full": {},
@@ -86,10 +84,8 @@ def starts(tiny_data, pairs, tmp_path_factory):
     # A LoRA run's directory holds LoRA checkpoints: a full run there under resume auto is refused
     runs.append(("full_in_lora_dir", _kind_args("full", tiny_data, pairs, root / "lora", 4), None))
     runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, cwd=REPO, timeout=1800
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    (root / "runs.py").write_text(SCRIPT)
+    proc = script(root / "runs.py", json.dumps(runs))  # forked: torch and the package imported already
     results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
     return root, results, proc.stderr
 
