@@ -108,7 +108,7 @@ from fsdp_trainer.adapters import meta_model, quantizes_base
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.adapters.nf4 import dequantization_peak_bytes
-from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
+from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.model import Transformer, count_params
@@ -336,6 +336,18 @@ def logits_forward_bytes(meta: Transformer, tokens: int, chunks: int) -> int:
     return 8 * slice_logits(meta, tokens, chunks)
 
 
+def planned_model(cfg: ModelConfig, lora: LoraConfig) -> Transformer:
+    """adapters.meta_model, built once per model and adapters (by their reprs: every field) for the planner, which
+    only reads it, row after row."""
+    key = (repr(cfg), repr(lora))
+    if key not in _PLANNED:
+        _PLANNED[key] = meta_model(cfg, lora)
+    return _PLANNED[key]
+
+
+_PLANNED: dict[tuple[str, str], Transformer] = {}
+
+
 def estimate(
     recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
 ) -> Estimate:
@@ -348,7 +360,7 @@ def estimate(
     n_block = count_params(cfg, one_block=True)
     n_root = count_params(cfg) - cfg.n_layers * n_block
     tokens, prefetch = data.micro_batch_size * data.seq_len, recipe.parallel.prefetch_blocks
-    meta = meta_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
+    meta = planned_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
     n_params = sum(p.numel() for p in meta.parameters())
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     optimizer = optimizer_state_bytes(recipe.optim, meta)
