@@ -155,8 +155,7 @@ def reward_data(tiny_data, tmp_path_factory):
 def trained_reward(reward_data, tmp_path_factory):
     """A reward model trained 60 steps on one process: its run directory."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    train_cli(run_args(reward_data / "reward.yaml", out, 60, train={"eval_every": 60}, checkpoint={"every": 60}),
-              env={"OMP_NUM_THREADS": "2"})  # fmt: skip
+    train_cli(run_args(reward_data / "reward.yaml", out, 60, train={"eval_every": 60}, checkpoint={"every": 60}))
     return out
 
 
