@@ -28,17 +28,14 @@ def run_bench(name: str, *args, cwd=REPO, check: bool = True) -> subprocess.Comp
     import runner  # the module the benchmark scripts import, as tests/helpers puts their folder on the path
 
     out, err, code = io.StringIO(), io.StringIO(), 0
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         patch.setattr(runner, "launch", forked.run_command)
         patch.chdir(cwd)
         patch.setattr(sys, "argv", [str(BENCHMARKS / name), *map(str, args)])
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
-        except SystemExit as e:  # as the interpreter exits: a message is printed and exits 1
-            if isinstance(e.code, str):
-                err.write(e.code + "\n")
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            runpy.run_path(str(BENCHMARKS / name), run_name="__main__")
+        except SystemExit as e:
+            code = forked.exit_code(e.code)  # its message, if any, printed to err as the interpreter would
     proc = subprocess.CompletedProcess([name, *map(str, args)], code, out.getvalue(), err.getvalue())
     if check and proc.returncode:
         raise AssertionError(proc.stderr[-3000:])

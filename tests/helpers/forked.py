@@ -53,7 +53,7 @@ def context():
     return _context
 
 
-def _exit_code(code) -> int:
+def exit_code(code) -> int:
     """What the interpreter would exit with for SystemExit(code): a message is printed and exits 1."""
     if code is None:
         return 0
@@ -85,7 +85,7 @@ def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, 
             sys.argv = [target, *argv]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
     except SystemExit as e:
-        code = _exit_code(e.code)
+        code = exit_code(e.code)
     except BaseException:
         traceback.print_exc()
         code = 1
