@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS, BUNDLED_PREFERENCES
-from tests.helpers import REPO, TINY_MODEL
+from tests.helpers import REPO, TINY_BATCH, TINY_MODEL
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +31,7 @@ def tiny_data(tmp_path_factory) -> Path:
                     "train_path": str(root / "train.bin"),
                     "val_path": str(root / "val.bin"),
                     "tokenizer_path": str(root / "tokenizer.model"),
-                    "seq_len": 32,
-                    "micro_batch_size": 2,
+                    **TINY_BATCH,
                 },
                 "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
                 "train": {"steps": 10, "log_every": 1, "eval_every": 0, "eval_steps": 2},

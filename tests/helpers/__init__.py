@@ -36,6 +36,8 @@ TINY_MODEL = {
     "vocab_size": 512,
     "max_seq_len": 64,
 }
+TINY_BATCH = {"seq_len": 32, "micro_batch_size": 2}
+"""The tiny recipe's micro-batches (tests/conftest.py's tiny_data), which the forkserver's warm-up steps on too."""
 
 
 def run_args(recipe: str | Path, out_dir: str | Path, steps: int | None = None, **sections: dict) -> list[str]:

@@ -21,7 +21,7 @@ except ImportError:
 
 
 def _warm_sharding_rules() -> None:
-    """Two training steps of the tests' tiny recipe (tests/conftest.py's tiny_data: fp32, micro-batches of 2 x 32)
+    """Two training steps of the tests' tiny recipe (tests/conftest.py's tiny_data: fp32, TINY_BATCH's micro-batches)
     on a fake process group of one rank. DTensor caches each op's sharding rule by its arguments' specs, which name
     the mesh by its ranks, not its process group: a 1-process run forked later finds them. Not on 2 fake ranks: what
     is cached there holds rank 0's shard offsets, which a forked rank 1 would take for its own (DCP then refuses the
@@ -38,14 +38,13 @@ def _warm_sharding_rules() -> None:
     from fsdp_trainer.distributed.runtime import DistEnv
     from fsdp_trainer.optim import build_optimizer
     from fsdp_trainer.train import train_step
-    from tests.helpers import TINY_MODEL
+    from tests.helpers import TINY_BATCH, TINY_MODEL
 
     recipe = Recipe(
-        model=ModelConfig(**TINY_MODEL),
-        parallel=ParallelConfig(mixed_precision="fp32"),
-        data=DataConfig(seq_len=32, micro_batch_size=2),
+        model=ModelConfig(**TINY_MODEL), parallel=ParallelConfig(mixed_precision="fp32"), data=DataConfig(**TINY_BATCH)
     )
-    tokens = torch.randint(0, TINY_MODEL["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(0))
+    shape = (TINY_BATCH["micro_batch_size"], TINY_BATCH["seq_len"] + 1)
+    tokens = torch.randint(0, TINY_MODEL["vocab_size"], shape, generator=torch.Generator().manual_seed(0))
     batch = MicroBatch(tokens[:, :-1], tokens[:, 1:])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
