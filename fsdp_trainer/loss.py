@@ -85,6 +85,18 @@ def share_of_global_mean(summed: torch.Tensor, global_count: torch.Tensor | floa
     return summed * world_size / global_count
 
 
+def sequence_sums(values: torch.Tensor, sequences: torch.Tensor, n_sequences: int) -> torch.Tensor:
+    """Each sequence's sum of `values` (n_sequences,), given the number of the sequence each value belongs to
+    (`sequences`, same shape; -1 for none: those values must be 0)."""
+    # One slot past the last sequence collects the positions of none, so no mask is indexed by: the shapes are known
+    # on the host, nothing waits for the device.
+    slots = torch.where(sequences >= 0, sequences, n_sequences).flatten()
+    summed = torch.zeros(n_sequences + 1, dtype=values.dtype, device=values.device)
+    # A copy, not a view of `summed`: FSDP2 warns that an in-place op on a view a module returns would drop its
+    # pre-backward hook (and the copy is of one number per sequence).
+    return summed.index_add(0, slots, values.flatten())[:n_sequences].clone()
+
+
 # --- preference tuning (DPO and its variants) -------------------------------------------------------------------------
 
 
@@ -128,13 +140,7 @@ class SequenceLogProbs:
         sequences = self.sequences if sequences is None else sequences
         if sequences is None:
             return values.sum(-1)
-        # One slot past the last response collects the positions of none (whose values are 0), so no mask is indexed
-        # by: the shapes are known on the host, nothing waits for the device.
-        slots = torch.where(sequences >= 0, sequences, self.n_sequences).flatten()
-        summed = torch.zeros(self.n_sequences + 1, dtype=values.dtype, device=values.device)
-        # A copy, not a view of `summed`: FSDP2 warns that an in-place op on a view a module returns would drop its
-        # pre-backward hook (and the copy is of one number per response).
-        return summed.index_add(0, slots, values.flatten())[: self.n_sequences].clone()
+        return sequence_sums(values, sequences, self.n_sequences)
 
     def count(self) -> torch.Tensor:
         """The trained targets of each response: its length in tokens."""
@@ -286,3 +292,186 @@ class DistillationLoss:
             checkpoint(_distillation_sums, h, output, t, self.teacher_output, y, *settings, use_reentrant=False)
             for h, t, y in pieces
         )
+
+
+# --- online RL (GRPO and its family) ----------------------------------------------------------------------------------
+
+POLICY_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+REWARD_SCALES = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation of the values that are not NaN, with Bessel's correction (NaN for fewer than 2)."""
+    mean = x.nanmean() if dim is None else x.nanmean(dim, keepdim=True)
+    variance = ((x - mean) ** 2).nanmean() if dim is None else ((x - mean) ** 2).nanmean(dim)
+    count = (~x.isnan()).sum() if dim is None else (~x.isnan()).sum(dim)
+    return (variance * count / (count - 1)).where(count > 1, torch.nan).sqrt()
+
+
+def group_advantages(
+    rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each completion's advantage (n,), its weighted reward (n,), whether the std it is scaled by is 0 (n,)), from
+    every reward function's rewards (n, functions; NaN where one skipped a completion) of a batch whose completions
+    come in groups of `group` samples of one prompt, as TRL's GRPOTrainer computes them: the weighted sum of a
+    completion's rewards minus its group's mean, divided by the std of its group (scale `group`, GRPO; Shao et al.
+    2024) or of the whole batch (`batch`; Hu 2025, REINFORCE++) plus 1e-4, or not divided (`none`: Dr. GRPO, Liu et
+    al. 2025). A completion every function skipped (reward NaN) counts in no mean and has advantage 0."""
+    skipped = rewards.isnan().all(dim=1)
+    total = (rewards * weights).nansum(dim=1).masked_fill(skipped, torch.nan)
+    grouped = total.view(-1, group)
+    mean = grouped.nanmean(dim=1).repeat_interleave(group)
+    std = _nanstd(total).expand_as(total) if scale == "batch" else _nanstd(grouped, 1).repeat_interleave(group)
+    advantages = total - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    return advantages.nan_to_num(0.0), total, std.isclose(torch.zeros_like(std))
+
+
+def _logps_entropy(
+    hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), the entropy of the distribution) at each row, of the logits divided by `temperature`, fp32."""
+    logits = output(hidden).float() / temperature
+    logps = -F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+    with torch.no_grad():
+        log_p = F.log_softmax(logits, dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+    return logps, entropy
+
+
+@dataclass
+class PolicyLoss:
+    """The loss of the GRPO family on sampled completions, as TRL's GRPOTrainer defines it (its settings' names).
+
+    Each completion token's loss, from its log-probability under the policy (at the sampling temperature), under
+    the policy that sampled it (`old`; the policy itself, detached, when a rollout trains one step) and under the
+    reference, and its completion's advantage A: with the ratio r = exp(log p - log p_old), per token
+    (`importance_sampling_level` token) or the exp of its completion's mean log-ratio (sequence: GSPO, Zheng et al.
+    2025), `-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)` (PPO's clipped surrogate; epsilon_high above
+    epsilon is DAPO's clip-higher), or for `cispo` (MiniMax-M1, 2025) `-min(r, epsilon_high).detach() A log p`; plus
+    beta x the k3 estimate of KL(policy || reference), exp(q - p) - (q - p) - 1 (Schulman 2020), where beta > 0,
+    times r where use_bias_correction_kl (TRL's default: the KL gradient then unbiased off-policy, DeepSeek-V3.2).
+    How they are summed is the loss type's (`summed`, `units`).
+    """
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    temperature: float = 1.0
+    max_completion_length: int = 256
+    use_bias_correction_kl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in POLICY_LOSSES:
+            raise ValueError(f"policy loss {self.loss_type!r}: choose among {', '.join(POLICY_LOSSES)}")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+
+    @property
+    def units(self) -> str:
+        """What the loss is a mean over: completions, micro_batches or tokens."""
+        return {"grpo": "completions", "dr_grpo": "completions", "bnpo": "micro_batches"}.get(self.loss_type, "tokens")
+
+    def token_losses(
+        self,
+        logps: torch.Tensor,
+        old: torch.Tensor,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor,
+        sequences: torch.Tensor,
+        n_sequences: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each token's loss (N,), its ratio r, its k3 KL (zeros without a reference)), from the tokens' log-probs
+        (N,), their sequence's number (N,) and the sequences' advantages (n_sequences,)."""
+        log_ratio = logps - old
+        if self.importance_sampling_level == "sequence":
+            lengths = sequence_sums(torch.ones_like(logps), sequences, n_sequences).clamp(min=1)
+            log_ratio = (sequence_sums(log_ratio, sequences, n_sequences) / lengths).index_select(0, sequences)
+        ratio, a = log_ratio.exp(), advantages.index_select(0, sequences)
+        if self.loss_type == "cispo":
+            loss = -ratio.clamp(max=self.epsilon_high).detach() * a * logps
+        else:
+            clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high)
+            loss = -torch.min(ratio * a, clipped * a)
+        kl = torch.zeros_like(logps)
+        if self.beta != 0:
+            kl = (ref - logps).exp() - (ref - logps) - 1
+            if self.use_bias_correction_kl:
+                kl = kl * ratio
+            loss = loss + self.beta * kl
+        return loss, ratio, kl
+
+    def summed(self, losses: torch.Tensor, sequences: torch.Tensor, n_sequences: int) -> torch.Tensor:
+        """The token losses (N,) summed as the loss type says, for train_step's division by the global count of
+        `units`, which makes them these means whatever the split over ranks and micro-batches: `grpo` the mean over
+        each completion's tokens, averaged over the completions; `bnpo` the mean over a micro-batch's tokens, averaged
+        over the micro-batches; `dr_grpo` the sum over each completion's tokens over max_completion_length, averaged
+        over the completions (Dr. GRPO); `dapo` and `cispo` the mean over the global batch's tokens."""
+        if self.loss_type == "grpo":
+            lengths = sequence_sums(torch.ones_like(losses), sequences, n_sequences).clamp(min=1)
+            return (sequence_sums(losses, sequences, n_sequences) / lengths).sum()
+        if self.loss_type == "bnpo":
+            return losses.sum() / max(len(losses), 1)
+        if self.loss_type == "dr_grpo":
+            return losses.sum() / self.max_completion_length
+        return losses.sum()
+
+
+def clipped_ratios(policy: PolicyLoss, ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """(low, high, region) (3, N): whether each ratio (a token's or a completion's) was clipped below (negative
+    advantage), above (positive), either; for cispo, high and region where the ratio passes epsilon_high."""
+    if policy.loss_type == "cispo":
+        high = (ratio > policy.epsilon_high) & (advantages > 0)
+        return torch.stack([torch.zeros_like(high), high, high]).float()
+    low = (ratio < 1 - policy.epsilon) & (advantages < 0)
+    high = (ratio > 1 + policy.epsilon_high) & (advantages > 0)
+    return torch.stack([low, high, low | high]).float()
+
+
+@dataclass
+class PolicyObjective:
+    """The objective of an online-RL step's forward over packed completions: their targets (the rest IGNORE), the
+    positions with one (`trained`, MicroBatch.trained) and each target's completion in `sequences` (n_sequences of
+    them, each whole in the micro-batch). It returns the loss summed as `policy` says, then the sums POLICY_METRICS
+    names (tokens, KL, entropy; the clipped ratios over tokens, or over completions at the sequence level), (7,).
+    `old` and `ref`: the trained positions' log-probs under the policy that sampled them and the reference (N,)."""
+
+    policy: PolicyLoss
+    targets: torch.Tensor
+    trained: torch.Tensor
+    sequences: torch.Tensor
+    n_sequences: int
+    advantages: torch.Tensor
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+    chunks: int = 1
+
+    def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+        hidden, targets = trained_rows(hidden, self.targets, self.trained)
+        sequences, n = self.sequences.flatten().index_select(0, self.trained), self.n_sequences
+        t = self.policy.temperature
+        if self.chunks == 1:
+            logps, entropy = _logps_entropy(hidden, output, targets, t)
+        else:
+            pieces = zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True)
+            parts = [checkpoint(_logps_entropy, h, output, y, t, use_reentrant=False) for h, y in pieces]
+            logps, entropy = (torch.cat(x) for x in zip(*parts, strict=True))
+        old = logps.detach() if self.old is None else self.old
+        losses, ratio, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n)
+        loss = self.policy.summed(losses, sequences, n)
+        if self.policy.importance_sampling_level == "sequence":  # one ratio a completion: count completions
+            lengths = sequence_sums(torch.ones_like(logps), sequences, n).clamp(min=1)
+            ratio = (sequence_sums(logps.detach() - old, sequences, n) / lengths).exp()
+            clipped = clipped_ratios(self.policy, ratio, self.advantages)
+        else:
+            clipped = clipped_ratios(self.policy, ratio.detach(), self.advantages.index_select(0, sequences))
+        tokens = torch.tensor(float(len(logps)), device=logps.device)
+        return torch.cat([loss[None], torch.stack([tokens, kl.sum().detach(), entropy.sum()]), clipped.sum(-1)])
+
+
+POLICY_METRICS = ("tokens", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+"""The sums PolicyObjective returns after the loss, in order (the clipped ratios over completions at the sequence
+level, else over tokens; cispo's clipped share in the last two)."""

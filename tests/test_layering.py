@@ -14,7 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_trainer"
 
 FLOORS = [
-    {"__init__", "errors", "files", "loss", "muon", "lean_autograd"},
+    {"__init__", "errors", "files", "loss", "rewards", "muon", "lean_autograd"},
     {"config", "tokenizer"},
     {"moe"},  # the mixture of experts model.py puts in a block
     {"hf_experts"},  # an MoE's experts between the Hub's layout and ours, for hf.py and convert.py

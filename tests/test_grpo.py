@@ -1,0 +1,218 @@
+"""Online RL's loss against TRL's GRPOTrainer: TRL samples completions of the same prompts, scores them with the same
+reward functions and computes its advantages, old and reference log-probs; the policy then moves (its weights
+perturbed, as after an optimizer step); TRL's loss and gradients and ours (our model holding the same weights, the
+completions packed as our steps pack them) agree for every loss type, both importance-sampling levels and every
+reward scale, and so do the advantages and the metrics TRL logs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, group_advantages
+from fsdp_trainer.model import Transformer
+from fsdp_trainer.rewards import Reward, RewardError, exact_answer, final_answer, overlong_penalty, score
+from fsdp_trainer.steps.examples import packed
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+PROMPTS = ["To be, or not", "Now is the winter", "ROMEO. What light", "Friends, Romans"]
+G = 4
+
+
+def digit_reward(prompts, completions, completion_ids, **_):
+    """A reward that differs within a group of random completions: the first token's id mod 3; None for the sixth
+    completion, which sometimes_none skips too: no function scores it."""
+    return [None if i == 5 else float(ids[0] % 3) for i, ids in enumerate(completion_ids)]
+
+
+def sometimes_none(prompts, completions, completion_ids, answer, **_):
+    """Skips every fifth completion (None), else the length of the completion's text in tens of characters and the
+    record's `answer` column as a number: a column travels to the functions."""
+    pairs = enumerate(zip(completions, answer, strict=True))
+    return [None if i % 5 == 0 else len(text) / 10 + float(a) for i, (text, a) in pairs]
+
+
+REWARDS = [Reward("tests.test_grpo:digit_reward"), Reward("tests.test_grpo:sometimes_none", weight=0.5)]
+
+
+@pytest.fixture(scope="module")
+def grpo_setup(trl_setup):
+    """trl_setup's tokenizer and policy, saved where TRL loads a policy and its reference from."""
+    tmp, tokenizer, policy, _, cfg = trl_setup
+    path = tmp / "grpo_policy"
+    policy.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return tmp, tokenizer, path, cfg
+
+
+def _trl_rollout(grpo_setup, policy: PolicyLoss, scale: str):
+    """A GRPOTrainer on the saved policy, its first batch of rollouts with TRL's advantages and log-probs."""
+    tmp, tokenizer, path, _ = grpo_setup
+    args = trl.GRPOConfig(
+        output_dir=str(tmp / "grpo_out"), per_device_train_batch_size=2 * G, num_generations=G,
+        max_completion_length=policy.max_completion_length, temperature=policy.temperature, beta=policy.beta,
+        loss_type=policy.loss_type, importance_sampling_level=policy.importance_sampling_level,
+        epsilon=policy.epsilon, epsilon_high=policy.epsilon_high, scale_rewards=scale, num_iterations=2,
+        reward_weights=[r.weight for r in REWARDS], report_to=[], use_cpu=True, bf16=False, disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.float32}, seed=0,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_list([{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS)])
+    functions = [r.function for r in REWARDS]
+    trainer = trl.GRPOTrainer(
+        model=str(path), reward_funcs=functions, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    torch.manual_seed(0)
+    inputs = trainer._prepare_inputs(batch)  # samples, scores, and computes the old and reference log-probs
+    return trainer, batch, inputs
+
+
+def _moved(model: torch.nn.Module) -> None:
+    """The policy after an update: every weight moved by noise of 0.05 of its scale."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.5 * param.std().nan_to_num(0.02) * torch.randn(param.shape, generator=generator))
+
+
+def _completions(inputs) -> list[tuple[np.ndarray, np.ndarray]]:
+    """TRL's rollouts as (prompt, completion) token arrays, the padding (left of prompts, right of completions) off."""
+    out = []
+    for row in range(len(inputs["prompt_ids"])):
+        prompt = inputs["prompt_ids"][row][inputs["prompt_mask"][row].bool()].numpy()
+        completion = inputs["completion_ids"][row][inputs["completion_mask"][row].bool()].numpy()
+        out.append((prompt, completion))
+    return out
+
+
+CASES = [
+    ("grpo", "token", "group", 0.04),
+    ("bnpo", "token", "batch", 0.04),
+    ("dr_grpo", "token", "none", 0.04),
+    ("dapo", "token", "group", 0.04),
+    ("cispo", "token", "group", 0.0),
+    ("grpo", "sequence", "group", 0.04),
+    ("dapo", "sequence", "batch", 0.0),
+]
+
+
+@pytest.mark.parametrize(("loss_type", "level", "scale", "beta"), CASES)
+def test_loss_gradients_advantages_and_metrics_equal_trls(grpo_setup, loss_type, level, scale, beta):
+    # Clip bounds the moved policy's ratios pass (a completion's mean log-ratio moves less than its tokens').
+    epsilon, epsilon_high = {"token": (0.05, 0.08), "sequence": (0.01, 0.015)}[level]
+    epsilon_high = 1.05 if loss_type == "cispo" else epsilon_high
+    policy = PolicyLoss(loss_type, level, epsilon, epsilon_high, beta, temperature=0.7, max_completion_length=8)
+    trainer, batch, inputs = _trl_rollout(grpo_setup, policy, scale)
+    rollouts = _completions(inputs)
+    tokenizer = grpo_setup[1]
+
+    # The advantages, from our reward scoring of TRL's completions.
+    completions = tokenizer.batch_decode([c for _, c in rollouts], skip_special_tokens=True)
+    columns = {"answer": [record["answer"] for record in batch]}
+    rewards = score(REWARDS, [r["prompt"] for r in batch], completions, [c.tolist() for _, c in rollouts], columns)
+    weights = torch.tensor([r.weight for r in REWARDS])
+    advantages, _, _ = group_advantages(torch.from_numpy(rewards).float(), weights, G, scale)
+    torch.testing.assert_close(advantages, inputs["advantages"], rtol=1e-5, atol=1e-6)
+    assert advantages.abs().max() > 0.1 and advantages[5] == 0  # rewards that differ; one completion unscored
+
+    # TRL's loss and gradients after the policy moved.
+    _moved(trainer.model)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by TRL's training loop, which this test does not run
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+    trl_grads = {name: p.grad for name, p in trainer.model.named_parameters()}
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    # Ours: the same weights, the rollouts packed into one window each as a step packs them.
+    ours = Transformer(grpo_setup[3])
+    missing, unexpected = ours.load_state_dict(trainer.model.state_dict(), strict=False)
+    assert not unexpected and all(name.startswith("rope_") for name in missing)
+    mb = packed(rollouts, max(len(p) + len(c) for p, c in rollouts), torch.device("cpu"))
+    mask = inputs["completion_mask"].bool()
+    old, ref = inputs["old_per_token_logps"][mask], None if beta == 0 else inputs["ref_per_token_logps"][mask]
+    objective = PolicyObjective(policy, mb.targets, mb.trained, mb.sequences, len(rollouts), advantages, old, ref)
+    sums = ours(mb.inputs, mb.documents, loss=objective)
+    _exact_on_the_same_log_probs(trainer, inputs, policy, objective)
+    tokens = sums[1].item()
+    units = {"completions": len(rollouts), "micro_batches": 1, "tokens": tokens}[policy.units]
+    loss = sums[0] / units
+    loss.backward()
+    # Both forwards are fp32: their log-probs differ by ~1e-6 (their sums run in other orders), and the loss is a
+    # difference of terms of the advantages' size (~1), so it and the gradients agree to that, not to 1e-6 relative.
+    print(f"{loss_type}/{level}/{scale}: ours {loss.item():.9g}, TRL {trl_loss.item():.9g}")
+    assert loss.item() == pytest.approx(trl_loss.item(), abs=2e-5)
+    assert abs(trl_loss.item()) > 1e-3  # something to compare
+    for name, param in ours.named_parameters():
+        g, t = param.grad, trl_grads[name]
+        assert ((g - t).norm() / t.norm()).item() < 5e-4, name
+
+    metrics = dict(zip(POLICY_METRICS, sums[1:].detach(), strict=True))
+    clip_units = len(rollouts) if level == "sequence" else tokens
+    assert metrics["entropy"].item() / tokens == pytest.approx(trl_metrics["entropy"], rel=1e-5)
+    if beta:
+        assert metrics["kl"].item() / tokens == pytest.approx(trl_metrics["kl"], rel=1e-5)
+    names = {"cispo": {"clip_ratio/region_mean": "cispo_clip_ratio"}}.get(loss_type, {m: m for m in POLICY_METRICS[3:]})
+    for ours_name, trl_name in names.items():
+        assert metrics[ours_name].item() / clip_units == pytest.approx(trl_metrics[trl_name], abs=1e-7), ours_name
+    assert any(trl_metrics[name] > 0 for name in names.values())  # some ratio clipped: the clip is exercised
+
+
+def _exact_on_the_same_log_probs(trainer, inputs, policy: PolicyLoss, objective: PolicyObjective) -> None:
+    """The loss itself, without the two forwards' float noise: TRL's and ours on the same log-probs (a leaf), equal
+    with their gradients to 1e-6 relative."""
+    mask = inputs["completion_mask"].bool()
+    logps = inputs["old_per_token_logps"] + 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(2))
+    logps = logps.masked_fill(~mask, 0).requires_grad_()
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    (trl_grad,) = torch.autograd.grad(trl_loss, logps)
+    ours_logps = logps.detach()[mask].requires_grad_()
+    o = objective
+    sequences = o.sequences.flatten().index_select(0, o.trained)
+    losses, _, _ = policy.token_losses(ours_logps, o.old, o.ref, o.advantages, sequences, o.n_sequences)
+    units = {"completions": o.n_sequences, "micro_batches": 1, "tokens": len(ours_logps)}[policy.units]
+    loss = policy.summed(losses, sequences, o.n_sequences) / units
+    (grad,) = torch.autograd.grad(loss, ours_logps)
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad, trl_grad[mask], rtol=1e-6, atol=1e-9)
+
+
+def test_reward_functions_fail_in_one_line_naming_them():
+    prompts, completions, ids = ["p", "p"], ["a", "b"], [[1], [2]]
+    with pytest.raises(RewardError, match=r"^reward nowhere_module:f: importing nowhere_module failed \("):
+        score([Reward("nowhere_module:f")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:missing: tests.test_grpo has no function missing$"):
+        score([Reward("tests.test_grpo:missing")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=r"^reward digit_reward is not an import path: write it as module:function$"):
+        score([Reward("digit_reward")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:sometimes_none raised TypeError: .*'answer'"):
+        score([Reward("tests.test_grpo:sometimes_none")], prompts, completions, ids, {})  # no answer column
+    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:one_reward returned 1 rewards for 2 completions: "):
+        score([Reward("tests.test_grpo:one_reward")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:texts returned 'a' for completion 0: a reward is"):
+        score([Reward("tests.test_grpo:texts")], prompts, completions, ids, {})
+
+
+def one_reward(completions, **_):
+    return [1.0]
+
+
+def texts(completions, **_):
+    return completions
+
+
+def test_builtin_rewards():
+    assert final_answer("so 3 + 4 = 7 #### 1,000.0") == "1000"
+    assert final_answer(r"thus \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert final_answer("#### cba\nmore") == "cba" and final_answer("no answer") is None
+    gold = ["Natalia sold 48 ... #### 72"] * 3 + [""]
+    assert exact_answer(["#### 72", r"\boxed{72}", "#### 71", "#### 1"], gold) == [1.0, 1.0, 0.0, None]
+    # TRL's get_soft_overlong_punishment: 0 up to 80 tokens, -0.5 at 90, -1 past 100.
+    assert overlong_penalty([[1] * 80, [1] * 90, [1] * 101], max_length=100, buffer=20) == [0.0, -0.5, -1.0]
+    bound = Reward("fsdp_trainer.rewards:overlong_penalty", args={"max_length": 100, "buffer": 20})
+    assert score([bound], ["p"], ["c"], [[1] * 90], {}).tolist() == [[-0.5]]
