@@ -304,6 +304,13 @@ class KVCache:
 
         return remember
 
+    def repeat_rows(self, n: int) -> None:
+        """Each row n times over, in place (rows r * n ... r * n + n - 1 are row r's): a prompt read once, shared by
+        the n samples drawn from it."""
+        self.keys = [None if k is None else k.repeat_interleave(n, 0) for k in self.keys]
+        self.values = [None if v is None else v.repeat_interleave(n, 0) for v in self.values]
+        self.pads = None if self.pads is None else self.pads.repeat_interleave(n)
+
 
 class Transformer(nn.Module):
     """Llama 3 / Qwen3 / Mistral / Gemma 3 causal language model: token ids (B, T) -> logits (B, T, vocab_size). With
@@ -476,86 +483,3 @@ def count_params(cfg: ModelConfig, one_block: bool = False) -> int:
 # Counts by the config's repr (every field): a model is built on meta to be counted, 0.1 s at 80 blocks, and the planner
 # counts the same few models for each of its hundreds of rows.
 _COUNTED: dict[tuple[str, bool], int] = {}
-
-
-@torch.no_grad()
-def generate(
-    model: Transformer,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    generator: torch.Generator | None = None,
-    stop_id: int | None = None,
-) -> torch.Tensor:
-    """Continue `prompt` (1-D token ids) by sampling; temperature 0 means greedy; stop after `stop_id`. The prompt is
-    read once into a KVCache and each new token adds its own position; past max_seq_len positions (which RoPE's tables
-    end at) each token re-reads the last max_seq_len tokens without one."""
-    if model.cfg.num_labels is not None:
-        raise ValueError("this is a reward model: it scores text (tools/score.py), it does not generate any")
-    tokens, max_len = prompt.clone(), model.cfg.max_seq_len
-    cache = KVCache(model.cfg, min(max_len, len(prompt) + max_new_tokens))
-    new = tokens[-max_len:]
-    for _ in range(max_new_tokens):
-        if cache is not None and cache.length + len(new) > cache.max_len:
-            cache, new = None, tokens[-max_len:]
-        logits = model(new[None], cache=cache)[0, -1].float()  # (vocab_size,)
-        next_id = sample(logits, temperature, top_k, generator)
-        tokens = torch.cat([tokens, next_id.view(1)])
-        new = next_id.view(1) if cache is not None else tokens[-max_len:]
-        if stop_id is not None and next_id.item() == stop_id:
-            break
-    return tokens
-
-
-@torch.no_grad()
-def score(model: Transformer, sequences: list[torch.Tensor]) -> torch.Tensor:
-    """A reward model's score of each sequence (1-D token ids, at most max_seq_len): its score head at the sequence's
-    last token, as transformers' *ForSequenceClassification reads it (n,), fp32."""
-    if model.cfg.num_labels is None:
-        raise ValueError("this is a language model (model.num_labels null): it has no score head to score text with")
-    return torch.stack([model(ids[None])[0, -1, 0].float() for ids in sequences])
-
-
-@torch.no_grad()
-def sample_batch(
-    model: Transformer,
-    prompts: list[torch.Tensor],
-    max_new: list[int],
-    temperature: float,
-    stop_ids: torch.Tensor,
-    generators: list[torch.Generator],
-) -> list[list[int]]:
-    """Continue every prompt (1-D token ids) by sampling, in one batch: the prompts left-padded and read once into a
-    KVCache, then a pass per new token. Row i ends after a token in `stop_ids` (kept) or `max_new[i]` tokens; each
-    row draws with its own generator, so its tokens do not depend on which other rows share the batch."""
-    device, longest = stop_ids.device, max(len(prompt) for prompt in prompts)
-    pads = torch.tensor([longest - len(prompt) for prompt in prompts], device=device)
-    step_in = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        step_in[row, longest - len(prompt) :] = prompt
-    cache = KVCache(model.cfg, longest + max(max_new), pads)
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [limit == 0 for limit in max_new]
-    while not all(done):
-        logits = model(step_in, cache=cache)[:, -1].float()  # (B, vocab_size)
-        drawn = torch.stack([sample(row, temperature, None, gen) for row, gen in zip(logits, generators, strict=True)])
-        stopped = torch.isin(drawn, stop_ids).tolist()
-        for row, token in enumerate(drawn.tolist()):
-            if not done[row]:
-                new[row].append(token)
-                done[row] = stopped[row] or len(new[row]) == max_new[row]
-        step_in = drawn[:, None]
-    return new
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):
-    """A token id from `logits` (vocab_size,): the most likely at temperature 0, else drawn from the softmax of
-    logits / temperature over the `top_k` most likely."""
-    if temperature == 0:
-        return logits.argmax()
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]

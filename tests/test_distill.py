@@ -289,7 +289,8 @@ def test_answers_sampled_in_one_batch_are_those_sampled_one_prompt_at_a_time(tem
     """model.sample_batch (left-padded prompts, one KV cache) gives each row the tokens model.generate gives its prompt
     alone with the same generator, ending after the stop token or at the row's own limit."""
     from fsdp_trainer.config import ModelConfig
-    from fsdp_trainer.model import Transformer, generate, sample_batch
+    from fsdp_trainer.generation import generate, sample_batch
+    from fsdp_trainer.model import Transformer
 
     model = Transformer(ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97))
     model.init_weights(seed=1)

@@ -19,7 +19,7 @@ FLOORS = [
     {"moe"},  # the mixture of experts model.py puts in a block
     {"hf_experts"},  # an MoE's experts between the Hub's layout and ours, for hf.py and convert.py
     {"model", "optim", "hf", "data", "reference"},
-    {"distributed"},  # runtime, parallelize
+    {"distributed", "generation"},  # runtime, parallelize; sampling from a model
     {"adapters"},  # applied to the model between construction and parallelize
     {"checkpoint", "sinks"},
     {"metrics", "convert"},

@@ -216,7 +216,7 @@ def test_held_out_accuracy_and_the_exports_score_as_ours_in_transformers_and_pef
     (PEFT's modules_to_save): its PEFT adapter on the exported model, and its merged export, score as ours."""
     from fsdp_trainer.convert import import_hf, load_model
     from fsdp_trainer.data.chat import ChatEncoder, preference_of
-    from fsdp_trainer.model import score
+    from fsdp_trainer.generation import score
 
     held_out = reward_data / "held_out.jsonl"
     line = tool("score.py", trained_reward, "--pairs", held_out)
@@ -267,7 +267,7 @@ def test_a_reward_recipe_that_asks_for_what_a_reward_model_lacks_is_one_line():
     model."""
     from fsdp_trainer.config import EvalConfig, LoraConfig, ModelConfig, PreferenceConfig, Recipe
     from fsdp_trainer.data.chat import BadConversation, PreferenceEncoder
-    from fsdp_trainer.model import generate, score
+    from fsdp_trainer.generation import generate, score
 
     for section, message in [
         ({"preference": PreferenceConfig(loss="sigmoid")}, "model.num_labels 1 trains a reward model"),

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fsdp_trainer.config import ModelConfig
-from fsdp_trainer.model import Transformer, count_params, generate
+from fsdp_trainer.generation import generate
+from fsdp_trainer.model import Transformer, count_params
 from tests.helpers import REPO, TINY_MODEL, forked, run_args, script, train_cli, train_losses
 from tests.helpers import tool as run_tool
 

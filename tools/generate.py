@@ -12,7 +12,7 @@ from jsonargparse import ArgumentParser
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import load_model
 from fsdp_trainer.data.chat import ChatEncoder
-from fsdp_trainer.model import generate
+from fsdp_trainer.generation import generate
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ from jsonargparse import ArgumentParser
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import load_model
 from fsdp_trainer.data.chat import BadConversation, ChatEncoder, preference_of
-from fsdp_trainer.model import score
+from fsdp_trainer.generation import score
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,8 @@ from fsdp_trainer.checkpoint.weights import read_saved_model
 from fsdp_trainer.config import ParallelConfig
 from fsdp_trainer.distributed.parallelize import materialize, parallelize
 from fsdp_trainer.distributed.runtime import DistEnv
-from fsdp_trainer.model import KVCache, Transformer, sample
+from fsdp_trainer.generation import sample
+from fsdp_trainer.model import KVCache, Transformer
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
 

@@ -24,7 +24,7 @@ from fsdp_trainer.config import DistillConfig
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
-from fsdp_trainer.model import sample_batch
+from fsdp_trainer.generation import sample_batch
 from fsdp_trainer.steps.examples import examples_of, packed
 from fsdp_trainer.tokenizer import load_tokenizer
 
