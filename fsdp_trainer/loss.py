@@ -340,6 +340,38 @@ def _logps_entropy(
     return logps, entropy
 
 
+def token_logps(
+    hidden: torch.Tensor,
+    output: nn.Module,
+    targets: torch.Tensor,
+    trained: torch.Tensor,
+    temperature: float = 1.0,
+    chunks: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(target), the distribution's entropy) at each `trained` position (N,), of the logits / temperature,
+    fp32; the output layer in `chunks` slices of the tokens, as chunked_cross_entropy computes it."""
+    hidden, targets = trained_rows(hidden, targets, trained)
+    if chunks == 1:
+        return _logps_entropy(hidden, output, targets, temperature)
+    pieces = zip(hidden.chunk(chunks), targets.chunk(chunks), strict=True)
+    parts = [checkpoint(_logps_entropy, h, output, y, temperature, use_reentrant=False) for h, y in pieces]
+    logps, entropy = (torch.cat(x) for x in zip(*parts, strict=True))
+    return logps, entropy
+
+
+@dataclass
+class TokenLogProbs:
+    """An objective: each trained target's log-probability (N,) at `temperature` (a reference's, no gradient)."""
+
+    targets: torch.Tensor
+    trained: torch.Tensor
+    temperature: float = 1.0
+    chunks: int = 1
+
+    def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
+        return token_logps(hidden, output, self.targets, self.trained, self.temperature, self.chunks)[0]
+
+
 @dataclass
 class PolicyLoss:
     """The loss of the GRPO family on sampled completions, as TRL's GRPOTrainer defines it (its settings' names).
@@ -431,34 +463,40 @@ def clipped_ratios(policy: PolicyLoss, ratio: torch.Tensor, advantages: torch.Te
     return torch.stack([low, high, low | high]).float()
 
 
-@dataclass
 class PolicyObjective:
     """The objective of an online-RL step's forward over packed completions: their targets (the rest IGNORE), the
     positions with one (`trained`, MicroBatch.trained) and each target's completion in `sequences` (n_sequences of
     them, each whole in the micro-batch). It returns the loss summed as `policy` says, then the sums POLICY_METRICS
     names (tokens, KL, entropy; the clipped ratios over tokens, or over completions at the sequence level), (7,).
-    `old` and `ref`: the trained positions' log-probs under the policy that sampled them and the reference (N,)."""
+    `old` and `ref`: the trained positions' log-probs under the policy that sampled them and the reference (N,);
+    `sampled`: those the sampler computed, whose largest difference from the policy's the forward leaves in `gap`.
 
-    policy: PolicyLoss
-    targets: torch.Tensor
-    trained: torch.Tensor
-    sequences: torch.Tensor
-    n_sequences: int
-    advantages: torch.Tensor
-    old: torch.Tensor | None = None
-    ref: torch.Tensor | None = None
-    chunks: int = 1
+    Not a dataclass, on purpose: FSDP casts the floating tensors it finds in a forward's arguments, dataclasses'
+    fields included (on a copy), to the compute dtype, and the advantages and log-probs must stay fp32."""
+
+    def __init__(
+        self,
+        policy: PolicyLoss,
+        targets: torch.Tensor,
+        trained: torch.Tensor,
+        sequences: torch.Tensor,
+        n_sequences: int,
+        advantages: torch.Tensor,
+        old: torch.Tensor | None = None,
+        ref: torch.Tensor | None = None,
+        chunks: int = 1,
+        sampled: torch.Tensor | None = None,
+    ):
+        self.policy, self.targets, self.trained, self.sequences = policy, targets, trained, sequences
+        self.n_sequences, self.advantages, self.old, self.ref = n_sequences, advantages, old, ref
+        self.chunks, self.sampled = chunks, sampled
+        self.gap: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
-        hidden, targets = trained_rows(hidden, self.targets, self.trained)
         sequences, n = self.sequences.flatten().index_select(0, self.trained), self.n_sequences
-        t = self.policy.temperature
-        if self.chunks == 1:
-            logps, entropy = _logps_entropy(hidden, output, targets, t)
-        else:
-            pieces = zip(hidden.chunk(self.chunks), targets.chunk(self.chunks), strict=True)
-            parts = [checkpoint(_logps_entropy, h, output, y, t, use_reentrant=False) for h, y in pieces]
-            logps, entropy = (torch.cat(x) for x in zip(*parts, strict=True))
+        logps, entropy = token_logps(hidden, output, self.targets, self.trained, self.policy.temperature, self.chunks)
+        if self.sampled is not None:
+            self.gap = (logps.detach() - self.sampled).abs().max() if len(logps) else logps.new_zeros(())
         old = logps.detach() if self.old is None else self.old
         losses, ratio, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n)
         loss = self.policy.summed(losses, sequences, n)

@@ -53,8 +53,9 @@ class LogLine:
                 + (f" | scale {record['loss_scale']:g}" if "loss_scale" in record else "")
                 + self._shown(record)
             )
-        elif "val_loss" in record:
-            logger.info(f"step {record['step']:>6} | val_loss {record['val_loss']:.4f}" + self._shown(record, "val_"))
+        elif any(key.startswith("val_") for key in record):  # online RL's evaluation scores rewards, not a loss
+            loss = f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            logger.info(f"step {record['step']:>6}{loss}" + self._shown(record, "val_"))
         elif any(key.startswith("eval/") for key in record):
             logger.info(f"step {record['step']:>6} | " + " | ".join(score_lines(record)))
         elif "state_gb" in record:

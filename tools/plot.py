@@ -1,4 +1,5 @@
-"""Draw the curves of one or several runs to a PNG: loss and val loss, learning rate, tokens/s, peak memory.
+"""Draw the curves of one or several runs to a PNG: loss and val loss (online RL: reward), learning rate, tokens/s,
+peak memory.
 
     python tools/plot.py RUN_DIR [RUN_DIR ...] [--out PNG] [--smooth K]
 
@@ -55,18 +56,21 @@ def plot(runs: dict[str, list[dict]], out: Path, smooth: int = 1) -> dict[tuple[
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     drawn = {}
-    for (key, title), ax in zip(PANELS, axes.flat, strict=True):
+    panels = PANELS
+    if any("reward" in r for records in runs.values() for r in records):  # online RL: the reward says how it goes
+        panels = [("reward", "reward (train solid, val dashed)"), *PANELS[1:]]
+    for (key, title), ax in zip(panels, axes.flat, strict=True):
         for i, (name, records) in enumerate(runs.items()):
             colour = f"C{i}"
             steps, values = series(records, key)
-            if key == "loss" and smooth > 1:
+            if key in ("loss", "reward") and smooth > 1:
                 values = moving_average(values, smooth)
             ax.plot(steps, values, color=colour, label=name)
             drawn[name, key] = steps, values
-            if key == "loss":
-                val_steps, val = series(records, "val_loss")
+            if key in ("loss", "reward"):
+                val_steps, val = series(records, f"val_{key}")
                 ax.plot(val_steps, val, color=colour, linestyle="--", marker="o", markersize=3)
-                drawn[name, "val_loss"] = val_steps, val
+                drawn[name, f"val_{key}"] = val_steps, val
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -14,13 +14,21 @@ from dataclasses import fields
 
 from fsdp_trainer.config import one_line_errors, parse_args, recipe_parser
 from fsdp_trainer.data.options import PrepareOptions
-from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES, BUNDLED_UNPAIRED, prepare
+from fsdp_trainer.data.prepare import (
+    BUNDLED_CHAT,
+    BUNDLED_CORPUS,
+    BUNDLED_PREFERENCES,
+    BUNDLED_PROMPTS,
+    BUNDLED_UNPAIRED,
+    prepare,
+)
 
 BUNDLED = {
     "text": BUNDLED_CORPUS,
     "chat": BUNDLED_CHAT,
     "preference": BUNDLED_PREFERENCES,
     "unpaired": BUNDLED_UNPAIRED,
+    "prompts": BUNDLED_PROMPTS,
 }
 
 
@@ -31,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         help="files or globs: .txt, .jsonl, .json, .parquet, gzipped or not (a document per record; with --format chat "
         "a conversation, with --format preference a prompt / chosen / rejected pair, with --format unpaired a prompt / "
-        "completion / label record); default: the bundled Shakespeare corpus (--format chat: its conversations; "
-        "--format preference: pairs made from them; --format unpaired: those pairs split into labelled answers)",
+        "completion / label record, with --format prompts a prompt and its columns); default: the bundled Shakespeare "
+        "corpus (--format chat: its conversations; --format preference: pairs made from them; --format unpaired: those "
+        "pairs split into labelled answers; --format prompts: the arithmetic prompts of docs/online_rl.md)",
     )
     parser.add_class_arguments(PrepareOptions, nested_key=None, skip={"inputs"})  # its docstrings are --help
     recipe, args = parse_args(parser, argv)

@@ -42,9 +42,11 @@ from fsdp_trainer.config.tuning import (
     LORA_PROJECTIONS,
     LORA_TARGETS,
     DistillConfig,
+    GRPOConfig,
     LoraConfig,
     PreferenceConfig,
     RewardConfig,
+    RewardFunction,
 )
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "DataConfig",
     "DistillConfig",
     "EvalConfig",
+    "GRPOConfig",
     "LORA_PROJECTIONS",
     "LORA_TARGETS",
     "LoraConfig",
@@ -67,6 +70,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "RewardConfig",
+    "RewardFunction",
     "RopeScaling",
     "SECTIONS",
     "TrainConfig",

@@ -15,7 +15,7 @@ from fsdp_trainer.config.sections import (
     WandbConfig,
     require,
 )
-from fsdp_trainer.config.tuning import DistillConfig, LoraConfig, PreferenceConfig, RewardConfig
+from fsdp_trainer.config.tuning import DistillConfig, GRPOConfig, LoraConfig, PreferenceConfig, RewardConfig
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Recipe:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -55,6 +56,14 @@ class Recipe:
             self.model.num_labels is None or (self.preference.loss is None and self.distill.teacher is None),
             "model.num_labels 1 trains a reward model (on preference pairs, as TRL's RewardTrainer); preference.loss "
             "and distill.teacher train a language model: set them null, or model.num_labels null",
+        )
+        others = [key for key, on in (("preference.loss", self.preference.loss is not None),
+                  ("distill.teacher", self.distill.teacher is not None),
+                  ("model.num_labels", self.model.num_labels is not None)) if on]  # fmt: skip
+        require(
+            not self.grpo.rewards or not others,
+            f"grpo.rewards trains by online RL, and {', '.join(others)} asks for another kind: set "
+            f"{' and '.join(others)} null, or grpo.rewards []",
         )
         require(
             self.model.num_labels is None or not self.eval.tasks,

@@ -174,3 +174,78 @@ class DistillConfig:
         require(0 <= self.lmbda <= 1, f"distill.lmbda={self.lmbda} must be in [0, 1]")
         require(self.max_new_tokens >= 1, f"distill.max_new_tokens={self.max_new_tokens} must be >= 1")
         require(self.sample_temperature >= 0, f"distill.sample_temperature={self.sample_temperature} must be >= 0")
+
+
+@dataclass
+class RewardFunction:
+    """A reward of online RL: a function with TRL's reward signature, named by import path (rewards.py)."""
+
+    function: str
+    """`module:function`, e.g. fsdp_trainer.rewards:exact_answer, or a function of your own module (importable where
+    training runs): f(prompts, completions, completion_ids, **columns) -> a float or None per completion."""
+    weight: float = 1.0
+    """Its weight in the sum of the rewards (TRL's reward_weights)."""
+    args: dict = field(default_factory=dict)
+    """Keyword arguments bound to it (a factory's settings: overlong_penalty's max_length and buffer)."""
+
+
+@dataclass
+class GRPOConfig:
+    """Online RL with verifiable rewards (GRPO, Shao et al. 2024, and its family), as TRL's GRPOTrainer defines it:
+    each step the model being trained samples num_generations completions of each prompt (prepared with
+    prepare_data.py --format prompts; a micro-batch holds data.micro_batch_size prompts), the reward functions
+    score them, each completion's advantage is its reward against its group's, and the loss is PPO's clipped
+    surrogate of the completions' tokens (loss.PolicyLoss). Off unless reward functions are named."""
+
+    rewards: list[RewardFunction] = field(default_factory=list)
+    """The reward functions, summed with their weights; none: not an online-RL run."""
+    num_generations: int = 8
+    """Completions sampled per prompt (G), whose rewards are each other's baseline."""
+    max_completion_length: int = 256
+    """The longest completion sampled (fewer where the prompt leaves less of data.seq_len); a completion ends sooner
+    at the chat template's end-of-turn token or the tokenizer's EOS, which it keeps."""
+    temperature: float = 1.0
+    """The temperature completions are sampled at, and the log-probabilities of the loss are taken at (TRL's)."""
+    top_p: float = 1.0
+    """Nucleus sampling: draw from the fewest most likely tokens whose probabilities reach top_p (1: all)."""
+    top_k: int = 0
+    """Draw from the top_k most likely tokens (0: all)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"
+    """How the token losses are averaged (TRL's loss_type): grpo over each completion's tokens, then over the
+    completions (length-biased); bnpo over a micro-batch's tokens; dr_grpo over completions x max_completion_length
+    (Dr. GRPO, Liu et al. 2025); dapo over the global batch's tokens (DAPO, Yu et al. 2025; TRL's default); cispo:
+    the clipped importance-sampling weight times the log-probability (MiniMax-M1), averaged as dapo."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token (GRPO); sequence: a completion's mean log-ratio, one ratio for all its tokens (GSPO,
+    Zheng et al. 2025)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """An advantage is a reward minus its group's mean, divided by the std of the group (group), of the whole global
+    batch (batch), or not divided (none: Dr. GRPO)."""
+    epsilon: float = 0.2
+    """The clip's lower bound: ratios below 1 - epsilon give no gradient where the advantage is negative."""
+    epsilon_high: float | None = None
+    """The clip's upper bound, 1 + epsilon_high (DAPO's clip-higher: 0.28); null: epsilon. cispo: the weight's cap
+    (ScaleRL's 5.0)."""
+    beta: float = 0.0
+    """The weight of the KL to the reference (the model the run started from; TRL's default 0: no reference is held).
+    With LoRA the reference is the same weights with the adapters off."""
+    use_bias_correction_kl: bool = True
+    """beta > 0: the KL term is weighted by the ratio, so its gradient is unbiased off-policy (TRL's default)."""
+    mask_truncated_completions: bool = False
+    """A completion cut at max_completion_length (no end-of-turn token) trains on nothing (DAPO); it still counts in
+    its group's rewards and in the loss's averages."""
+
+    def __post_init__(self) -> None:
+        require(self.num_generations >= 2, f"grpo.num_generations={self.num_generations}: a group needs at least 2")
+        n = self.max_completion_length
+        require(n >= 1, f"grpo.max_completion_length={n} must be >= 1")
+        require(self.temperature > 0, f"grpo.temperature={self.temperature} must be > 0 (sampling, not greedy)")
+        require(0 < self.top_p <= 1, f"grpo.top_p={self.top_p} must be in (0, 1]")
+        require(self.top_k >= 0, f"grpo.top_k={self.top_k} must be >= 0 (0: no top-k)")
+        require(self.epsilon > 0, f"grpo.epsilon={self.epsilon} must be > 0")
+        require(self.beta >= 0, f"grpo.beta={self.beta} must be >= 0")
+        for k, reward in enumerate(self.rewards):
+            require(
+                reward.function.count(":") == 1 and all(reward.function.split(":")),
+                f"grpo.rewards[{k}].function={reward.function!r} is not an import path: write it as module:function",
+            )

@@ -85,7 +85,7 @@ SHAREGPT_ROLES = {
 """ShareGPT's speakers (`from`, as axolotl and LlamaFactory read them) as chat roles."""
 
 FORMATS = {"chat": ("messages", "conversations", "response"), "preference": ("chosen", "rejected"),
-           "unpaired": ("completion", "label")}  # fmt: skip
+           "unpaired": ("completion", "label"), "prompts": ()}  # fmt: skip
 """Keys that only records of one --format have, to tell a user which format a record is of."""
 
 
@@ -93,7 +93,8 @@ def other_format(record: dict, expected: str) -> str:
     """`: it is a preference record; prepare it with --format preference` where a record's keys are another format's."""
     for name, keys in FORMATS.items():
         if name != expected and any(key in record for key in keys):
-            what = {"chat": "a conversation", "preference": "a preference pair", "unpaired": "an unpaired record"}
+            what = {"chat": "a conversation", "preference": "a preference pair", "unpaired": "an unpaired record",
+                    "prompts": "a prompt"}  # fmt: skip
             return f" ({', '.join(sorted(record))}): it is {what[name]}; prepare it with --format {name}"
     return ""
 
@@ -241,6 +242,10 @@ class ChatEncoder:
         """What a record says of its example beside its tokens: a preference pair's margin (PreferenceEncoder)."""
         return None
 
+    def columns(self, record: object) -> str | None:
+        """The record's columns as a JSON line, where its kind keeps them beside its tokens (PromptEncoder)."""
+        return None
+
     def end_of_turn(self) -> int:
         """The token each answer ends with (the template's end-of-turn token, or the tokenizer's EOS), where a model
         trained on these answers stops."""
@@ -337,6 +342,36 @@ class UnpairedEncoder(ChatEncoder):
         return ids, marks
 
 
+def prompt_of(record: object) -> str | list[dict]:
+    """The prompt of a prompt record (online RL's, TRL's layout): its `prompt`, a text or the conversation so far."""
+    (prompt,) = fields(record, ("prompt",), "a prompt record", "prompts")
+    if isinstance(prompt, list):
+        _check_messages(prompt, "'prompt' ")
+        if not prompt:
+            raise BadConversation("'prompt' is an empty conversation")
+    elif not isinstance(prompt, str) or not prompt:
+        raise BadConversation("'prompt' must be a text or a message list")
+    return prompt
+
+
+class PromptEncoder(ChatEncoder):
+    """Prompt records (online RL's) -> the ids a completion is sampled from: a conversation rendered with the chat
+    template and its generation prompt, a text as it is (BOS first where the tokenizer adds one), as TRL's
+    GRPOTrainer tokenizes them; nothing trained. The whole record (the prompt and every other column, e.g. the answer
+    a reward function checks against) is kept beside the tokens as a JSON line."""
+
+    def encode(self, record: object) -> tuple[np.ndarray, np.ndarray]:
+        prompt = prompt_of(record)
+        ids = self.prompt(prompt) if isinstance(prompt, list) else self.tokenizer.encode_prompt(prompt)
+        return np.array(ids, dtype=np.int64), np.zeros(len(ids), dtype=bool)
+
+    def columns(self, record: object) -> str:
+        try:
+            return json.dumps(record, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise BadConversation(f"its columns are not JSON ({e})") from e
+
+
 TRAINED, SEQUENCE = 1, 2
 """The bits an encoder's marks may carry for each token (a bool `trained` array is TRAINED alone): the loss trains on
 it, and it starts a sequence of its own (the rejected conversation of a preference pair), which the packer flags
@@ -347,9 +382,10 @@ ENCODERS: dict[str, type[ChatEncoder]] = {
     "chat": ChatEncoder,
     "preference": PreferenceEncoder,
     "unpaired": UnpairedEncoder,
+    "prompts": PromptEncoder,
 }
 """The encoder of each --format of conversations."""
-RECORDS = {"chat": "examples", "preference": "preference pairs", "unpaired": "unpaired answers"}
+RECORDS = {"chat": "examples", "preference": "preference pairs", "unpaired": "unpaired answers", "prompts": "prompts"}
 """What each --format of conversations calls its records once encoded."""
 
 
@@ -441,3 +477,18 @@ class Packer:
         """The windows still open, in the order they were opened."""
         closed, self.open = [self._close(window) for window in self.open], []
         return closed
+
+
+class PromptPacker(Packer):
+    """Prompts (online RL's) -> a window each, untrained, the rest of it padding: the room the completions sampled
+    from it are packed into; a prompt that leaves no room is dropped (counted)."""
+
+    def add(self, ids: np.ndarray, marks: np.ndarray, margin: float = 0.0) -> list[Window]:
+        if len(ids) >= self.seq_len:
+            self.dropped += 1
+            return []
+        self.examples += 1
+        self.placed += len(ids)
+        flags = np.zeros(len(ids), dtype=np.uint8)
+        flags[0] = START
+        return [self._close(([ids], [flags], [np.zeros(len(ids), np.float32)], [self.seq_len - len(ids)]))]

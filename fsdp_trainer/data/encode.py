@@ -56,6 +56,8 @@ class Part:
     answers: its TRAINED, SEQUENCE and DESIRABLE bits (chat.PreferenceEncoder, chat.UnpairedEncoder)."""
     margins: np.ndarray | None = None
     """Preference pairs of a task where some record has a margin: each document's (0 for one without)."""
+    columns: list[str] | None = None
+    """Prompts: each document's record as a JSON line (chat.PromptEncoder.columns)."""
 
 
 @dataclass
@@ -68,16 +70,17 @@ class Result:
     chars: int
 
 
-def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray], list, list[int], list]:
-    """(ids, trained, margin, index) of each good conversation of a task, and (where, what) of each bad one."""
-    ids, trained, margins, indices, bad = [], [], [], [], []
+def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray], list, list[int], list, list]:
+    """(ids, trained, margin, index, columns) of each good conversation of a task, and (where, what) of each bad
+    one."""
+    ids, trained, margins, indices, bad, columns = [], [], [], [], [], []
     chat = _worker["chat"]
     for i, record in enumerate(task.records):
         if task.kind == "jsonl" and not record.strip():
             continue
         try:
             record = json.loads(record) if task.kind == "jsonl" else record
-            example, margin = chat.encode(record), chat.margin(record)
+            example, margin, record_columns = chat.encode(record), chat.margin(record), chat.columns(record)
         except ValueError as e:  # not JSON (or not UTF-8), or a BadConversation
             bad.append((where(task.path, task.kind, task.number + i), str(e)))
             continue
@@ -85,19 +88,21 @@ def _encode_conversations(task: Task) -> tuple[list[np.ndarray], list[np.ndarray
         trained.append(example[1])
         margins.append(margin)
         indices.append(task.first + i)
-    return ids, trained, margins, indices, bad
+        columns.append(record_columns)
+    return ids, trained, margins, indices, bad, columns
 
 
 def _process(task: Task) -> Result:
     """A task parsed, tokenized and split between training and validation."""
     w = _worker
     if w["chat"] is not None:
-        encoded, trained, margins, indices, bad = _encode_conversations(task)
+        encoded, trained, margins, indices, bad, columns = _encode_conversations(task)
         lengths = np.array([len(ids) for ids in encoded], dtype=np.int64)
         ids = np.concatenate(encoded or [np.zeros(0, np.int64)]).astype(w["dtype"])
         trained = np.concatenate(trained or [np.zeros(0, np.uint8)])
         margins = np.array([m or 0.0 for m in margins], np.float32) if any(m is not None for m in margins) else None
-        train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained, margins)
+        columns = columns if any(c is not None for c in columns) else None
+        train, val = _split_documents(np.array(indices, dtype=np.int64), lengths, ids, trained, margins, columns)
         return Result(train, val, bad, len(indices), sum(len(r) for r in task.records if isinstance(r, bytes)))
     texts, indices, bad = [], [], []
     for i, record in enumerate(task.records):
@@ -129,8 +134,10 @@ def _split_documents(
     ids: np.ndarray,
     trained: np.ndarray | None = None,
     margins: np.ndarray | None = None,
+    columns: list[str] | None = None,
 ) -> tuple[Part, Part]:
-    """Whole documents to training or validation (is_validation), their ids (training mask, margins) with them."""
+    """Whole documents to training or validation (is_validation), their ids (training mask, margins, columns) with
+    them."""
     to_val = is_validation(indices, _worker["val_fraction"])
     token_to_val = np.repeat(to_val, lengths)
 
@@ -141,6 +148,7 @@ def _split_documents(
             ids[token_take],
             None if trained is None else trained[token_take],
             None if margins is None else margins[take],
+            None if columns is None else [c for c, taken in zip(columns, take, strict=True) if taken],
         )
 
     return part(~to_val, ~token_to_val), part(to_val, token_to_val)

@@ -14,7 +14,9 @@ one first, each with its START: so the responses that have targets alternate cho
 Unpaired preference data (meta `unpaired: true`, KTO's) is packed as fine-tuning examples are, each one prompt and
 one completion, with DESIRABLE on the START of each whose completion is labelled good. Preference data whose records
 carry TRL's `margin` (meta `margins: true`) has `<file>.margins` beside it: a little-endian float32 per token, each
-pair's margin on its chosen conversation's first token, 0 elsewhere.
+pair's margin on its chosen conversation's first token, 0 elsewhere. Prompts (meta `prompts: true`, online RL's)
+are packed a prompt a window, untrained, the rest of the window padding (room for what is sampled from it), with
+`<file>.columns.jsonl` beside it: window k's record (its prompt and every other column) on line k.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ FLAGS_SUFFIX = ".flags"
 """`<file>.flags`: a packed file's byte of flags per token."""
 MARGINS_SUFFIX = ".margins"
 """`<file>.margins`: a packed file of preference pairs with margins, a float32 per token."""
+COLUMNS_SUFFIX = ".columns.jsonl"
+"""`<file>.columns.jsonl`: a file of prompts' records, a JSON line per window."""
 
 
 MANIFEST = "manifest.json"
@@ -43,7 +47,7 @@ MANIFEST = "manifest.json"
 
 TARGET, START, DESIRABLE = 1, 2, 4
 """The bits of a packed file's flags."""
-RECORD_KINDS = ("preference", "unpaired")
+RECORD_KINDS = ("preference", "unpaired", "prompts")
 """The packed files whose examples are not plain fine-tuning examples, each marked by its meta key set true."""
 
 
@@ -131,6 +135,18 @@ class TokenFile:
             if not os.path.isfile(margins_path) or os.path.getsize(margins_path) != 4 * len(self.tokens):
                 raise ValueError(f"{margins_path} is missing or not a float32 per token: prepare the data again")
             self.margins = np.memmap(margins_path, dtype="<f4", mode="r")
+        self._columns: list[str] | None = None
+        if self.records == "prompts" and not os.path.isfile(f"{self.path}{COLUMNS_SUFFIX}"):
+            raise ValueError(f"{self.path}{COLUMNS_SUFFIX} is missing: prepare the data again")
+
+    def columns(self, windows: np.ndarray | list[int]) -> list[dict]:
+        """The records of these windows of a file of prompts (read once, then held: a prompt's record is small)."""
+        if self._columns is None:
+            with open(f"{self.path}{COLUMNS_SUFFIX}", encoding="utf-8") as f:
+                self._columns = f.read().splitlines()
+            if len(self._columns) != len(self.tokens) // self.packed_seq_len:
+                raise ValueError(f"{self.path}{COLUMNS_SUFFIX} is not a line per window: prepare the data again")
+        return [json.loads(self._columns[int(k)]) for k in windows]
 
     def __len__(self) -> int:
         return len(self.tokens)

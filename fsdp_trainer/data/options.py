@@ -30,11 +30,13 @@ class PrepareOptions:
     so both outputs complete shards at the same pace through the input and a restart redoes at most about one."""
     skip_bad_records: bool = False
     """Skip (and count) bad records instead of stopping at the first."""
-    format: Literal["text", "chat", "preference", "unpaired"] = "text"
+    format: Literal["text", "chat", "preference", "unpaired", "prompts"] = "text"
     """text: documents; chat: conversations, rendered with the tokenizer's chat template and packed into
     data.seq_len windows; preference: pairs of answers (prompt / chosen / rejected), each pair's two conversations
     packed together, each up to data.seq_len / 2 tokens; unpaired: single answers labelled good or bad (prompt /
-    completion / label, KTO's data), packed as chat examples."""
+    completion / label, KTO's data), packed as chat examples; prompts: prompts for online RL (TRL's layout: a
+    `prompt`, text or messages, and any other columns, which reach the reward functions), a prompt a window of
+    data.seq_len, the rest of it the room its completions are sampled into."""
     train_on: str = "assistant"
     """chat: the tokens trained on, assistant (its turns) or all; preference and unpaired: assistant (the answers)
     only."""
@@ -48,12 +50,14 @@ class PrepareOptions:
             raise ValueError(f"--val_fraction={self.val_fraction} must lie in [0, 1)")
         if self.shard_tokens < 1:
             raise ValueError(f"--shard_tokens={self.shard_tokens} must be positive")
-        if self.format not in ("text", "chat", "preference", "unpaired"):
-            raise ValueError(f"--format={self.format!r} must be text, chat, preference or unpaired")
+        if self.format not in ("text", "chat", "preference", "unpaired", "prompts"):
+            raise ValueError(f"--format={self.format!r} must be text, chat, preference, unpaired or prompts")
         if self.format != "text":
             check_options(self.train_on, self.long_examples)
-        if self.format in ("preference", "unpaired") and self.train_on != "assistant":
-            what = "a preference pair is" if self.format == "preference" else "an unpaired answer is"
+        if self.format in ("preference", "unpaired", "prompts") and self.train_on != "assistant":
+            what = {"preference": "a preference pair is", "unpaired": "an unpaired answer is"}.get(self.format)
+            if what is None:
+                raise ValueError("--train_on applies to --format chat: prompts are not trained on, only sampled from")
             raise ValueError(
                 f"--train_on={self.train_on} applies to --format chat: {what} measured on its answers alone (their "
                 "log-probabilities given the prompt)"

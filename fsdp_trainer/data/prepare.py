@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from fsdp_trainer.config import Recipe
-from fsdp_trainer.data.chat import RECORDS, Packer
+from fsdp_trainer.data.chat import RECORDS, Packer, PromptPacker
 from fsdp_trainer.data.encode import process
 from fsdp_trainer.data.format import disk_dtype
 from fsdp_trainer.data.options import PrepareOptions
@@ -53,6 +53,9 @@ BUNDLED_PREFERENCES = Path(__file__).parents[1] / "assets" / "shakespeare_prefer
 """The default preference pairs: those conversations' last answers (chosen) against their words shuffled (rejected)."""
 BUNDLED_UNPAIRED = Path(__file__).parents[1] / "assets" / "shakespeare_unpaired.jsonl.gz"
 """The default unpaired answers: the preference pairs split into a desirable and an undesirable answer, shuffled."""
+
+BUNDLED_PROMPTS = Path(__file__).parents[1] / "assets" / "arithmetic_prompts.jsonl.gz"
+"""The default prompts: 3,000 sums of two numbers below 100, each with its answer (see assets/make_arithmetic.py)."""
 
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
 
@@ -87,7 +90,7 @@ def prepare(recipe: Recipe, options: PrepareOptions) -> None:
     def writer(path: str, tokens_per_shard: int):
         if chat:
             pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0  # never attended to across, never a target
-            packer = Packer(data.seq_len, pad_id, o.long_examples)
+            packer = (PromptPacker if o.format == "prompts" else Packer)(data.seq_len, pad_id, o.long_examples)
             return PackedWriter(path, tokenizer.vocab_size, fingerprint, packer, o.format)
         if writer_kind(path) is FileWriter:
             return FileWriter(path, tokenizer.vocab_size, fingerprint)

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fsdp_trainer.data.chat import RECORDS, Packer, Window
+from fsdp_trainer.data.chat import RECORDS, Packer, PromptPacker, Window
 from fsdp_trainer.data.encode import Part
 from fsdp_trainer.data.format import (
+    COLUMNS_SUFFIX,
     FLAGS_SUFFIX,
     MANIFEST,
     MARGINS_SUFFIX,
@@ -114,6 +115,8 @@ class PackedWriter(FileWriter):
         self.packer, self.records = packer, records  # chat, preference or unpaired (chat.ENCODERS)
         self.flags = open(path + FLAGS_SUFFIX + ".tmp", "wb")
         self.margins = None  # opened at the first window with a margin, the windows before it given zeros
+        prompts = isinstance(packer, PromptPacker)  # their records go beside them
+        self.columns = open(path + COLUMNS_SUFFIX + ".tmp", "w", encoding="utf-8") if prompts else None
 
     def add(self, part: Part) -> None:
         ends = np.cumsum(part.lengths)
@@ -121,6 +124,8 @@ class PackedWriter(FileWriter):
             margin = 0.0 if part.margins is None else float(part.margins[k])
             for window in self.packer.add(part.ids[start:end].astype(np.int64), part.trained[start:end], margin):
                 self._write(window)
+                if self.columns is not None:  # a prompt closes its own window at once: this one is the k-th's
+                    self.columns.write(part.columns[k] + "\n")
 
     def _write(self, window: Window) -> None:
         self.file.write(window.tokens.astype(self.dtype).tobytes())
@@ -133,7 +138,7 @@ class PackedWriter(FileWriter):
         self.n_tokens += len(window.tokens)
 
     def abandon(self) -> None:
-        for file in filter(None, (self.flags, self.margins)):
+        for file in filter(None, (self.flags, self.margins, self.columns)):
             try:
                 file.close()
             except OSError:
@@ -144,8 +149,8 @@ class PackedWriter(FileWriter):
         for window in self.packer.finish():
             self._write(window)
         self.flags.close()
-        if self.margins is not None:
-            self.margins.close()
+        for file in filter(None, (self.margins, self.columns)):
+            file.close()
         super()._finish(stamp)
 
     def staged(self) -> list[tuple[str | None, str]]:
@@ -153,7 +158,9 @@ class PackedWriter(FileWriter):
         set."""
         flags, margins = self.path + FLAGS_SUFFIX, self.path + MARGINS_SUFFIX
         margins_staged = margins + ".tmp" if self.margins is not None else None
-        return [(flags + ".tmp", flags), (margins_staged, margins), *super().staged()]
+        columns = self.path + COLUMNS_SUFFIX
+        columns_staged = columns + ".tmp" if self.columns is not None else None
+        return [(flags + ".tmp", flags), (margins_staged, margins), (columns_staged, columns), *super().staged()]
 
     def extra_meta(self) -> dict:
         p = self.packer
@@ -169,14 +176,22 @@ class PackedWriter(FileWriter):
         }
 
     def summary(self) -> str:
-        p = self.packer
-        fill = p.placed / max(p.windows * p.seq_len, 1)
-        what = RECORDS[self.records]
+        return packed_summary(self.packer, self.records)
+
+
+def packed_summary(p: Packer, records: str) -> str:
+    """What a packer made of its examples, in a line: how many, how full the windows are, what it dropped."""
+    fill = p.placed / max(p.windows * p.seq_len, 1)
+    if records == "prompts":
         return (
-            f"{p.examples:,} {what} in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, {p.targets:,} "
-            f"supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than data.seq_len, "
-            f"{p.untrained:,} dropped with no answer left within it)"
+            f"{p.examples:,} prompts, a window of {p.seq_len} each ({fill:.1%} of them the prompts, the rest room for "
+            f"their completions); {p.dropped:,} dropped as leaving no room in data.seq_len"
         )
+    return (
+        f"{p.examples:,} {RECORDS[records]} in {p.windows:,} windows of {p.seq_len} ({fill:.1%} filled, "
+        f"{p.targets:,} supervised tokens; {p.truncated:,} truncated and {p.dropped:,} dropped as longer than "
+        f"data.seq_len, {p.untrained:,} dropped with no answer left within it)"
+    )
 
 
 class _Chunk:

@@ -7,6 +7,7 @@ from typing import Any
 
 from fsdp_trainer.steps.base import DATA_KINDS, Step, data_kind
 from fsdp_trainer.steps.distill import DistillStep
+from fsdp_trainer.steps.grpo import GRPOStep
 from fsdp_trainer.steps.kto import KTOStep
 from fsdp_trainer.steps.next_token import NextTokenStep
 from fsdp_trainer.steps.orpo import ORPOStep
@@ -15,6 +16,7 @@ from fsdp_trainer.steps.reward import RewardStep
 from fsdp_trainer.steps.simpo import SimPOStep
 
 KINDS: tuple[type[Step], ...] = (
+    GRPOStep,
     PreferenceStep,
     SimPOStep,
     ORPOStep,

@@ -38,18 +38,20 @@ from fsdp_trainer.loss import share_of_global_mean
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, forget_routing
 
-DataKind = Literal["tokens", "pairs", "unpaired"]
-"""What a token file holds: token windows or packed examples, packed preference pairs, or packed unpaired answers."""
+DataKind = Literal["tokens", "pairs", "unpaired", "prompts"]
+"""What a token file holds: token windows or packed examples, packed preference pairs, packed unpaired answers, or
+prompts (a window each) with their records."""
 DATA_KINDS: dict[str, str] = {
     "tokens": "token windows or examples",
     "pairs": "preference pairs",
     "unpaired": "unpaired answers (prompt, completion, label)",
+    "prompts": "prompts (a prompt and its columns a record)",
 }
 
 
 def data_kind(tokens: Any) -> DataKind:
     """The kind of data a token file (or a mixture) holds."""
-    return {"preference": "pairs", "unpaired": "unpaired"}.get(tokens.records, "tokens")
+    return {"preference": "pairs", "unpaired": "unpaired", "prompts": "prompts"}.get(tokens.records, "tokens")
 
 
 class Kind:

@@ -26,7 +26,13 @@ from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
 from fsdp_trainer.generation import sample_batch
 from fsdp_trainer.steps.examples import examples_of, packed
-from fsdp_trainer.tokenizer import load_tokenizer
+from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
+
+
+def stop_ids(tokenizer: Tokenizer) -> list[int]:
+    """Where a sampled answer ends: the chat template's end of turn (which chat data's answers end with) and the
+    tokenizer's EOS."""
+    return sorted({ChatEncoder(tokenizer).end_of_turn(), *([] if tokenizer.eos_id is None else [tokenizer.eos_id])})
 
 
 class OnPolicy:
@@ -37,9 +43,7 @@ class OnPolicy:
 
     @functools.cached_property
     def stop_ids(self) -> list[int]:
-        """Where an answer ends: the chat template's end of turn (which the data's answers end with) and the EOS."""
-        tokenizer = load_tokenizer(self.tokenizer_path)
-        return sorted({ChatEncoder(tokenizer).end_of_turn(), *([] if tokenizer.eos_id is None else [tokenizer.eos_id])})
+        return stop_ids(load_tokenizer(self.tokenizer_path))
 
     def due(self, step: int) -> bool:
         """Whether optimizer step `step` trains on sampled answers: with probability lmbda, drawn from (seed, step)."""

@@ -1,0 +1,201 @@
+"""Online RL with verifiable rewards: GRPO and its family (DAPO, Dr. GRPO, GSPO, CISPO), as TRL's GRPOTrainer
+defines them (config.GRPOConfig, loss.PolicyLoss).
+
+A step samples num_generations completions of each of its prompts with the model being trained, scores them and
+computes their advantages (rollouts.py), then trains on them micro-batch by micro-batch: the reference's log-probs
+first where grpo.beta > 0 (the policy with its adapters off, or a frozen copy of the model the run started from),
+then the policy's forward and backward through loss.PolicyObjective. The policy that sampled is the one trained
+(one optimizer step a rollout: TRL's num_iterations 1), so the importance ratios are the policy's own log-probs
+against themselves detached, and the largest difference between what the sampler and the trainer computed of a
+sampled token is logged every step (sampling/sampling_logp_difference/max: float noise, not drift).
+
+Evaluation samples one completion of each validation prompt greedily and reports the rewards (val_reward, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_trainer.config import GRPOConfig
+from fsdp_trainer.data.format import open_tokens
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan
+from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
+from fsdp_trainer.rewards import Reward, RewardError, score
+from fsdp_trainer.steps.base import Kind, Step, accumulate
+from fsdp_trainer.steps.on_policy import stop_ids
+from fsdp_trainer.steps.reference import Reference
+from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate
+from fsdp_trainer.tokenizer import load_tokenizer
+
+
+def probe(recipe: Any) -> None:
+    """Each reward function imports, and scores two empty-ish completions of the first training prompt: RewardError
+    (one line naming it) when it does not, before any worker starts."""
+    record = open_tokens(recipe.data.train_path).columns([0])[0]
+    prompt = record["prompt"]
+    texts: list = ["", "0"]
+    if isinstance(prompt, list):
+        texts = [[{"role": "assistant", "content": text}] for text in texts]
+    columns = {key: [value, value] for key, value in record.items() if key != "prompt"}
+    rewards = [Reward(r.function, r.weight, dict(r.args)) for r in recipe.grpo.rewards]
+    for k, reward in enumerate(rewards):
+        try:
+            score([reward], [prompt, prompt], texts, [[0], [0]], columns)
+        except RewardError as e:
+            raise RewardError(
+                f"grpo.rewards[{k}]: {e} (tried on the first prompt of {recipe.data.train_path} with the completions "
+                "'' and '0')"
+            ) from None
+
+
+def trl_means(numbers: dict[str, torch.Tensor], cfg: GRPOConfig) -> dict[str, torch.Tensor]:
+    """TRL's metrics from the global means of the sums (each over the loss's units): KL and entropy per token, the
+    clipped shares per token (per completion at the sequence level)."""
+    tokens, completions = numbers.pop("tokens"), numbers.pop("completions")
+    out = {"entropy": numbers.pop("entropy") / tokens}
+    kl = numbers.pop("kl") / tokens
+    if cfg.beta:
+        out["kl"] = kl
+    over = completions if cfg.importance_sampling_level == "sequence" else tokens
+    clipped = {name: numbers.pop(name) / over for name in POLICY_METRICS[3:]}
+    if cfg.loss_type == "cispo":
+        out["cispo_clip_ratio"] = clipped["clip_ratio/region_mean"]
+    else:
+        out.update(clipped)
+    return {**numbers, **out}
+
+
+class GRPO(Kind):
+    """What the house asks of online RL before its step is built: the kind, its data, its checks and its price."""
+
+    name = "grpo"
+    chosen_by = "name reward functions in grpo.rewards"
+    trains_on = "prompts"
+    prepared_with = "tools/prepare_data.py --format prompts"
+    metrics = (*POLICY_METRICS, "completions")  # sums; __call__ turns them into TRL's means
+    shown = {"reward": "reward"}
+
+    @classmethod
+    def wanted(cls, recipe: Any) -> bool:
+        return getattr(recipe, "grpo", None) is not None and bool(recipe.grpo.rewards)
+
+    @classmethod
+    def check(cls, recipe: Any) -> None:
+        if recipe.data.mixture:
+            raise ValueError(
+                "grpo reads each prompt's record from its file, and data.mixture draws from several: set "
+                "data.train_path to one file of prompts"
+            )
+        probe(recipe)
+
+    @classmethod
+    def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
+        return 0 if recipe.grpo.beta == 0 or adapted else n_params
+
+    @classmethod
+    def forward_params(cls, recipe: Any, n_params: int) -> int:
+        return n_params if recipe.grpo.beta > 0 else 0
+
+    @classmethod
+    def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
+        """A window that is one completion trained on every position (the planner's shapes)."""
+        inputs = batch.inputs
+        targets = torch.randint_like(inputs, 0, max(int(inputs.max()) + 1, 2)) if not inputs.is_meta else inputs
+        rows, length = inputs.shape
+        sequences = torch.arange(rows, device=inputs.device)[:, None].expand(rows, length).contiguous()
+        trained = torch.arange(rows * length, device=inputs.device)
+        return MicroBatch(inputs, targets, torch.ones_like(inputs), sequences, trained=trained)
+
+
+def as_rollout(batch: MicroBatch) -> Rollout:
+    """A micro-batch of completions (GRPO.fake_batch's) as a rollout whose advantages are all 0."""
+    rows = batch.inputs.shape[0]
+    return Rollout(batch, torch.zeros(rows, device=batch.inputs.device), None, rows)
+
+
+class GRPOStep(GRPO, Step):
+    """A step's rollouts, then the losses of its micro-batches of completions; the loss is averaged as
+    grpo.loss_type says over the global batch, the metrics are TRL's."""
+
+    def __init__(self, cfg: GRPOConfig, rollouts: Rollouts, reference: Reference | None, plan: ShardingPlan, chunks=1):
+        super().__init__()
+        self.cfg, self.rollouts, self.reference, self.plan, self.chunks = cfg, rollouts, reference, plan, chunks
+        self.policy = PolicyLoss(
+            cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.temperature,
+            cfg.max_completion_length, cfg.use_bias_correction_kl,
+        )  # fmt: skip
+        if reference is not None:
+            self.starts += reference.starts()
+        self.step, self.files, self.current, self.gap = 0, {}, {}, None
+
+    @classmethod
+    def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> GRPOStep:
+        tokenizer = load_tokenizer(recipe.data.tokenizer_path)
+        rollouts = Rollouts(recipe.grpo, recipe.train.seed, tokenizer, stop_ids(tokenizer))
+        reference = Reference.build(recipe, env, policy) if recipe.grpo.beta > 0 else None
+        plan = SHARDING[recipe.parallel.sharding]
+        return cls(recipe.grpo, rollouts, reference, plan, recipe.train.loss_chunks)
+
+    def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
+        self.files = files  # the prompts' records are read from them
+
+    def begin(self, step: int) -> None:
+        self.step = step
+
+    def __call__(
+        self, model: nn.Module, micro_batches: list[MicroBatch], plan: ShardingPlan, backward, world: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """Step.__call__ on the step's rollouts of its micro-batches of prompts."""
+        self.plan = plan
+        if self.step == 0:  # a step never begun (the planner's, on fake tensors): its batches are completions
+            rollouts, self.rollouts.stats = [as_rollout(batch) for batch in micro_batches], {}
+        else:
+            records = [self.files["train"].columns(batch.windows.tolist()) for batch in micro_batches]
+            rollouts = self.rollouts(model, micro_batches, plan, self.step, records, len(micro_batches) * world)
+        self.current = {id(r.batch.inputs): r for r in rollouts}
+        self.gap = torch.zeros((), device=micro_batches[0].inputs.device)
+        loss, numbers = accumulate(self, model, [r.batch for r in rollouts], plan, backward, world)
+        dist.all_reduce(self.gap, op=dist.ReduceOp.MAX)
+        gap = {"sampling/sampling_logp_difference/max": self.gap}
+        return loss, {**trl_means(numbers, self.cfg), **gap, **self.rollouts.stats}
+
+    def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
+        """What the loss type averages over: the global batch's micro-batches, its sampled completions (those
+        mask_truncated_completions keeps out too, as TRL counts them) or its trained tokens."""
+        what, device = self.policy.units, micro_batches[0].inputs.device
+        if what == "micro_batches":
+            return float(len(micro_batches) * world)
+        if what == "completions":
+            local = sum(self.current[id(b.inputs)].sampled for b in micro_batches)
+        else:
+            local = sum(len(b.trained) for b in micro_batches)
+        return sum_over_ranks(torch.tensor(float(local), device=device))
+
+    def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the micro-batch's loss summed as the loss type says; the sums of POLICY_METRICS and its completions)."""
+        rollout, ref, n = self.current[id(batch.inputs)], None, len(self.current[id(batch.inputs)].advantages)
+        if self.reference is not None:  # its log-probs at the sampling temperature, as the policy's
+            at = TokenLogProbs(batch.targets, batch.trained, self.cfg.temperature, self.chunks)
+            ref = self.reference.logps(batch, at)
+        objective = PolicyObjective(
+            self.policy, batch.targets, batch.trained, batch.sequences, n, rollout.advantages, None, ref,
+            self.chunks, rollout.sampled_logps,
+        )  # fmt: skip
+        sums = model(batch.inputs, batch.documents, loss=objective)
+        if objective.gap is not None:
+            self.gap = torch.maximum(self.gap, objective.gap)
+        completions = torch.tensor([float(n)], device=sums.device)
+        return sums[:1], torch.cat([sums[1:].detach(), completions])
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor | float]:
+        """The rewards of one greedy completion of each validation prompt, over every rank's: val_reward and each
+        function's mean, and the completions' mean length."""
+        records = [self.files["val"].columns(batch.windows.tolist()) for batch in micro_batches]
+        return evaluate(self.rollouts, model, micro_batches, self.plan, records)

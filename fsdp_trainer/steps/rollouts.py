@@ -1,0 +1,243 @@
+"""Online RL's rollouts: the completions the model being trained samples from a step's prompts, their rewards and
+advantages, packed into micro-batches to train on.
+
+A micro-batch of prompts data holds a prompt a window (prepared with --format prompts), each with its record (the
+prompt as the user wrote it, text or messages, and the other columns the reward functions read). Every rank samples
+num_generations completions of each of its prompts with its model's weights gathered once for all of a step's
+sampling (held_gathered), each prompt read once into the KV cache and shared by its completions
+(generation.sample_groups). Completion i of a prompt draws from a generator seeded by (train.seed, step, the prompt's
+window in its file, i): its tokens do not depend on the rank, micro-batch or neighbours it was given, so 2 ranks
+sample what 1 process does and a resumed run samples what the uninterrupted one did.
+
+The reward functions run on each rank's own completions; the rewards (a number per completion and function) are then
+gathered to every rank in the order one process would hold them, so the advantages (whole groups on one rank; with
+scale_rewards batch, the std of the global batch) and the reward metrics are the same everywhere, bitwise.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_trainer.config import GRPOConfig
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
+from fsdp_trainer.generation import sample_groups
+from fsdp_trainer.loss import group_advantages
+from fsdp_trainer.rewards import Reward, score
+from fsdp_trainer.steps.examples import packed
+from fsdp_trainer.tokenizer import Tokenizer
+
+
+@dataclass
+class Rollout:
+    """A micro-batch of prompts' completions, packed to train on, and what the loss needs of them beside the tokens."""
+
+    batch: MicroBatch
+    """The completions (those that train: mask_truncated_completions drops the cut ones) packed into windows, each
+    after its prompt, block-causal; `sequences` numbers them in order."""
+    advantages: torch.Tensor
+    """Each packed completion's advantage."""
+    sampled_logps: torch.Tensor | None
+    """The log-probability the sampler gave each trained token (MicroBatch.trained's order)."""
+    sampled: int
+    """The completions sampled, those mask_truncated_completions keeps out of `batch` too."""
+
+
+def prompts_of(batch: MicroBatch) -> list[np.ndarray]:
+    """The prompt of each window of a micro-batch of prompts data: its tokens before the padding's START."""
+    inputs, documents = batch.inputs.cpu().numpy(), batch.documents.cpu().numpy()
+    return [inputs[row, documents[row] == documents[row, 0]] for row in range(inputs.shape[0])]
+
+
+class Rollouts:
+    """A step's sampling, scoring and advantages (`__call__`), for the rank's micro-batches of prompts."""
+
+    def __init__(self, cfg: GRPOConfig, seed: int, tokenizer: Tokenizer, stop_ids: list[int]):
+        self.cfg, self.seed, self.tokenizer, self.stop_ids = cfg, seed, tokenizer, stop_ids
+        self.rewards = [Reward(r.function, r.weight, dict(r.args)) for r in cfg.rewards]
+        self.weights = torch.tensor([r.weight for r in cfg.rewards], dtype=torch.float32)
+        self.stats: dict[str, float] = {}
+
+    @torch.no_grad()
+    def sample(
+        self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, step: int, temperature: float
+    ) -> list[tuple[list[np.ndarray], list[list[int]], list[list[float]]]]:
+        """(prompts, completions, their sampled log-probs) of each micro-batch: num_generations of each prompt (one,
+        greedy, at temperature 0), completions in prompt order, sample index fastest."""
+        n = self.cfg.num_generations if temperature > 0 else 1
+        out = []
+        with held_gathered(model, plan):
+            for batch in batches:
+                device, length = batch.inputs.device, batch.inputs.shape[1]
+                prompts = prompts_of(batch)
+                limits = [min(self.cfg.max_completion_length, length - len(prompt)) for prompt in prompts]
+                completions, logps = sample_groups(
+                    model, [torch.from_numpy(p).to(device) for p in prompts], n, limits, temperature,
+                    self.cfg.top_k or None, self.cfg.top_p, torch.tensor(self.stop_ids, device=device),
+                    generators(self.seed, step, batch.windows.tolist(), n, device),
+                )  # fmt: skip
+                out.append((prompts, completions, logps))
+        return out
+
+    def score(self, batches: list[MicroBatch], sampled: list, records: list[list[dict]]) -> np.ndarray:
+        """Every reward function's reward of each of this rank's completions (completions, functions), NaN where
+        one skipped it; RewardError naming a function that failed."""
+        rows = []
+        for (prompts, completions, _), batch_records in zip(sampled, records, strict=True):
+            n = len(completions) // len(prompts)
+            records_each = [record for record in batch_records for _ in range(n)]
+            texts = [self.text(ids) for ids in completions]
+            prompt_values = [record["prompt"] for record in records_each]
+            if records_each and isinstance(prompt_values[0], list):  # conversations: TRL's completion messages
+                texts = [[{"role": "assistant", "content": text}] for text in texts]
+            keys = [key for key in records_each[0] if key != "prompt"] if records_each else []
+            columns = {key: [record.get(key) for record in records_each] for key in keys}
+            rows.append(score(self.rewards, prompt_values, texts, completions, columns))
+        return np.concatenate(rows) if rows else np.zeros((0, len(self.rewards)))
+
+    def text(self, ids: list[int]) -> str:
+        """A completion's text, without the token that ended it (TRL decodes skipping special tokens)."""
+        return self.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+
+    def truncated(self, ids: list[int], limit: int) -> bool:
+        """Whether a completion was cut at its length limit rather than ended by a stop token."""
+        return len(ids) >= limit and (not ids or ids[-1] not in self.stop_ids)
+
+    def __call__(
+        self,
+        model: nn.Module,
+        batches: list[MicroBatch],
+        plan: ShardingPlan,
+        step: int,
+        records: list[list[dict]],
+        micro_steps: int,
+    ) -> list[Rollout]:
+        """The rank's micro-batches of prompts as rollouts to train on; `self.stats` the step's reward and completion
+        metrics (the global batch's, the same on every rank). `micro_steps`: the micro-batches of every rank."""
+        sampled = self.sample(model, batches, plan, step, self.cfg.temperature)
+        device = batches[0].inputs.device
+        local_rewards = torch.from_numpy(self.score(batches, sampled, records)).float().to(device)
+        rewards = gathered(local_rewards, len(batches), micro_steps).cpu()
+        cfg = self.cfg
+        advantages, total, std_zero = group_advantages(rewards, self.weights, cfg.num_generations, cfg.scale_rewards)
+        local = local_rows(advantages, len(batches), micro_steps)
+        out, lengths, cut = [], [], []
+        for batch, (prompts, completions, logps) in zip(batches, sampled, strict=True):
+            rollout, local = pack(self, batch, prompts, completions, logps, local, lengths, cut)
+            out.append(rollout)
+        self.stats = reward_stats(self.rewards, rewards, total, std_zero)
+        self.stats.update(completion_stats(lengths, cut, micro_steps // len(batches), device))
+        return out
+
+
+def generators(seed: int, step: int, windows: list[int], n: int, device: torch.device) -> list[torch.Generator]:
+    """Completion i (of n) of the prompt in window w draws from a generator seeded by (seed, step, w, i)."""
+    return [
+        torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{step}:{w}:{i}".encode()))
+        for w in windows
+        for i in range(n)
+    ]
+
+
+def gathered(rows: torch.Tensor, micro_batches: int, micro_steps: int) -> torch.Tensor:
+    """Every rank's rows (each rank's in micro-batches of equal size), in the order one process with all the
+    micro-batches would hold them: micro-batch m of rank r is global micro-batch m x world + r."""
+    world = micro_steps // micro_batches
+    if world == 1:
+        return rows
+    parts = [torch.empty_like(rows) for _ in range(world)]
+    dist.all_gather(parts, rows)
+    per = rows.shape[0] // micro_batches
+    return torch.cat([parts[r][m * per : (m + 1) * per] for m in range(micro_batches) for r in range(world)])
+
+
+def local_rows(rows: torch.Tensor, micro_batches: int, micro_steps: int) -> torch.Tensor:
+    """This rank's rows of `gathered`'s order."""
+    world = micro_steps // micro_batches
+    if world == 1:
+        return rows
+    rank, per = dist.get_rank(), rows.shape[0] // micro_steps
+    return torch.cat([rows[(m * world + rank) * per : (m * world + rank + 1) * per] for m in range(micro_batches)])
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    x = x[~x.isnan()]
+    return float(x.std()) if len(x) > 1 else float("nan")
+
+
+def reward_stats(
+    rewards: list[Reward], per_function: torch.Tensor, total: torch.Tensor, std_zero: torch.Tensor
+) -> dict[str, float]:
+    """TRL's reward metrics of a global batch: each function's mean and std (of the completions it scored), the
+    weighted sum's (of the completions some function scored), and the share of completions whose group's rewards
+    were all equal (they teach nothing)."""
+    stats = {}
+    for k, reward in enumerate(rewards):
+        stats[f"rewards/{reward.name}/mean"] = float(per_function[:, k].nanmean())
+        stats[f"rewards/{reward.name}/std"] = _nanstd(per_function[:, k])
+    stats.update(reward=float(total.nanmean()), reward_std=_nanstd(total))
+    stats["frac_reward_zero_std"] = float(std_zero.float().mean())
+    return stats
+
+
+def completion_stats(lengths: list[int], cut: list[bool], world: int, device: torch.device) -> dict[str, float]:
+    """The global batch's completion lengths (mean, min, max) and the share cut at the length limit
+    (TRL's completions/...), from this rank's (gathered)."""
+    local = torch.tensor([[float(n), float(c)] for n, c in zip(lengths, cut, strict=True)], device=device)
+    if world > 1:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        local = torch.cat(parts)
+    local = local.cpu()
+    n = local[:, 0]
+    return {
+        "completions/mean_length": float(n.mean()),
+        "completions/min_length": float(n.min()),
+        "completions/max_length": float(n.max()),
+        "completions/clipped_ratio": float(local[:, 1].mean()),
+    }
+
+
+def pack(
+    rollouts: Rollouts, batch, prompts, completions, logps, advantages, lengths, cut
+) -> tuple[Rollout, torch.Tensor]:
+    """A micro-batch's completions packed after their prompts, with their advantages (the first of `advantages`; the
+    rest returned); each completion's length and whether it was cut are appended to those lists."""
+    cfg = rollouts.cfg
+    n, length, device = len(completions) // len(prompts), batch.inputs.shape[1], batch.inputs.device
+    limits = [min(cfg.max_completion_length, length - len(p)) for p in prompts]
+    examples, kept_advantages, kept_logps = [], [], []
+    for k, (ids, token_logps) in enumerate(zip(completions, logps, strict=True)):
+        lengths.append(len(ids))
+        cut.append(rollouts.truncated(ids, limits[k // n]))
+        if cut[-1] and cfg.mask_truncated_completions:
+            continue
+        examples.append((prompts[k // n], ids))
+        kept_advantages.append(advantages[k])
+        kept_logps += token_logps
+    kept = torch.stack(kept_advantages).to(device) if kept_advantages else torch.zeros(0, device=device)
+    sampled = torch.tensor(kept_logps, dtype=torch.float32, device=device)
+    rollout = Rollout(packed(examples, length, device), kept, sampled, len(completions))
+    return rollout, advantages[len(completions) :]
+
+
+@torch.no_grad()
+def evaluate(rollouts: Rollouts, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, records: list):
+    """The rewards of one greedy completion of each prompt, over every rank's: the weighted sum's mean, each
+    function's, and the completions' mean length."""
+    sampled = rollouts.sample(model, batches, plan, 0, temperature=0.0)
+    world, device = dist.get_world_size(), batches[0].inputs.device
+    local = torch.from_numpy(rollouts.score(batches, sampled, records)).float().to(device)
+    rewards = gathered(local, len(batches), len(batches) * world).cpu()
+    total = (rewards * rollouts.weights).nansum(dim=1).masked_fill(rewards.isnan().all(dim=1), torch.nan)
+    stats = reward_stats(rollouts.rewards, rewards, total, torch.zeros(len(total), dtype=torch.bool))
+    lengths = [len(ids) for _, completions, _ in sampled for ids in completions]
+    mean_length = completion_stats(lengths, [False] * len(lengths), world, device)["completions/mean_length"]
+    keep = ("reward", *(f"rewards/{r.name}/mean" for r in rollouts.rewards))
+    return {**{k: stats[k] for k in keep}, "completions/mean_length": mean_length}

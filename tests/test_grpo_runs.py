@@ -1,0 +1,178 @@
+"""Online RL as a user runs it: prompts prepared with --format prompts, a run of the grpo kind on 2 ranks against 1
+process with accumulation, a resume, and every bad input refused in one line before a worker starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fsdp_trainer.data.chat import ChatEncoder
+from fsdp_trainer.data.format import START, open_tokens
+from fsdp_trainer.tokenizer import load_tokenizer
+from tests.helpers import REPO, read_metrics, run_args, train_cli
+
+SEQ_LEN = 48
+
+
+def prompt_records(n: int) -> list[dict]:
+    """Addition problems, every other one a conversation, each with its `answer` column (and one more column)."""
+    records = []
+    for i in range(n):
+        a, b = 3 * i % 17, 7 * i % 13
+        prompt = f"{a} + {b} =" if i % 2 else [{"role": "user", "content": f"What is {a} + {b}?"}]
+        records.append({"prompt": prompt, "answer": str(a + b), "id": i})
+    return records
+
+
+def prepare_prompts(recipe, root, records, *extra, check=True):
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", "prompts"]
+    cmd += ["--input", str(root / "prompts.jsonl"), "--data.seq_len", str(SEQ_LEN), "--val_fraction", "0.2"]
+    cmd += ["--data.train_path", str(root / "train.bin"), "--data.val_path", str(root / "val.bin"), *map(str, extra)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert not check or proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_data, tmp_path_factory):
+    """60 prompts prepared with the tiny tokenizer, a recipe on them (the tiny model, windows of SEQ_LEN)."""
+    root = tmp_path_factory.mktemp("prompts")
+    prepare_prompts(tiny_data, root, prompt_records(60))
+    recipe = json.loads(tiny_data.read_text())
+    recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=SEQ_LEN)
+    (root / "grpo.yaml").write_text(json.dumps(recipe))
+    return root
+
+
+def test_prompts_prepare_a_window_each_with_their_records(tiny_data, prompts):
+    """Each prompt is a window of its own, its tokens those TRL's GRPOTrainer samples from (a conversation with the
+    chat template's generation prompt, a text as it is), padding after; line k of the columns file is window k's
+    record; the validation prompts are others than the training ones."""
+    tokenizer = load_tokenizer(json.loads(tiny_data.read_text())["data"]["tokenizer_path"])
+    encoder = ChatEncoder(tokenizer)
+    seen = []
+    for split in ("train", "val"):
+        tokens = open_tokens(prompts / f"{split}.bin")
+        assert tokens.records == "prompts" and tokens.packed_seq_len == SEQ_LEN
+        windows = len(tokens) // SEQ_LEN
+        records = tokens.columns(range(windows))
+        for k, record in enumerate(records):
+            window = np.asarray(tokens.tokens[k * SEQ_LEN : (k + 1) * SEQ_LEN])
+            flags = np.asarray(tokens.flags[k * SEQ_LEN : (k + 1) * SEQ_LEN])
+            prompt = record["prompt"]
+            ids = encoder.prompt(prompt) if isinstance(prompt, list) else tokenizer.encode_prompt(prompt)
+            assert window[: len(ids)].tolist() == ids and flags[0] == START and flags[len(ids)] == START
+            assert not (flags & 1).any()  # nothing trained
+            assert record == prompt_records(60)[record["id"]]
+        seen.append({r["id"] for r in records})
+    assert len(seen[0]) + len(seen[1]) == 60 and not seen[0] & seen[1] and seen[1]
+
+
+def test_a_prompt_too_long_for_its_window_is_dropped_and_counted(tiny_data, tmp_path):
+    records = prompt_records(20)
+    records[3]["prompt"] = "to be or not " * 40
+    proc = prepare_prompts(tiny_data, tmp_path, records)
+    assert "1 dropped as leaving no room in data.seq_len" in proc.stdout, proc.stdout
+    ids = [r["id"] for split in ("train", "val") for r in _all_records(tmp_path / f"{split}.bin")]
+    assert sorted(ids) == [i for i in range(20) if i != 3]
+
+
+def _all_records(path):
+    tokens = open_tokens(path)
+    return tokens.columns(range(len(tokens) // tokens.packed_seq_len))
+
+
+REWARDS = [
+    {"function": "fsdp_trainer.rewards:exact_answer"},
+    {"function": "tests.test_grpo:digit_reward", "weight": 0.5},
+]
+
+
+def grpo(**overrides) -> dict:
+    return {"rewards": REWARDS, "num_generations": 4, "max_completion_length": 12, **overrides}
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
+    """GRPO (loss grpo, KL to a frozen reference, rewards scaled by the batch's std): 2 ranks FULL_SHARD equal 1
+    process x accumulation 2 over 6 steps, rollouts included (the same completions: their lengths and rewards); the
+    sampler and the trainer agree on the sampled tokens' log-probs to float noise; a resume from step 3 is bitwise."""
+    recipe = prompts / "grpo.yaml"
+    settings = grpo(loss_type="grpo", beta=0.05, scale_rewards="batch")
+    every = {"every": 3, "keep_last": 0}
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
+    train_cli(run_args(recipe, one, 6, grpo=settings, data={"grad_accum_steps": 2}))
+    steps = {r["step"]: r for r in read_metrics(two) if "reward" in r}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    for r in (r for r in read_metrics(one) if "reward" in r):
+        a = steps[r["step"]]
+        for key in ("reward", "rewards/digit_reward/mean", "completions/mean_length", "frac_reward_zero_std"):
+            assert r[key] == a[key], (r["step"], key)
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert r[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), (r["step"], key)
+        assert a["sampling/sampling_logp_difference/max"] < 1e-4
+    assert any(r["kl"] > 0 for r in steps.values()) and any(r["reward_std"] > 0 for r in steps.values())
+
+    (two / "checkpoints" / "latest").write_text("step_00000003\n")
+    shutil.rmtree(two / "checkpoints" / "step_00000006")
+    (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
+    train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
+    resumed = {r["step"]: r for r in read_metrics(two) if "reward" in r}
+    for step in (4, 5, 6):
+        for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
+            assert resumed[step][key] == steps[step][key], (step, key)
+
+
+def test_evaluation_scores_greedy_completions_of_the_validation_prompts(prompts, tmp_path):
+    out = tmp_path / "run"
+    train_cli(run_args(prompts / "grpo.yaml", out, 2, grpo=grpo(), train={"eval_every": 2, "eval_steps": 2}))
+    [record] = [r for r in read_metrics(out) if "val_reward" in r]
+    assert set(record) >= {"val_reward", "val_rewards/exact_answer/mean", "val_completions/mean_length"}
+    assert 0 < record["val_completions/mean_length"] <= 12
+
+
+BAD = [
+    (
+        {"rewards": [{"function": "nowhere_module:score"}]},
+        "grpo.rewards[0]: reward nowhere_module:score: importing nowhere_module failed (ModuleNotFoundError",
+    ),
+    (
+        {"rewards": [{"function": "tests.test_grpo:sometimes_none"}, {"function": "tests.test_grpo:one_reward"}]},
+        "grpo.rewards[1]: reward tests.test_grpo:one_reward returned 1 rewards for 2 completions",
+    ),
+    (
+        {"rewards": [{"function": "tests.test_grpo_runs:needs_solution"}]},
+        "grpo.rewards[0]: reward tests.test_grpo_runs:needs_solution raised KeyError: 'solution' (tried on the first "
+        "prompt of",
+    ),
+    ({"rewards": REWARDS, "num_generations": 1}, "grpo.num_generations=1: a group needs at least 2"),
+]
+
+
+def needs_solution(completions, **columns):
+    return [float(columns["solution"] == c) for c in completions]
+
+
+@pytest.mark.parametrize(("settings", "message"), BAD)
+def test_bad_rl_inputs_are_one_line_before_any_worker(prompts, tmp_path, settings, message):
+    start = time.monotonic()
+    proc = train_cli(run_args(prompts / "grpo.yaml", tmp_path / "run", 2, grpo=settings), check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith("error: ") and message in lines[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    print(f"refused in {time.monotonic() - start:.1f} s")
+
+
+def test_prompts_for_another_kind_and_other_data_for_grpo_are_refused_by_name(prompts, tiny_data, tmp_path):
+    other = train_cli(run_args(prompts / "grpo.yaml", tmp_path / "a", 2), check=False)
+    assert "holds prompts" in other.stderr and "name reward functions in grpo.rewards" in other.stderr, other.stderr
+    text = train_cli(run_args(tiny_data, tmp_path / "b", 2, grpo=grpo()), check=False)
+    assert "the grpo kind trains on prompts" in text.stderr and "--format prompts" in text.stderr, text.stderr
