@@ -115,12 +115,22 @@ def run_kind(recipe) -> tuple[str, str]:
 def resumes(recipe: Recipe, path: Path) -> bool:
     """Whether checkpoint `path` is of the run's own kind, to be resumed whole (optimizer, data, step), rather than
     weights to start from: decided from the recipe it was saved with. A weights-only checkpoint (an import) and one
-    without a recipe this trainer reads are weights."""
+    without a recipe this trainer reads are weights; so is another run's checkpoint of this kind that trained on
+    other data (pretraining, then full SFT from it: the next stage, not this run to go on with)."""
     try:
         saved = SimpleNamespace(**load_sections(checkpoint_recipe(path)))
     except (FileNotFoundError, ValueError):
         return False
-    return saved_entries(path) != {"model"} and run_kind(saved) == run_kind(recipe)
+    if saved_entries(path) == {"model"} or run_kind(saved) != run_kind(recipe):
+        return False
+    own = Path(path).resolve().is_relative_to(Path(recipe.train.out_dir).resolve())
+    return own or training_data(saved.data) == training_data(recipe.data)
+
+
+def training_data(data) -> list[str]:
+    """The files a data section trains on (its train_path, or its mixture's), as absolute paths."""
+    paths = [source.path for source in data.mixture] if data.mixture else [data.train_path]
+    return [os.path.realpath(path) for path in paths]
 
 
 def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful], step: Step) -> Checkpointer:

@@ -81,6 +81,14 @@ def starts(tiny_data, pairs, tmp_path_factory):
             resume = {"every": 1, "resume": root / source}
             args = _kind_args(kind, tiny_data, pairs, out, 3, checkpoint=resume, optim={"lr": 1e-30, "min_lr": 1e-30})
             runs.append((f"{source}->{kind}", args, None if source == kind else str(root / source)))
+    # Full training from another full run's checkpoint, on other data: the next stage, from its weights
+    other = {"train_path": json.loads(tiny_data.read_text())["data"]["val_path"]}
+    frozen = {"lr": 1e-30, "min_lr": 1e-30}
+    resume = {"every": 1, "resume": root / "full"}
+    args = _kind_args(
+        "full", tiny_data, pairs, root / "full_other_data", 3, data=other, optim=frozen, checkpoint=resume
+    )
+    runs.append(("full->full_other_data", args, str(root / "full")))
     # A LoRA run's directory holds LoRA checkpoints: a full run there under resume auto is refused
     runs.append(("full_in_lora_dir", _kind_args("full", tiny_data, pairs, root / "lora", 4), None))
     runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
@@ -111,6 +119,18 @@ def test_a_run_resumes_its_own_kind_and_starts_from_the_weights_of_any_other(sta
         assert "its adapters merged into its base" in log
     if "dpo" in kind:  # the reference is the policy it starts as: every reward 0, the loss ln 2
         assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and first["rewards/margins"] == 0
+
+
+def test_another_runs_checkpoint_of_the_kind_on_other_data_starts_a_new_stage_from_its_weights(starts):
+    """Full SFT from a full pretraining run's checkpoint (the same kind, next-token, on other data) starts from its
+    weights at step 0, instead of resuming it whole and refusing its data position."""
+    root, results, _ = starts
+    result = results["full->full_other_data"]
+    log = "\n".join(result["log"])
+    assert f"loaded weights from {root / 'full'}" in log and "resumed from" not in log, log
+    with open(root / "full_other_data" / "metrics.jsonl") as f:
+        assert next(json.loads(line) for line in f if '"loss"' in line)["step"] == 1
+    assert result["max_diff"] == 0.0
 
 
 def test_a_lora_source_moved_its_adapters(starts):

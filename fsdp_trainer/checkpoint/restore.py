@@ -1,8 +1,9 @@
 """Where a run starts, as `checkpoint.resume` says: from nothing (the recipe's seeded init), from its own newest
 checkpoint that verifies, or from a checkpoint it names. A named checkpoint of the run's own kind (the same training
-kind, with or without adapters alike) is resumed whole: weights, optimizer, data position, step. Any other checkpoint of
-this trainer (a pretraining, SFT, DPO or LoRA run's, an import) gives its weights only, a LoRA checkpoint's adapters
-merged into its base, and the run starts at step 0 with its own optimizer and data.
+kind, with or without adapters alike, and, from another run's directory, the same training data) is resumed whole:
+weights, optimizer, data position, step. Any other checkpoint of this trainer (a pretraining, SFT, DPO or LoRA run's,
+an import) gives its weights only, a LoRA checkpoint's adapters merged into its base, and the run starts at step 0
+with its own optimizer and data.
 
 Either way, the models that hold the weights the run started from (its Starts: a LoRA base, a reference) are filled
 and recorded, and a resume fills them again from where they were recorded.
@@ -209,5 +210,6 @@ class Restorer:
         merged = " (a LoRA checkpoint: its adapters merged into its base)" if is_adapters_only(path) else ""
         logger.info(
             f"loaded weights from {path}{merged}; starting at step 0 with this run's own optimizer and data: it is "
-            "not a checkpoint of this run's kind, so only its weights carry over"
+            "no checkpoint of this run to go on with (another kind, other data, an import), so only its weights "
+            "carry over"
         )
