@@ -131,6 +131,22 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
             assert resumed[step][key] == steps[step][key], (step, key)
 
 
+def test_a_lora_policy_is_measured_against_itself_with_its_adapters_off(prompts, tmp_path):
+    """GRPO with LoRA and a KL term: the reference is the policy with its adapters off (no second copy), so at step
+    1 (adapters' B = 0) the KL is exactly 0, and it grows once they move; the checkpoints hold the adapters alone."""
+    out = tmp_path / "run"
+    lora = {"rank": 4, "alpha": 8}
+    settings = grpo(beta=0.1, loss_type="grpo")
+    train_cli(
+        run_args(prompts / "grpo.yaml", out, 4, grpo=settings, lora=lora, optim={"lr": 3e-2}, checkpoint={"every": 4})
+    )
+    records = {r["step"]: r for r in read_metrics(out) if "kl" in r}
+    assert records[1]["kl"] == 0.0 and records[4]["kl"] > 0, records
+    from fsdp_trainer.checkpoint.starts import is_adapters_only
+
+    assert is_adapters_only(out / "checkpoints" / "step_00000004")
+
+
 def test_evaluation_scores_greedy_completions_of_the_validation_prompts(prompts, tmp_path):
     out = tmp_path / "run"
     train_cli(run_args(prompts / "grpo.yaml", out, 2, grpo=grpo(), train={"eval_every": 2, "eval_steps": 2}))

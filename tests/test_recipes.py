@@ -39,7 +39,7 @@ EXPECTED_PARAMS = {
     "distill_llama3_1_8b_to_3_2_1b.yaml": 1_235_814_400,
     "tiny_sft.yaml": 4_196_608,  # the debug model
     "tiny_dpo.yaml": 4_196_608,
-    "tiny_arithmetic_sft.yaml": 4_196_608,
+    "tiny_reverse_sft.yaml": 4_196_608,
     "tiny_grpo.yaml": 4_196_608,
 }
 

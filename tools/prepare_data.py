@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         "a conversation, with --format preference a prompt / chosen / rejected pair, with --format unpaired a prompt / "
         "completion / label record, with --format prompts a prompt and its columns); default: the bundled Shakespeare "
         "corpus (--format chat: its conversations; --format preference: pairs made from them; --format unpaired: those "
-        "pairs split into labelled answers; --format prompts: the arithmetic prompts of docs/online_rl.md)",
+        "pairs split into labelled answers; --format prompts: the digit-reversal prompts of docs/online_rl.md)",
     )
     parser.add_class_arguments(PrepareOptions, nested_key=None, skip={"inputs"})  # its docstrings are --help
     recipe, args = parse_args(parser, argv)

@@ -54,8 +54,8 @@ BUNDLED_PREFERENCES = Path(__file__).parents[1] / "assets" / "shakespeare_prefer
 BUNDLED_UNPAIRED = Path(__file__).parents[1] / "assets" / "shakespeare_unpaired.jsonl.gz"
 """The default unpaired answers: the preference pairs split into a desirable and an undesirable answer, shuffled."""
 
-BUNDLED_PROMPTS = Path(__file__).parents[1] / "assets" / "arithmetic_prompts.jsonl.gz"
-"""The default prompts: 3,000 sums of two numbers below 100, each with its answer (see assets/make_arithmetic.py)."""
+BUNDLED_PROMPTS = Path(__file__).parents[1] / "assets" / "reverse_prompts.jsonl.gz"
+"""The default prompts: 3,000 strings of four digits to reverse, each with its answer (see assets/make_reverse.py)."""
 
 SAMPLE_CHARS = 200_000_000  # what a new sentencepiece tokenizer is trained on, at most
 

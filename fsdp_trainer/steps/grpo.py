@@ -28,10 +28,8 @@ from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
 from fsdp_trainer.rewards import Reward, RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
-from fsdp_trainer.steps.on_policy import stop_ids
 from fsdp_trainer.steps.reference import Reference
 from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate
-from fsdp_trainer.tokenizer import load_tokenizer
 
 
 def probe(recipe: Any) -> None:
@@ -103,14 +101,22 @@ class GRPO(Kind):
         return n_params if recipe.grpo.beta > 0 else 0
 
     @classmethod
+    def plan_note(cls, recipe: Any, estimates: list) -> str:
+        g = recipe.grpo.num_generations
+        return (
+            f"grpo: these rows price a micro-batch of data.micro_batch_size windows of completions; a step trains the "
+            f"{g} completions of each prompt, up to {g}x as many windows, and first samples them with the model "
+            "gathered whole and a KV cache: neither is priced yet (its memory and time are not in these rows)"
+        )
+
+    @classmethod
     def fake_batch(cls, batch: MicroBatch) -> MicroBatch:
         """A window that is one completion trained on every position (the planner's shapes)."""
         inputs = batch.inputs
-        targets = torch.randint_like(inputs, 0, max(int(inputs.max()) + 1, 2)) if not inputs.is_meta else inputs
         rows, length = inputs.shape
         sequences = torch.arange(rows, device=inputs.device)[:, None].expand(rows, length).contiguous()
         trained = torch.arange(rows * length, device=inputs.device)
-        return MicroBatch(inputs, targets, torch.ones_like(inputs), sequences, trained=trained)
+        return MicroBatch(inputs, batch.targets, torch.ones_like(inputs), sequences, trained=trained)
 
 
 def as_rollout(batch: MicroBatch) -> Rollout:
@@ -136,8 +142,7 @@ class GRPOStep(GRPO, Step):
 
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> GRPOStep:
-        tokenizer = load_tokenizer(recipe.data.tokenizer_path)
-        rollouts = Rollouts(recipe.grpo, recipe.train.seed, tokenizer, stop_ids(tokenizer))
+        rollouts = Rollouts(recipe.grpo, recipe.train.seed, recipe.data.tokenizer_path)
         reference = Reference.build(recipe, env, policy) if recipe.grpo.beta > 0 else None
         plan = SHARDING[recipe.parallel.sharding]
         return cls(recipe.grpo, rollouts, reference, plan, recipe.train.loss_chunks)

@@ -16,6 +16,7 @@ scale_rewards batch, the std of the global batch) and the reward metrics are the
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ from fsdp_trainer.generation import sample_groups
 from fsdp_trainer.loss import group_advantages
 from fsdp_trainer.rewards import Reward, score
 from fsdp_trainer.steps.examples import packed
-from fsdp_trainer.tokenizer import Tokenizer
+from fsdp_trainer.steps.on_policy import stop_ids as answer_ends
+from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass
@@ -58,11 +60,20 @@ def prompts_of(batch: MicroBatch) -> list[np.ndarray]:
 class Rollouts:
     """A step's sampling, scoring and advantages (`__call__`), for the rank's micro-batches of prompts."""
 
-    def __init__(self, cfg: GRPOConfig, seed: int, tokenizer: Tokenizer, stop_ids: list[int]):
-        self.cfg, self.seed, self.tokenizer, self.stop_ids = cfg, seed, tokenizer, stop_ids
+    def __init__(self, cfg: GRPOConfig, seed: int, tokenizer_path: str):
+        self.cfg, self.seed, self.tokenizer_path = cfg, seed, tokenizer_path
         self.rewards = [Reward(r.function, r.weight, dict(r.args)) for r in cfg.rewards]
         self.weights = torch.tensor([r.weight for r in cfg.rewards], dtype=torch.float32)
         self.stats: dict[str, float] = {}
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Read at the first rollout (a step the planner builds never samples)."""
+        return load_tokenizer(self.tokenizer_path)
+
+    @functools.cached_property
+    def stop_ids(self) -> list[int]:
+        return answer_ends(self.tokenizer)
 
     @torch.no_grad()
     def sample(
@@ -85,22 +96,6 @@ class Rollouts:
                 out.append((prompts, completions, logps))
         return out
 
-    def score(self, batches: list[MicroBatch], sampled: list, records: list[list[dict]]) -> np.ndarray:
-        """Every reward function's reward of each of this rank's completions (completions, functions), NaN where
-        one skipped it; RewardError naming a function that failed."""
-        rows = []
-        for (prompts, completions, _), batch_records in zip(sampled, records, strict=True):
-            n = len(completions) // len(prompts)
-            records_each = [record for record in batch_records for _ in range(n)]
-            texts = [self.text(ids) for ids in completions]
-            prompt_values = [record["prompt"] for record in records_each]
-            if records_each and isinstance(prompt_values[0], list):  # conversations: TRL's completion messages
-                texts = [[{"role": "assistant", "content": text}] for text in texts]
-            keys = [key for key in records_each[0] if key != "prompt"] if records_each else []
-            columns = {key: [record.get(key) for record in records_each] for key in keys}
-            rows.append(score(self.rewards, prompt_values, texts, completions, columns))
-        return np.concatenate(rows) if rows else np.zeros((0, len(self.rewards)))
-
     def text(self, ids: list[int]) -> str:
         """A completion's text, without the token that ended it (TRL decodes skipping special tokens)."""
         return self.tokenizer.decode(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
@@ -122,7 +117,7 @@ class Rollouts:
         metrics (the global batch's, the same on every rank). `micro_steps`: the micro-batches of every rank."""
         sampled = self.sample(model, batches, plan, step, self.cfg.temperature)
         device = batches[0].inputs.device
-        local_rewards = torch.from_numpy(self.score(batches, sampled, records)).float().to(device)
+        local_rewards = torch.from_numpy(scored(self, sampled, records)).float().to(device)
         rewards = gathered(local_rewards, len(batches), micro_steps).cpu()
         cfg = self.cfg
         advantages, total, std_zero = group_advantages(rewards, self.weights, cfg.num_generations, cfg.scale_rewards)
@@ -134,6 +129,23 @@ class Rollouts:
         self.stats = reward_stats(self.rewards, rewards, total, std_zero)
         self.stats.update(completion_stats(lengths, cut, micro_steps // len(batches), device))
         return out
+
+
+def scored(rollouts: Rollouts, sampled: list, records: list[list[dict]]) -> np.ndarray:
+    """Every reward function's reward of each of this rank's completions (completions, functions), NaN where
+    one skipped it; RewardError naming a function that failed."""
+    rows = []
+    for (prompts, completions, _), batch_records in zip(sampled, records, strict=True):
+        n = len(completions) // len(prompts)
+        records_each = [record for record in batch_records for _ in range(n)]
+        texts = [rollouts.text(ids) for ids in completions]
+        prompt_values = [record["prompt"] for record in records_each]
+        if records_each and isinstance(prompt_values[0], list):  # conversations: TRL's completion messages
+            texts = [[{"role": "assistant", "content": text}] for text in texts]
+        keys = [key for key in records_each[0] if key != "prompt"] if records_each else []
+        columns = {key: [record.get(key) for record in records_each] for key in keys}
+        rows.append(score(rollouts.rewards, prompt_values, texts, completions, columns))
+    return np.concatenate(rows) if rows else np.zeros((0, len(rollouts.rewards)))
 
 
 def generators(seed: int, step: int, windows: list[int], n: int, device: torch.device) -> list[torch.Generator]:
@@ -233,7 +245,7 @@ def evaluate(rollouts: Rollouts, model: nn.Module, batches: list[MicroBatch], pl
     function's, and the completions' mean length."""
     sampled = rollouts.sample(model, batches, plan, 0, temperature=0.0)
     world, device = dist.get_world_size(), batches[0].inputs.device
-    local = torch.from_numpy(rollouts.score(batches, sampled, records)).float().to(device)
+    local = torch.from_numpy(scored(rollouts, sampled, records)).float().to(device)
     rewards = gathered(local, len(batches), len(batches) * world).cpu()
     total = (rewards * rollouts.weights).nansum(dim=1).masked_fill(rewards.isnan().all(dim=1), torch.nan)
     stats = reward_stats(rollouts.rewards, rewards, total, torch.zeros(len(total), dtype=torch.bool))
