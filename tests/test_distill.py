@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_trainer.loss import IGNORE, DistillationLoss
-from tests.helpers import read_metrics, run_args, train_cli
+from tests.helpers import read_metrics, rewind, run_args, train_cli
 
 trl = pytest.importorskip("trl")
 
@@ -364,9 +364,7 @@ def test_on_policy_distillation_two_ranks_equal_one_process_and_resume_bitwise(c
             assert r[key] == pytest.approx(a[key], rel=1e-5), (r["step"], key)
     assert {r["on_policy"] for r in steps.values()} == {0.0, 1.0}
 
-    (two / "checkpoints" / "latest").write_text("step_00000005\n")
-    shutil.rmtree(two / "checkpoints" / "step_00000010")
-    (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
+    rewind(two, 5)
     train_cli(run_args(chat_data, two, 10, distill=distill, checkpoint=every), nproc=2)
     resumed = {r["step"]: r for r in read_metrics(two) if "kd_loss" in r}
     for step in (6, 8, 10):

@@ -4,7 +4,6 @@ process with accumulation, a resume, and every bad input refused in one line bef
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.format import START, open_tokens
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import REPO, read_metrics, run_args, train_cli
+from tests.helpers import REPO, read_metrics, rewind, run_args, train_cli
 
 SEQ_LEN = 48
 
@@ -121,9 +120,7 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
         assert a["sampling/sampling_logp_difference/max"] < 1e-4
     assert any(r["kl"] > 0 for r in steps.values()) and any(r["reward_std"] > 0 for r in steps.values())
 
-    (two / "checkpoints" / "latest").write_text("step_00000003\n")
-    shutil.rmtree(two / "checkpoints" / "step_00000006")
-    (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
+    rewind(two, 3)
     train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
     resumed = {r["step"]: r for r in read_metrics(two) if "reward" in r}
     for step in (4, 5, 6):

@@ -15,7 +15,7 @@ import torch
 
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.steps.reward import RewardStep, rewards
-from tests.helpers import read_metrics, run_args, train_cli
+from tests.helpers import read_metrics, rewind, run_args, train_cli
 from tests.test_dpo import LLAMA3_TEMPLATE, PAIRS, prepared_batch, trl_first_batch
 
 transformers = pytest.importorskip("transformers")
@@ -175,9 +175,7 @@ def test_reward_model_two_ranks_equal_one_process_and_resume_bitwise(reward_data
             # margin and the mean: sums of rewards of either sign, so to the rewards' own float error
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5 if "reward" in key or "margin" in key else 0)
 
-    shutil.rmtree(two / "checkpoints" / "step_00000010")
-    (two / "checkpoints" / "latest").write_text("step_00000005\n")
-    (two / "metrics.jsonl").rename(tmp_path / "straight.jsonl")
+    rewind(two, 5)
     train_cli(run_args(recipe, two, 10, checkpoint=every), nproc=2)
     resumed = {r["step"]: r for r in read_metrics(two) if "loss" in r}
     for record in (r for r in records_two if "loss" in r and r["step"] > 5):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -130,6 +131,16 @@ def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, t
 def read_metrics(out_dir: str | Path) -> list[dict]:
     with open(Path(out_dir) / METRICS_FILE) as f:
         return [json.loads(line) for line in f]
+
+
+def rewind(out_dir: Path, step: int) -> None:
+    """A finished run put back as if it had stopped at checkpoint `step`: the later checkpoints gone, `latest` naming
+    it, its metrics.jsonl moved aside (to metrics.jsonl.straight), so the same command resumes it from there."""
+    checkpoints = out_dir / "checkpoints"
+    for later in (p for p in checkpoints.glob("step_*") if int(p.name.removeprefix("step_")) > step):
+        shutil.rmtree(later)
+    (checkpoints / "latest").write_text(f"step_{step:08d}\n")
+    (out_dir / METRICS_FILE).rename(out_dir / f"{METRICS_FILE}.straight")
 
 
 def train_losses(out_dir: str | Path) -> dict[int, float]:
