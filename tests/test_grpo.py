@@ -143,13 +143,18 @@ def test_loss_gradients_advantages_and_metrics_equal_trls(grpo_setup, loss_type,
     loss = sums[0] / units
     loss.backward()
     # Both forwards are fp32: their log-probs differ by ~1e-6 (their sums run in other orders), and the loss is a
-    # difference of terms of the advantages' size (~1), so it and the gradients agree to that, not to 1e-6 relative.
+    # difference of terms of the advantages' size (~1), so it agrees to that (measured: 1.1e-5 relative at worst);
+    # each gradient to 1e-5 of its norm (measured: 5.3e-7 at worst), not element by element.
     print(f"{loss_type}/{level}/{scale}: ours {loss.item():.9g}, TRL {trl_loss.item():.9g}")
-    assert loss.item() == pytest.approx(trl_loss.item(), abs=2e-5)
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=5e-5, abs=1e-8)
     assert abs(trl_loss.item()) > 1e-3  # something to compare
+    worst = 0.0
     for name, param in ours.named_parameters():
         g, t = param.grad, trl_grads[name]
-        assert ((g - t).norm() / t.norm()).item() < 5e-4, name
+        gap = ((g - t).norm() / t.norm()).item()
+        assert gap < 1e-5, name
+        worst = max(worst, gap)
+    print(f"largest gradient gap (norm-relative): {worst:.1e}")
 
     metrics = dict(zip(POLICY_METRICS, sums[1:].detach(), strict=True))
     clip_units = len(rollouts) if level == "sequence" else tokens
