@@ -150,6 +150,21 @@ def exact_answer(completions: list, answer: list[str], **_) -> list[float | None
     return out
 
 
+def matching_characters(completions: list, answer: list[str], **_) -> list[float | None]:
+    """Partial credit: the share of the expected final answer's characters that a completion's final answer has at
+    the same places (over the longer of the two), 0 where it states none; None for a record whose answer is empty. A
+    dense reward beside exact_answer for answers a short model gets partly right (a string reversed)."""
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        expected, given = final_answer(str(gold)) or final_answer(f"#### {gold}"), final_answer(text_of(completion))
+        if expected is None:
+            out.append(None)
+            continue
+        given = given or ""
+        out.append(sum(a == b for a, b in zip(expected, given, strict=False)) / max(len(expected), len(given)))
+    return out
+
+
 def answer_format(completions: list, **_) -> list[float]:
     """1 where a completion states a final answer as `exact_answer` reads one (`#### n` or `\\boxed{...}`), else 0: the
     format reward that teaches the form before the answers are right."""

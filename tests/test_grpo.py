@@ -12,7 +12,15 @@ import torch
 
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, group_advantages
 from fsdp_trainer.model import Transformer
-from fsdp_trainer.rewards import Reward, RewardError, exact_answer, final_answer, overlong_penalty, score
+from fsdp_trainer.rewards import (
+    Reward,
+    RewardError,
+    exact_answer,
+    final_answer,
+    matching_characters,
+    overlong_penalty,
+    score,
+)
 from fsdp_trainer.steps.examples import packed
 
 transformers = pytest.importorskip("transformers")
@@ -217,6 +225,8 @@ def test_builtin_rewards():
     assert final_answer("#### cba\nmore") == "cba" and final_answer("no answer") is None
     gold = ["Natalia sold 48 ... #### 72"] * 3 + [""]
     assert exact_answer(["#### 72", r"\boxed{72}", "#### 71", "#### 1"], gold) == [1.0, 1.0, 0.0, None]
+    # Partial credit: the characters of the answer at their places, over the longer of the two.
+    assert matching_characters(["#### 1284", "#### 1294", "no answer", "#### 12845"], ["1284"] * 4) == [1, 0.75, 0, 0.8]
     # TRL's get_soft_overlong_punishment: 0 up to 80 tokens, -0.5 at 90, -1 past 100.
     assert overlong_penalty([[1] * 80, [1] * 90, [1] * 101], max_length=100, buffer=20) == [0.0, -0.5, -1.0]
     bound = Reward("fsdp_trainer.rewards:overlong_penalty", args={"max_length": 100, "buffer": 20})
