@@ -52,16 +52,21 @@ def tiny_data(tmp_path_factory) -> Path:
 PAIRS_SEQ_LEN = 256  # a pair per window at most 256 tokens: each conversation up to 128 of the tiny tokenizer's
 
 
-def prepare_pairs(recipe, out, inputs, *extra, check=True):
-    """tools/prepare_data.py --format preference of `inputs` into out/train.bin and out/val.bin, in windows of
-    PAIRS_SEQ_LEN."""
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", "preference"]
+def prepare_records(recipe, out, fmt, inputs, seq_len, *extra, check=True):
+    """tools/prepare_data.py --format `fmt` of `inputs` into out/train.bin and out/val.bin (a tenth), in windows of
+    `seq_len`; `extra` flags after those (a later --val_fraction wins)."""
+    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", fmt]
     cmd += ["--input", *map(str, inputs)]
-    cmd += ["--data.seq_len", str(PAIRS_SEQ_LEN), "--model.max_seq_len", str(PAIRS_SEQ_LEN), "--val_fraction", "0.1"]
+    cmd += ["--data.seq_len", str(seq_len), "--model.max_seq_len", str(seq_len), "--val_fraction", "0.1"]
     cmd += ["--data.train_path", str(out / "train.bin"), "--data.val_path", str(out / "val.bin"), *map(str, extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert not check or proc.returncode == 0, proc.stderr
     return proc
+
+
+def prepare_pairs(recipe, out, inputs, *extra, check=True):
+    """Preference pairs prepared (prepare_records) in windows of PAIRS_SEQ_LEN."""
+    return prepare_records(recipe, out, "preference", inputs, PAIRS_SEQ_LEN, *extra, check=check)
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,6 @@ process with accumulation, a resume, and every bad input refused in one line bef
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -14,7 +12,8 @@ import pytest
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.format import START, open_tokens
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import REPO, read_metrics, rewind, run_args, train_cli
+from tests.conftest import prepare_records
+from tests.helpers import read_metrics, rewind, run_args, train_cli
 
 SEQ_LEN = 48
 
@@ -31,12 +30,8 @@ def prompt_records(n: int) -> list[dict]:
 
 def prepare_prompts(recipe, root, records, *extra, check=True):
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", "prompts"]
-    cmd += ["--input", str(root / "prompts.jsonl"), "--data.seq_len", str(SEQ_LEN), "--val_fraction", "0.2"]
-    cmd += ["--data.train_path", str(root / "train.bin"), "--data.val_path", str(root / "val.bin"), *map(str, extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert not check or proc.returncode == 0, proc.stderr
-    return proc
+    inputs = [root / "prompts.jsonl"]
+    return prepare_records(recipe, root, "prompts", inputs, SEQ_LEN, "--val_fraction", "0.2", *extra, check=check)
 
 
 @pytest.fixture(scope="module")
