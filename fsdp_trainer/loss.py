@@ -297,15 +297,20 @@ class DistillationLoss:
 # --- online RL (GRPO and its family) ----------------------------------------------------------------------------------
 
 POLICY_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-REWARD_SCALES = ("group", "batch", "none")
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """The standard deviation of the values that are not NaN, with Bessel's correction (NaN for fewer than 2)."""
     mean = x.nanmean() if dim is None else x.nanmean(dim, keepdim=True)
     variance = ((x - mean) ** 2).nanmean() if dim is None else ((x - mean) ** 2).nanmean(dim)
     count = (~x.isnan()).sum() if dim is None else (~x.isnan()).sum(dim)
     return (variance * count / (count - 1)).where(count > 1, torch.nan).sqrt()
+
+
+def weighted_rewards(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's reward (n,): the weighted sum of its functions' rewards (n, functions), the NaN of those
+    that skipped it left out; NaN where every function skipped it."""
+    return (rewards * weights).nansum(dim=1).masked_fill(rewards.isnan().all(dim=1), torch.nan)
 
 
 def group_advantages(
@@ -317,11 +322,10 @@ def group_advantages(
     completion's rewards minus its group's mean, divided by the std of its group (scale `group`, GRPO; Shao et al.
     2024) or of the whole batch (`batch`; Hu 2025, REINFORCE++) plus 1e-4, or not divided (`none`: Dr. GRPO, Liu et
     al. 2025). A completion every function skipped (reward NaN) counts in no mean and has advantage 0."""
-    skipped = rewards.isnan().all(dim=1)
-    total = (rewards * weights).nansum(dim=1).masked_fill(skipped, torch.nan)
+    total = weighted_rewards(rewards, weights)
     grouped = total.view(-1, group)
     mean = grouped.nanmean(dim=1).repeat_interleave(group)
-    std = _nanstd(total).expand_as(total) if scale == "batch" else _nanstd(grouped, 1).repeat_interleave(group)
+    std = nanstd(total).expand_as(total) if scale == "batch" else nanstd(grouped, 1).repeat_interleave(group)
     advantages = total - mean
     if scale != "none":
         advantages = advantages / (std + 1e-4)
@@ -416,13 +420,15 @@ class PolicyLoss:
         sequences: torch.Tensor,
         n_sequences: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(each token's loss (N,), its ratio r, its k3 KL (zeros without a reference)), from the tokens' log-probs
-        (N,), their sequence's number (N,) and the sequences' advantages (n_sequences,)."""
-        log_ratio = logps - old
+        """(each token's loss (N,), the ratios r (a token's (N,), or at the sequence level a completion's
+        (n_sequences,)), each token's k3 KL (zeros without a reference)), from the tokens' log-probs (N,), their
+        sequence's number (N,) and the sequences' advantages (n_sequences,)."""
+        ratios = ratio = (logps - old).exp()
         if self.importance_sampling_level == "sequence":
             lengths = sequence_sums(torch.ones_like(logps), sequences, n_sequences).clamp(min=1)
-            log_ratio = (sequence_sums(log_ratio, sequences, n_sequences) / lengths).index_select(0, sequences)
-        ratio, a = log_ratio.exp(), advantages.index_select(0, sequences)
+            ratios = (sequence_sums(logps - old, sequences, n_sequences) / lengths).exp()
+            ratio = ratios.index_select(0, sequences)
+        a = advantages.index_select(0, sequences)
         if self.loss_type == "cispo":
             loss = -ratio.clamp(max=self.epsilon_high).detach() * a * logps
         else:
@@ -434,7 +440,7 @@ class PolicyLoss:
             if self.use_bias_correction_kl:
                 kl = kl * ratio
             loss = loss + self.beta * kl
-        return loss, ratio, kl
+        return loss, ratios, kl
 
     def summed(self, losses: torch.Tensor, sequences: torch.Tensor, n_sequences: int) -> torch.Tensor:
         """The token losses (N,) summed as the loss type says, for train_step's division by the global count of
@@ -498,14 +504,11 @@ class PolicyObjective:
         if self.sampled is not None:
             self.gap = (logps.detach() - self.sampled).abs().max() if len(logps) else logps.new_zeros(())
         old = logps.detach() if self.old is None else self.old
-        losses, ratio, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n)
+        losses, ratios, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n)
         loss = self.policy.summed(losses, sequences, n)
-        if self.policy.importance_sampling_level == "sequence":  # one ratio a completion: count completions
-            lengths = sequence_sums(torch.ones_like(logps), sequences, n).clamp(min=1)
-            ratio = (sequence_sums(logps.detach() - old, sequences, n) / lengths).exp()
-            clipped = clipped_ratios(self.policy, ratio, self.advantages)
-        else:
-            clipped = clipped_ratios(self.policy, ratio.detach(), self.advantages.index_select(0, sequences))
+        per_sequence = self.policy.importance_sampling_level == "sequence"  # one ratio a completion: count those
+        advantages = self.advantages if per_sequence else self.advantages.index_select(0, sequences)
+        clipped = clipped_ratios(self.policy, ratios.detach(), advantages)
         tokens = torch.tensor(float(len(logps)), device=logps.device)
         return torch.cat([loss[None], torch.stack([tokens, kl.sum().detach(), entropy.sum()]), clipped.sum(-1)])
 

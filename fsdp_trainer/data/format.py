@@ -169,6 +169,12 @@ class TokenFile:
         return None if self.margins is None else self.margins[starts[:, None] + np.arange(length)]
 
 
+def first_record(path: str | os.PathLike) -> dict:
+    """The record of a file of prompts' first window, read alone (a check before training needs no more)."""
+    with open(f"{path}{COLUMNS_SUFFIX}", encoding="utf-8") as f:
+        return json.loads(f.readline())
+
+
 class TokenShards:
     """A directory of token files with a manifest, read as the concatenation of its shards in manifest order."""
 

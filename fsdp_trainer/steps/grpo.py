@@ -21,28 +21,27 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_trainer.config import GRPOConfig
-from fsdp_trainer.data.format import open_tokens
+from fsdp_trainer.data.format import first_record
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
-from fsdp_trainer.rewards import Reward, RewardError, score
+from fsdp_trainer.rewards import RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
 from fsdp_trainer.steps.reference import Reference
-from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate
+from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate, rewards_of
 
 
 def probe(recipe: Any) -> None:
     """Each reward function imports, and scores two empty-ish completions of the first training prompt: RewardError
     (one line naming it) when it does not, before any worker starts."""
-    record = open_tokens(recipe.data.train_path).columns([0])[0]
+    record = first_record(recipe.data.train_path)
     prompt = record["prompt"]
     texts: list = ["", "0"]
     if isinstance(prompt, list):
         texts = [[{"role": "assistant", "content": text}] for text in texts]
     columns = {key: [value, value] for key, value in record.items() if key != "prompt"}
-    rewards = [Reward(r.function, r.weight, dict(r.args)) for r in recipe.grpo.rewards]
-    for k, reward in enumerate(rewards):
+    for k, reward in enumerate(rewards_of(recipe.grpo)):
         try:
             score([reward], [prompt, prompt], texts, [[0], [0]], columns)
         except RewardError as e:
@@ -184,7 +183,8 @@ class GRPOStep(GRPO, Step):
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's loss summed as the loss type says; the sums of POLICY_METRICS and its completions)."""
-        rollout, ref, n = self.current[id(batch.inputs)], None, len(self.current[id(batch.inputs)].advantages)
+        rollout, ref = self.current[id(batch.inputs)], None
+        n = len(rollout.advantages)
         if self.reference is not None:  # its log-probs at the sampling temperature, as the policy's
             at = TokenLogProbs(batch.targets, batch.trained, self.cfg.temperature, self.chunks)
             ref = self.reference.logps(batch, at)

@@ -29,7 +29,7 @@ from fsdp_trainer.config import GRPOConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
 from fsdp_trainer.generation import sample_groups
-from fsdp_trainer.loss import group_advantages
+from fsdp_trainer.loss import group_advantages, nanstd, weighted_rewards
 from fsdp_trainer.rewards import Reward, score
 from fsdp_trainer.steps.examples import packed
 from fsdp_trainer.steps.on_policy import stop_ids as answer_ends
@@ -51,6 +51,11 @@ class Rollout:
     """The completions sampled, those mask_truncated_completions keeps out of `batch` too."""
 
 
+def rewards_of(cfg: GRPOConfig) -> list[Reward]:
+    """The recipe's reward functions (imported when first called)."""
+    return [Reward(r.function, r.weight, dict(r.args)) for r in cfg.rewards]
+
+
 def prompts_of(batch: MicroBatch) -> list[np.ndarray]:
     """The prompt of each window of a micro-batch of prompts data: its tokens before the padding's START."""
     inputs, documents = batch.inputs.cpu().numpy(), batch.documents.cpu().numpy()
@@ -62,7 +67,7 @@ class Rollouts:
 
     def __init__(self, cfg: GRPOConfig, seed: int, tokenizer_path: str):
         self.cfg, self.seed, self.tokenizer_path = cfg, seed, tokenizer_path
-        self.rewards = [Reward(r.function, r.weight, dict(r.args)) for r in cfg.rewards]
+        self.rewards = rewards_of(cfg)
         self.weights = torch.tensor([r.weight for r in cfg.rewards], dtype=torch.float32)
         self.stats: dict[str, float] = {}
 
@@ -127,7 +132,7 @@ class Rollouts:
             rollout, local = pack(self, batch, prompts, completions, logps, local, lengths, cut)
             out.append(rollout)
         self.stats = reward_stats(self.rewards, rewards, total, std_zero)
-        self.stats.update(completion_stats(lengths, cut, micro_steps // len(batches), device))
+        self.stats.update(completion_stats(lengths, cut, len(batches), micro_steps, device))
         return out
 
 
@@ -178,11 +183,6 @@ def local_rows(rows: torch.Tensor, micro_batches: int, micro_steps: int) -> torc
     return torch.cat([rows[(m * world + rank) * per : (m * world + rank + 1) * per] for m in range(micro_batches)])
 
 
-def _nanstd(x: torch.Tensor) -> float:
-    x = x[~x.isnan()]
-    return float(x.std()) if len(x) > 1 else float("nan")
-
-
 def reward_stats(
     rewards: list[Reward], per_function: torch.Tensor, total: torch.Tensor, std_zero: torch.Tensor
 ) -> dict[str, float]:
@@ -192,27 +192,25 @@ def reward_stats(
     stats = {}
     for k, reward in enumerate(rewards):
         stats[f"rewards/{reward.name}/mean"] = float(per_function[:, k].nanmean())
-        stats[f"rewards/{reward.name}/std"] = _nanstd(per_function[:, k])
-    stats.update(reward=float(total.nanmean()), reward_std=_nanstd(total))
+        stats[f"rewards/{reward.name}/std"] = float(nanstd(per_function[:, k]))
+    stats.update(reward=float(total.nanmean()), reward_std=float(nanstd(total)))
     stats["frac_reward_zero_std"] = float(std_zero.float().mean())
     return stats
 
 
-def completion_stats(lengths: list[int], cut: list[bool], world: int, device: torch.device) -> dict[str, float]:
+def completion_stats(
+    lengths: list[int], cut: list[bool], micro_batches: int, micro_steps: int, device: torch.device
+) -> dict[str, float]:
     """The global batch's completion lengths (mean, min, max) and the share cut at the length limit
     (TRL's completions/...), from this rank's (gathered)."""
     local = torch.tensor([[float(n), float(c)] for n, c in zip(lengths, cut, strict=True)], device=device)
-    if world > 1:
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
-        local = torch.cat(parts)
-    local = local.cpu()
-    n = local[:, 0]
+    every = gathered(local, micro_batches, micro_steps).cpu()
+    n = every[:, 0]
     return {
         "completions/mean_length": float(n.mean()),
         "completions/min_length": float(n.min()),
         "completions/max_length": float(n.max()),
-        "completions/clipped_ratio": float(local[:, 1].mean()),
+        "completions/clipped_ratio": float(every[:, 1].mean()),
     }
 
 
@@ -244,12 +242,13 @@ def evaluate(rollouts: Rollouts, model: nn.Module, batches: list[MicroBatch], pl
     """The rewards of one greedy completion of each prompt, over every rank's: the weighted sum's mean, each
     function's, and the completions' mean length."""
     sampled = rollouts.sample(model, batches, plan, 0, temperature=0.0)
-    world, device = dist.get_world_size(), batches[0].inputs.device
+    micro_steps, device = len(batches) * dist.get_world_size(), batches[0].inputs.device
     local = torch.from_numpy(scored(rollouts, sampled, records)).float().to(device)
-    rewards = gathered(local, len(batches), len(batches) * world).cpu()
-    total = (rewards * rollouts.weights).nansum(dim=1).masked_fill(rewards.isnan().all(dim=1), torch.nan)
+    rewards = gathered(local, len(batches), micro_steps).cpu()
+    total = weighted_rewards(rewards, rollouts.weights)
     stats = reward_stats(rollouts.rewards, rewards, total, torch.zeros(len(total), dtype=torch.bool))
     lengths = [len(ids) for _, completions, _ in sampled for ids in completions]
-    mean_length = completion_stats(lengths, [False] * len(lengths), world, device)["completions/mean_length"]
+    cut = [False] * len(lengths)
+    mean_length = completion_stats(lengths, cut, len(batches), micro_steps, device)["completions/mean_length"]
     keep = ("reward", *(f"rewards/{r.name}/mean" for r in rollouts.rewards))
     return {**{k: stats[k] for k in keep}, "completions/mean_length": mean_length}
