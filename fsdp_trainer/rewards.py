@@ -140,12 +140,18 @@ def _last_boxed(text: str) -> str | None:
     return None  # never closed
 
 
+def expected_answer(gold: object) -> str | None:
+    """A record's answer column as a final answer: a GSM8K solution's `#### n`, or the bare answer itself; None when
+    it is empty."""
+    return final_answer(str(gold)) or final_answer(f"#### {gold}")
+
+
 def exact_answer(completions: list, answer: list[str], **_) -> list[float | None]:
     """1 where a completion's final answer (`#### ...` or `\\boxed{...}`) is the record's `answer` column's (itself a
     bare answer, or a GSM8K solution ending in `#### n`), else 0; None for a record whose answer is empty."""
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
-        expected = final_answer(str(gold)) or final_answer(f"#### {gold}")
+        expected = expected_answer(gold)
         out.append(None if expected is None else float(final_answer(text_of(completion)) == expected))
     return out
 
@@ -156,7 +162,7 @@ def matching_characters(completions: list, answer: list[str], **_) -> list[float
     dense reward beside exact_answer for answers a short model gets partly right (a string reversed)."""
     out: list[float | None] = []
     for completion, gold in zip(completions, answer, strict=True):
-        expected, given = final_answer(str(gold)) or final_answer(f"#### {gold}"), final_answer(text_of(completion))
+        expected, given = expected_answer(gold), final_answer(text_of(completion))
         if expected is None:
             out.append(None)
             continue

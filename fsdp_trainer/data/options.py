@@ -54,10 +54,10 @@ class PrepareOptions:
             raise ValueError(f"--format={self.format!r} must be text, chat, preference, unpaired or prompts")
         if self.format != "text":
             check_options(self.train_on, self.long_examples)
-        if self.format in ("preference", "unpaired", "prompts") and self.train_on != "assistant":
-            what = {"preference": "a preference pair is", "unpaired": "an unpaired answer is"}.get(self.format)
-            if what is None:
-                raise ValueError("--train_on applies to --format chat: prompts are not trained on, only sampled from")
+        if self.format == "prompts" and self.train_on != "assistant":
+            raise ValueError("--train_on applies to --format chat: prompts are not trained on, only sampled from")
+        if self.format in ("preference", "unpaired") and self.train_on != "assistant":
+            what = "a preference pair is" if self.format == "preference" else "an unpaired answer is"
             raise ValueError(
                 f"--train_on={self.train_on} applies to --format chat: {what} measured on its answers alone (their "
                 "log-probabilities given the prompt)"
