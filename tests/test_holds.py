@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from fsdp_trainer.checkpoint.holds import all_holds, hold, release, step_holds
-from fsdp_trainer.checkpoint.storage import CheckpointError
+from fsdp_trainer.checkpoint.checkpointer import prune
+from fsdp_trainer.checkpoint.holds import all_holds, hold, reading, release, step_holds
+from fsdp_trainer.checkpoint.storage import CheckpointError, publish_latest
 from tests.conftest import PAIRS_SEQ_LEN
 from tests.helpers import run_args, tool, train_cli
 
@@ -56,6 +60,7 @@ def test_lora_sft_then_lora_dpo_then_sft_past_keep_last_keeps_the_dpo_base(tiny_
     # The DPO run exports and resumes from the base it stands on.
     tool("consolidate.py", dpo, tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
+    assert not all_holds(dpo / "checkpoints")  # the tool held the step it read only while it read it
     assert "resumed from" in train_cli(dpo_args(2, "auto")).stdout
     assert [h.uses for h in step_holds(base)] == [["lora base"]]  # held again on resume, not twice
 
@@ -103,3 +108,45 @@ def test_a_run_does_not_hold_its_own_steps_and_a_step_gone_as_it_starts_is_said(
     missing = tmp_path / "other" / "checkpoints" / "step_00000001"
     with pytest.raises(CheckpointError, match="was deleted as this run started"):
         hold(tmp_path / "run", missing, ["start"])
+
+
+def test_a_tool_holds_the_step_it_reads_while_it_reads_it_and_a_killed_tool_holds_nothing(tmp_path, caplog):
+    """consolidate / evaluate / generate / score on a run that is still training: the step `latest` named when the tool
+    started is not rotated away under it; once the tool ends (or is killed) the next save deletes it."""
+    run, ckpts, said = tmp_path / "sft", tmp_path / "sft" / "checkpoints", set()
+    _step(run, 1)
+    publish_latest(ckpts, "step_00000001")
+    with reading(run, "tools/consolidate.py") as step:
+        assert step == (ckpts / "step_00000001").resolve()
+        _step(run, 2)
+        publish_latest(ckpts, "step_00000002")  # the run saved on; keep_last=1 would delete step 1
+        prune(ckpts, 1, said)
+        assert step.is_dir()
+        [held] = step_holds(step)
+        assert held.reader.startswith("tools/consolidate.py (pid ") and held.run is None and not held.stale
+        assert f"kept {step}: tools/consolidate.py (pid " in caplog.text
+        listing = tool("verify_checkpoint.py", run, check=False).stdout
+        assert "step_00000001  held by tools/consolidate.py (pid " in listing, listing
+    assert not step_holds(step)
+    prune(ckpts, 1, said)
+    assert not step.exists() and not (ckpts / "holds" / step.name).exists()
+    with reading(tmp_path / "hf_model", "tools/generate.py") as path:  # not a checkpoint of ours: read as it is
+        assert path == tmp_path / "hf_model"
+
+    # A reader killed mid-read: its hold names a process that has ended, and the next save does not count it.
+    _step(run, 3)
+    publish_latest(ckpts, "step_00000003")
+    holding = "import sys, time; from fsdp_trainer.checkpoint.holds import reading\n"
+    holding += "with reading(sys.argv[1], 'tools/evaluate.py'):\n    print('held', flush=True); time.sleep(600)"
+    reader = subprocess.Popen([sys.executable, "-c", holding, str(run)], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline() == "held\n"
+    _step(run, 4)
+    publish_latest(ckpts, "step_00000004")
+    prune(ckpts, 1, said)
+    assert (ckpts / "step_00000003").is_dir()  # alive: kept
+    reader.kill()
+    reader.wait()
+    [stale] = (ckpts / "holds" / "step_00000003").iterdir()
+    assert stale.name == f"reader-{reader.pid}@{socket.gethostname()}.json"
+    prune(ckpts, 1, said)
+    assert not (ckpts / "step_00000003").exists() and not (ckpts / "holds" / "step_00000003").exists()

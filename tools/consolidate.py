@@ -26,6 +26,7 @@ from typing import Literal
 
 from jsonargparse import ArgumentParser
 
+from fsdp_trainer.checkpoint.holds import reading
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import consolidate, export_adapter
 
@@ -53,10 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     with one_line_errors():
         args = parser.parse_args(argv)
-        if args.lora == "adapter":
-            export_adapter(args.ckpt_dir, args.out_dir, args.dtype)
-        else:
-            consolidate(args.ckpt_dir, args.out_dir, args.dtype, args.max_shard_gb, args.verify, args.check_logits)
+        with reading(args.ckpt_dir, "tools/consolidate.py") as path:
+            if args.lora == "adapter":
+                export_adapter(path, args.out_dir, args.dtype)
+            else:
+                consolidate(path, args.out_dir, args.dtype, args.max_shard_gb, args.verify, args.check_logits)
 
 
 if __name__ == "__main__":

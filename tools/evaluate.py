@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
+from fsdp_trainer.checkpoint.holds import reading
 from fsdp_trainer.config import ParallelConfig, one_line_errors
 from fsdp_trainer.convert import is_hf_dir, load_model
 from fsdp_trainer.distributed.runtime import close_distributed, init_distributed
@@ -64,10 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--shard reads our checkpoints; import {args.path} first (tools/import_hf.py)")
         env = init_distributed(ParallelConfig())
         try:
-            if args.shard:
-                model, tokenizer = load_sharded(args.path, env)
-            else:
-                model, tokenizer = load_model(args.path)
+            with reading(args.path, "tools/evaluate.py") as path:
+                model, tokenizer = load_sharded(path, env) if args.shard else load_model(path)
             lm = ModelLM(model.to(env.device), tokenizer, args.batch_size, args.max_gen_toks, lockstep=args.shard)
             results = evaluate(lm, tasks, args.num_fewshot, args.limit, args.apply_chat_template, args.include_path,
                                seeds, args.log_samples)  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from jsonargparse import ArgumentParser
 
+from fsdp_trainer.checkpoint.holds import reading
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import load_model
 from fsdp_trainer.data.chat import ChatEncoder
@@ -33,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     with one_line_errors():
         args = parser.parse_args(argv)
-        model, tokenizer = load_model(args.path)
+        with reading(args.path, "tools/generate.py") as path:
+            model, tokenizer = load_model(path)
         messages = [{"role": "user", "content": args.prompt}]
         ids = ChatEncoder(tokenizer).prompt(messages) if args.chat else tokenizer.encode_prompt(args.prompt)
         prompt = torch.tensor(ids, dtype=torch.long)

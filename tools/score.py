@@ -14,6 +14,7 @@ import json
 import torch
 from jsonargparse import ArgumentParser
 
+from fsdp_trainer.checkpoint.holds import reading
 from fsdp_trainer.config import one_line_errors
 from fsdp_trainer.convert import load_model
 from fsdp_trainer.data.chat import BadConversation, ChatEncoder, preference_of
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         if (args.pairs is None) == (args.prompt is None or args.answer is None):
             raise ValueError("give --prompt and --answer, or --pairs FILE")
-        model, tokenizer = load_model(args.path)
+        with reading(args.path, "tools/score.py") as path:
+            model, tokenizer = load_model(path)
         encoder = ChatEncoder(tokenizer)
 
         def reward(messages: list[dict]) -> float:

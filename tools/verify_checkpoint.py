@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--release",
         default=None,
-        help=f"release the holds of this run directory (`{STALE}`: of every holder that is gone) on the checkpoints "
+        help=f"release the holds of this run directory (`{STALE}`: of every holder that is gone; `PID@HOST`: of a tool "
+        "reading them, as listed) on the checkpoints "
         "of `path`, so that its keep_last may delete them at its next save; verifies nothing",
     )
     with one_line_errors():
