@@ -4,6 +4,7 @@ the planner share them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,7 +56,7 @@ from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import MASTER_WEIGHT_BYTES, optimizer_state_bytes
 from fsdp_trainer.sinks import require_wandb
 from fsdp_trainer.steps import Step, check_data, training_kind
-from fsdp_trainer.tokenizer import run_tokenizer_path
+from fsdp_trainer.tokenizer import fingerprint, first_tokenizer, run_tokenizer_path
 
 logger = logging.getLogger("fsdp_trainer")
 
@@ -167,12 +168,24 @@ def lock_out_dir(out_dir: str, env: DistEnv) -> RunLock | None:
     return lock
 
 
+_META_MODELS: dict[str, Transformer] = {}
+
+
+def recipe_model(recipe: Recipe) -> Transformer:
+    """The recipe's model with its adapters on the meta device, built once a process for each model and lora section:
+    the checks before the workers (room, start, the summary line) each read it. Not to be changed by its readers."""
+    key = json.dumps([asdict(recipe.model), asdict(recipe.lora)], sort_keys=True, default=str)
+    if key not in _META_MODELS:
+        _META_MODELS[key] = meta_model(recipe.model, recipe.lora)
+    return _META_MODELS[key]
+
+
 def check_disk_room(recipe: Recipe) -> None:
     """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the recipe's
     model: fp32 weights and the optimizer's state of what it trains, as the planner counts them (gradients are not
     saved; a LoRA run's checkpoints hold its adapters and their state only)."""
     out_dir = recipe.train.out_dir
-    model = meta_model(recipe.model, recipe.lora)
+    model = recipe_model(recipe)
     saved = sum(p.numel() for p in model.parameters() if p.requires_grad)
     need = MASTER_WEIGHT_BYTES * saved + optimizer_state_bytes(recipe.optim, model)
     free = shutil.disk_usage(out_dir).free
@@ -200,6 +213,7 @@ def check_start(recipe: Recipe) -> None:
         return
     field = "checkpoint.resume" if resume != "auto" else "train.out_dir"
     path = resolve_checkpoint(resume, field) if resume != "auto" else own
+    check_start_tokenizer(path, recipe.data.tokenizer_path, field)
     weights = path
     while weights is not None and is_adapters_only(weights):  # a LoRA checkpoint's weights are its base's (None: the
         weights = lora_base(weights)  # seeded init), and that base may be a LoRA checkpoint in turn
@@ -210,9 +224,21 @@ def check_start(recipe: Recipe) -> None:
     except CheckpointError:  # damaged metadata: the workers' verification says so (resume auto falls back past it)
         return
     try:
-        check_shapes(weights, saved, meta_model(recipe.model, recipe.lora).state_dict(), adapters_optional=True)
+        check_shapes(weights, saved, recipe_model(recipe).state_dict(), adapters_optional=True)
     except CheckpointError as e:
         raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
+
+
+def check_start_tokenizer(path: Path, tokenizer_path: str, field: str) -> None:
+    """The tokenizer a checkpoint carries (the one its weights learned) is the run's: other files mean its token ids
+    would be read as other text."""
+    carried = first_tokenizer([path])
+    if carried is not None and fingerprint(carried) != fingerprint(tokenizer_path):
+        raise ValueError(
+            f"{field}: {path} was trained with the tokenizer it carries, and data.tokenizer_path={tokenizer_path} is "
+            "another (their files differ), so its token ids would mean other text: set data.tokenizer_path to null "
+            "(the checkpoint's own) and prepare the data with that tokenizer"
+        )
 
 
 def model_fix(path: Path, model: ModelConfig) -> str:
@@ -240,7 +266,7 @@ def _flat(section: dict, prefix: str) -> dict:
 def run_summary(recipe: Recipe) -> str:
     """What a run trains, for the line fsdp-train starts with: `sft + LoRA r16, training 2.1M of 494.0M params`."""
     adapters = f" + LoRA r{recipe.lora.rank}" if recipe.lora.rank is not None else ""
-    trained = trained_params(meta_model(recipe.model, recipe.lora), recipe.model)
+    trained = trained_params(recipe_model(recipe), recipe.model)
     return f"{training_kind(recipe).name}{adapters}, training {trained}"
 
 
@@ -257,11 +283,18 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     check_data(recipe, files[0])
     training_kind(recipe).check(recipe)  # what the kind needs beside its data (a teacher that can teach the model)
     require_wandb(recipe)
+    made = not os.path.isdir(recipe.train.out_dir)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
-    check_run_dir_free(recipe.train.out_dir)
-    if recipe.checkpoint.every:
-        check_disk_room(recipe)
-    check_start(recipe)
+    try:
+        check_run_dir_free(recipe.train.out_dir)
+        if recipe.checkpoint.every:
+            check_disk_room(recipe)
+        check_start(recipe)
+    except BaseException:
+        if made:  # a run refused as it starts leaves no empty directory behind (another rank's files: left)
+            with contextlib.suppress(OSError):
+                os.rmdir(recipe.train.out_dir)
+        raise
     check_adapters(recipe.model, recipe.lora, recipe.parallel)
     if recipe.eval.tasks:
         try:

@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.conftest import PAIRS_SEQ_LEN
-from tests.helpers import run_args, script
+from tests.helpers import run_args, script, tool, train_cli
 
 KINDS = {
     "full": {},
@@ -183,3 +183,24 @@ def test_a_start_with_weights_of_its_own_takes_them_and_records_them(tmp_path):
     (tmp_path / "step").mkdir()
     (tmp_path / "step" / "teacher.json").write_bytes(attachments["teacher.json"])
     assert recorded_start(tmp_path / "step", "teacher.json", start.what) == source.resolve()
+
+
+def test_a_checkpoint_trained_with_another_tokenizer_is_refused_before_any_worker(tiny_data, tmp_path):
+    """A run that starts from a checkpoint whose tokenizer (the copy it carries) is not data.tokenizer_path would read
+    its token ids as other text: one line, before the model is built, naming the fix."""
+    train_cli(run_args(tiny_data, tmp_path / "small", 1, checkpoint={"every": 1}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "corpus.txt").write_text((tiny_data.parent / "corpus.txt").read_text()[:150_000])
+    data = {"train_path": other / "train.bin", "val_path": other / "val.bin", "tokenizer_path": other / "tok.model"}
+    overrides = [arg for key, value in data.items() for arg in (f"--data.{key}", value)]
+    tool("prepare_data.py", "--recipe", tiny_data, *overrides, "--input", other / "corpus.txt", "--val_fraction", "0.1")
+    proc = train_cli(run_args(tiny_data, tmp_path / "run", 2, data=data, checkpoint={"resume": tmp_path / "small"}),
+                     check=False)  # fmt: skip
+    step = tmp_path / "small" / "checkpoints" / "step_00000001"
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: checkpoint.resume: {step} was trained with the tokenizer it carries, and data.tokenizer_path="
+        f"{other / 'tok.model'} is another (their files differ), so its token ids would mean other text: set "
+        "data.tokenizer_path to null (the checkpoint's own) and prepare the data with that tokenizer"
+    ], proc.stderr
+    assert "starting" not in proc.stdout and not (tmp_path / "run").exists()
