@@ -233,6 +233,11 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         _, note = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.world_size, cfg.eval_steps)
         if note:
             logger.warning(note)
+    if cfg.eval_on_start and state.step == 0:
+        if val_file is not None:
+            metrics.log_eval(0, evaluate(model, step, val_file, recipe, env))
+        if scores is not None:
+            metrics.log_eval(0, scores.score(model), prefix="")
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)

@@ -330,3 +330,15 @@ def test_the_progress_bars_rate_counts_from_the_first_steady_step(capsys):
         assert bar.bar.n == 3 and bar.bar.initial == 1 and bar.bar.format_dict["elapsed"] < 60
     finally:
         bar.close()
+
+
+def test_eval_on_start_logs_the_starting_models_evaluation_as_step_0_once(tiny_data, tmp_path):
+    """At lr 1e-30 the weights after step 1 are those before it, so the evaluation before the first step (step 0) equals
+    step 1's exactly; resumed, the run does not evaluate its start again."""
+    zero_lr = {"lr": 1e-30, "min_lr": 1e-30, "warmup_steps": 0}  # in fp32, no change to any weight
+    every = {"eval_every": 1, "eval_on_start": True}
+    train_cli(run_args(tiny_data, tmp_path, 1, optim=zero_lr, train=every, checkpoint={"every": 1}))
+    train_cli(run_args(tiny_data, tmp_path, 2, optim=zero_lr, train=every, checkpoint={"every": 1}))
+    evals = [(r["step"], r["val_loss"]) for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert [step for step, _ in evals] == [0, 1, 2], evals
+    assert evals[0][1] == evals[1][1] == evals[2][1]

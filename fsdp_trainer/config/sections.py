@@ -376,6 +376,9 @@ class TrainConfig:
     """Log (and sync the loss to the host) every this many steps."""
     eval_every: int = 100
     """Evaluate on data.val_path every this many steps (0 = never); also after the last step."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step as well (logged as step 0, benchmark tasks too), so that a curve shows where
+    the run started; a resumed run does not evaluate again."""
     eval_steps: int = 10
     """Batches per evaluation (each the size of one global micro-batch); no more than the validation file holds
     whole, so that no window is scored twice (a warning says so)."""
