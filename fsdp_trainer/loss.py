@@ -336,11 +336,10 @@ def _logps_entropy(
     hidden: torch.Tensor, output: nn.Module, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), the entropy of the distribution) at each row, of the logits divided by `temperature`, fp32."""
-    logits = output(hidden).float() / temperature
-    logps = -F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
-    with torch.no_grad():
-        log_p = F.log_softmax(logits, dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(-1)
+    log_p = F.log_softmax(output(hidden).float() / temperature, dim=-1)  # one (rows, vocab) kept for backward
+    logps = log_p.gather(-1, targets.clamp(min=0)[:, None])[:, 0].masked_fill(targets == IGNORE, 0.0)
+    with torch.no_grad():  # one more (rows, vocab) for a moment, not three
+        entropy = -log_p.exp().mul_(log_p).sum(-1)
     return logps, entropy
 
 
