@@ -8,9 +8,51 @@ a seeded run samples the same on any number of ranks.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from fsdp_trainer.model import KVCache, Transformer
+import torch
+import torch.nn as nn
+
+from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.model import KVCache, Transformer, count_params
+
+
+def last_logits(hidden: torch.Tensor, output_layer: nn.Module) -> torch.Tensor:
+    """A forward's objective (Transformer.forward's `loss`) that makes the logits of the last position alone (B, 1,
+    vocab_size): what reading a prompt into a KV cache needs, not (B, T, vocab_size) of which all but one go."""
+    return output_layer(hidden[:, -1:])
+
+
+@dataclass(frozen=True)
+class SamplingShape:
+    """What a step of an online kind samples before it trains, for the planner: `prompts` read together (a
+    micro-batch's) and `each` continuations of each, every row holding up to `positions` tokens in the KV cache, of
+    which `new_tokens` are decoded a pass at a time; `batches` such batches a step, in a `share` of the steps."""
+
+    prompts: int
+    each: int
+    positions: int
+    new_tokens: int
+    batches: int
+    share: float = 1.0
+
+    @property
+    def rows(self) -> int:
+        """The sequences decoded together."""
+        return self.prompts * self.each
+
+
+def kv_cache_bytes(cfg: ModelConfig, rows: int, positions: int, itemsize: int) -> int:
+    """A KVCache's keys and values for `rows` sequences of `positions` tokens, every layer."""
+    return rows * positions * cfg.n_layers * 2 * cfg.n_kv_heads * cfg.resolved_head_dim * itemsize
+
+
+def sampling_bytes(cfg: ModelConfig, shape: SamplingShape, itemsize: int) -> int:
+    """What sampling holds beside the sharded training state: the model whole in the compute dtype (gathered once for
+    all of a step's sampling), a batch's KV cache (its prompts' rows copied to their samples' rows, both at once for a
+    moment: sample_groups), and a decode pass's fp32 logits of its rows with their softmax."""
+    cache = kv_cache_bytes(cfg, shape.rows, shape.positions, itemsize)
+    return count_params(cfg) * itemsize + cache + 2 * shape.rows * cfg.vocab_size * 4
 
 
 @torch.no_grad()
@@ -34,7 +76,7 @@ def generate(
     for _ in range(max_new_tokens):
         if cache is not None and cache.length + len(new) > cache.max_len:
             cache, new = None, tokens[-max_len:]
-        logits = model(new[None], cache=cache)[0, -1].float()  # (vocab_size,)
+        logits = model(new[None], cache=cache, loss=last_logits)[0, -1].float()  # (vocab_size,)
         next_id = sample(logits, temperature, top_k, generator)
         tokens = torch.cat([tokens, next_id.view(1)])
         new = next_id.view(1) if cache is not None else tokens[-max_len:]
@@ -73,12 +115,28 @@ def sample(
     generator: torch.Generator | None,
     top_p: float = 1.0,
 ):
-    """A token id from `logits` (vocab_size,): the most likely at temperature 0, else drawn from the softmax of
-    logits / temperature over the `top_k` most likely and, of those, the fewest whose probabilities reach `top_p`."""
+    """A token id from `logits` (vocab_size,): draw for one row."""
+    return draw(logits[None], temperature, top_k, [generator], top_p)[0]
+
+
+def draw(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generators: list[torch.Generator | None],
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """A token id for each row of `logits` (rows, vocab_size): the most likely at temperature 0, else drawn from the
+    softmax of logits / temperature over the `top_k` most likely and, of those, the fewest whose probabilities reach
+    `top_p`. Row i's draw is one uniform number of generators[i] (the inverse of its distribution's cumulative sum),
+    so it does not depend on the other rows, and the rows are drawn in one batch."""
     if temperature == 0:
-        return logits.argmax()
-    logits = truncated(logits / temperature, top_k, top_p)
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        return logits.argmax(-1)
+    probs = torch.softmax(truncated(logits / temperature, top_k, top_p), dim=-1)
+    cumulative = probs.cumsum(-1)
+    uniform = torch.stack([torch.rand((), generator=g, device=logits.device) for g in generators])
+    picked = torch.searchsorted(cumulative, (uniform * cumulative[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp(max=logits.shape[-1] - 1)
 
 
 def truncated(logits: torch.Tensor, top_k: int | None, top_p: float = 1.0) -> torch.Tensor:
@@ -119,7 +177,7 @@ def sample_groups(
     for row, prompt in enumerate(prompts):
         step_in[row, longest - len(prompt) :] = prompt
     cache = KVCache(model.cfg, longest + max(max_new), pads)
-    logits = model(step_in, cache=cache)[:, -1].float().repeat_interleave(n, 0)  # (rows, vocab_size)
+    logits = model(step_in, cache=cache, loss=last_logits)[:, -1].float().repeat_interleave(n, 0)  # (rows, vocab)
     cache.repeat_rows(n)
     rows = len(prompts) * n
     new: list[list[int]] = [[] for _ in range(rows)]
@@ -127,9 +185,7 @@ def sample_groups(
     limits = [max_new[row // n] for row in range(rows)]
     done = [limit == 0 for limit in limits]
     while not all(done):
-        drawn = torch.stack(
-            [sample(row, temperature, top_k, gen, top_p) for row, gen in zip(logits, generators, strict=True)]
-        )
+        drawn = draw(logits, temperature, top_k, generators, top_p)
         drawn_logps = (
             torch.zeros(rows)
             if temperature == 0

@@ -383,7 +383,7 @@ def check_rows(stdout: str) -> list[list[str]]:
     return [row.strip(" |").split(" | ") for row in rows]
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe"])
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -395,8 +395,12 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     QLoRA's step quantizes as a run does (it once measured bf16 LoRA). A mixture of experts with
     LoRA on its experts runs its grouped matmuls as a GPU would (selective AC keeps their outputs). The debug recipe's
     widths with two of its blocks: one that backward gathers again and the last, which stays gathered (each block is
-    seconds of Python dispatch on fake tensors; more of them repeat the same terms)."""
+    seconds of Python dispatch on fake tensors; more of them repeat the same terms). A GRPO step trains the G
+    completions of each prompt (G x the micro-batch's windows) after what sampling them allocates (the model gathered
+    whole, a KV cache, a decode pass's logits: the step on fake tensors rehearses it, since nothing can be drawn)."""
     extra = {
+        "grpo": ["--grpo.rewards", '[{function: "fsdp_trainer.rewards:exact_answer"}]', "--grpo.num_generations", "4",
+                 "--data.micro_batch_size", "2", "--grpo.max_completion_length", "64"],  # fmt: skip
         "dpo": ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
@@ -813,6 +817,22 @@ def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
     assert recipe.model.tied_output
     row = estimate(recipe, nproc=2, nnodes=1, sharding="NO_SHARD", ac="full", device="cuda")
     assert (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_grpo_step_whose_peak_is_its_sampling_is_planned_at_that_moment():
+    """Few tokens beside many blocks: sampling, with the model gathered whole, a KV cache and a decode pass's logits,
+    holds more than any moment of the training that follows (FULL_SHARD gathers a block or two at a time there), and
+    the plan puts the peak there, as the step on fake tensors, which rehearses the sampling, measures it."""
+    from fsdp_trainer.planner.fake import measured_peak_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "12",
+                           "--data.micro_batch_size", "1", "--data.seq_len", "16", "--parallel.mixed_precision", "bf16",
+                           "--grpo.rewards", '[{function: "fsdp_trainer.rewards:exact_answer"}]',
+                           "--grpo.num_generations", "2", "--grpo.max_completion_length", "8"])  # fmt: skip
+    row = estimate(recipe, nproc=8, nnodes=1, sharding="FULL_SHARD", ac="none", device="cuda")
+    planned, training_only = (e.total_gb - e.runtime_gb for e in (row, dataclasses.replace(row, sampling_gb=0.0)))
+    assert planned > 1.1 * training_only  # the sampling's moment is the peak
+    assert planned / measured_peak_gb(recipe, 8, 1) == pytest.approx(1.0, abs=0.03)
 
 
 @pytest.mark.parametrize("vocab", [32000, 128256])

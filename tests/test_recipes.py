@@ -26,6 +26,7 @@ EXPECTED_PARAMS = {
     "lora_qwen3_0.6b.yaml": 596_049_920,
     "qlora_llama3_8b.yaml": 8_030_261_248,
     "dpo_qwen3_0.6b.yaml": 596_049_920,
+    "grpo_qwen3_0.6b.yaml": 596_049_920,
     "dpo_lora_llama3_2_1b.yaml": 1_235_814_400,
     "simpo_qwen3_0.6b.yaml": 596_049_920,
     "orpo_qwen3_0.6b.yaml": 596_049_920,

@@ -72,7 +72,7 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
             fill_shard(weight, torch.zeros(weight.shape, dtype=dtype))
         optimizer = build_optimizer(model, recipe.optim)
-        shape = (data.grad_accum_steps, data.micro_batch_size, data.seq_len + 1)
+        shape = (data.grad_accum_steps, kind.trained_rows(recipe), data.seq_len + 1)
         windows = torch.randint(0, recipe.model.vocab_size, shape)
         batches = [kind.fake_batch(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in windows]
         step = kind.build(recipe, env, model)

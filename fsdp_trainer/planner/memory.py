@@ -111,6 +111,7 @@ from fsdp_trainer.adapters.nf4 import dequantization_peak_bytes
 from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.generation import sampling_bytes
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_trainer.planner.activations import activation_bytes_per_token, adapter_copies_per_block, attention_mask_bytes
@@ -150,6 +151,7 @@ class Estimate:
     last_copy_out_gb: float = 0.0  # the last two blocks' all-gather outputs, held at the last one's copy-out
     logits_forward_gb: float = 0.0  # one slice's logits in the loss's forward
     attention_mask_gb: float = 0.0  # of the activations: a sliding window's mask, until the first block's backward
+    sampling_gb: float = 0.0  # an online kind's sampling before the step: the model whole, a KV cache, logits
 
     @property
     def total_gb(self) -> float:
@@ -164,6 +166,8 @@ class Estimate:
         # blocks. Until backward reduces the first gradients, their shards may not exist yet (late_gradients_gb); by
         # the last block's backward they all do, beside that block's activations alone, and every other block has
         # freed its gathered weights (FSDP reshards each after its backward, whatever it kept from forward).
+        # An online kind samples before its first forward, with nothing else gathered and no gradient yet: the model
+        # gathered whole, the last two blocks' all-gather outputs held as the last is copied out.
         held = self.state_gb + self.reference_gb + self.gathered_gb + self.accumulated_gb + self.buffers_gb
         early = held - self.late_gradients_gb
         ungathered = held - self.gathered_gb
@@ -178,6 +182,7 @@ class Estimate:
             ungathered + self.grad_buffers_gb,
             late + self.optimizer_step_gb,
             early + self.copy_out_gb,
+            early - self.gathered_gb + self.sampling_gb + self.last_copy_out_gb,
         )
         return peak + self.runtime_gb
 
@@ -336,6 +341,26 @@ def logits_forward_bytes(meta: Transformer, tokens: int, chunks: int) -> int:
     return 8 * slice_logits(meta, tokens, chunks)
 
 
+def kind_costs(
+    recipe: Recipe, n_params: int, trainable: int, gathered_bytes: float, shard_group: int, a: int
+) -> tuple[int, float, float, int]:
+    """What the training kind adds to a row: (the parameters it runs forward without gradient a micro-step, the bytes
+    a rank sends for them and its sampling a step, its frozen models' bytes a rank, its sampling's bytes).
+
+    A preference run's reference: each forward without gradient before the policy's, every micro-step, gathers its
+    weights again (the policy's own with adapters off, or a frozen copy's), whose frozen weights it holds in the compute
+    dtype, sharded; their gathered blocks are freed before the policy's; what it keeps gathered through the policy's
+    forward and backward (a teacher's output layer) holds the other shards too. An online kind gathers the model whole
+    once for all of a step's sampling (in a share of the steps)."""
+    kind, other_shards = training_kind(recipe), (shard_group - 1) / shard_group
+    forward, sampling = kind.forward_params(recipe, n_params), kind.sampling(recipe)
+    sent = gathered_bytes * (forward * recipe.data.grad_accum_steps + n_params * (sampling.share if sampling else 0))
+    reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
+    reference += a * kind.held_gathered_params(recipe) * other_shards
+    sampled = sampling_bytes(recipe.model, sampling, a) if sampling else 0
+    return forward, sent * other_shards, reference, sampled
+
+
 def planned_model(cfg: ModelConfig, lora: LoraConfig) -> Transformer:
     """adapters.meta_model, built once per model and adapters (by their reprs: every field) for the planner, which
     only reads it, row after row."""
@@ -359,7 +384,8 @@ def estimate(
     a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
     n_block = count_params(cfg, one_block=True)
     n_root = count_params(cfg) - cfg.n_layers * n_block
-    tokens, prefetch = data.micro_batch_size * data.seq_len, recipe.parallel.prefetch_blocks
+    kind = training_kind(recipe)
+    tokens, prefetch = kind.trained_rows(recipe) * data.seq_len, recipe.parallel.prefetch_blocks
     meta = planned_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
     n_params = sum(p.numel() for p in meta.parameters())
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
@@ -397,18 +423,9 @@ def estimate(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
     accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
-    # What the training kind adds (a preference run's reference): each forward without gradient before the policy's,
-    # every micro-step, gathers its weights again (the policy's own with adapters off, or a frozen copy's), whose
-    # frozen weights it holds in the compute dtype, sharded; their gathered blocks are freed before the policy's.
-    kind = training_kind(recipe)
-    forward = kind.forward_params(recipe, n_params)
-    if shard_group > 1:
-        again = gathered_bytes * forward * accum * (shard_group - 1) / shard_group
-        sent += again
-        internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
-    reference = a * kind.frozen_params(recipe, n_params, trainable < n_params) / shard_group
-    # What it keeps gathered through the policy's forward and backward (a teacher's output layer): the other shards.
-    reference += a * kind.held_gathered_params(recipe) * (shard_group - 1) / shard_group
+    forward, again, reference, sampled = kind_costs(recipe, n_params, trainable, gathered_bytes, shard_group, a)
+    sent += again
+    internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
     host = traffic = 0
     if on_host:
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back at each reduction.
@@ -426,5 +443,5 @@ def estimate(
         gradients_later(accum, trainable, shard_group, on_host) / gb, block_activations / gb,
         gathered_late / gb, (gathered_late if run_plan.reshard_after_forward else gathered) / gb,
         *(outputs / gb for outputs in held_all_gather_outputs(block_bytes, shard_group, cfg.n_layers)),
-        logits_forward_bytes(meta, tokens, recipe.train.loss_chunks) / gb, mask / gb,
+        logits_forward_bytes(meta, tokens, recipe.train.loss_chunks) / gb, mask / gb, sampled / gb,
     )  # fmt: skip

@@ -44,7 +44,10 @@ from fsdp_trainer.adapters import adapter_kind
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.distributed.runtime import precision_on
+from fsdp_trainer.generation import kv_cache_bytes
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, expert_flops_per_token, flops_per_token
+from fsdp_trainer.model import count_params
+from fsdp_trainer.steps import training_kind
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class StepTime:
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
+    sampling_s: float = 0.0  # of step_s: an online kind's sampling before it trains
 
 
 def step_time(
@@ -146,7 +150,7 @@ def step_time(
     spec, cfg, data = spec or GPUS[gpu], recipe.model, recipe.data
     recomputed = recomputed_share(estimate.ac) if recomputed is None else recomputed
     peak = peak_flops(recipe, gpu)
-    tokens = data.micro_batch_size * data.seq_len * data.grad_accum_steps  # per GPU per step
+    tokens = training_kind(recipe).trained_rows(recipe) * data.seq_len * data.grad_accum_steps  # per GPU per step
     attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
     compute_s = tokens * seconds_per_token(
         recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration, recomputed
@@ -162,10 +166,27 @@ def step_time(
     exposed = comm_s / cfg.n_layers + max(0.0, comm_s - compute_s)
     # The state is 16 bytes per trained parameter (LoRA: plus the frozen weights, which the step does not touch).
     optimizer_s = estimate.state_gb * ADAM_BYTES / 16 / spec.hbm_gb_s
-    step_s = compute_s + exposed + optimizer_s
+    sampling_s = sampling_seconds(recipe, peak, spec.hbm_gb_s * 1e9, calibration)
+    step_s = compute_s + exposed + optimizer_s + sampling_s
     per_gpu = tokens / step_s
     model_flops = flops_per_token(cfg, data.seq_len)
-    return StepTime(compute_s, comm_s, exposed, optimizer_s, step_s, per_gpu, per_gpu * model_flops / peak)
+    return StepTime(compute_s, comm_s, exposed, optimizer_s, step_s, per_gpu, per_gpu * model_flops / peak, sampling_s)
+
+
+def sampling_seconds(recipe: Recipe, peak: float, hbm: float, calibration: Calibration) -> float:
+    """An online kind's sampling a step, on one GPU: each batch's prompts read at their matmuls' efficiency, then a
+    pass a new token that reads every weight in the compute dtype and the KV cache so far (half of it on average) over
+    HBM, or computes its rows' matmuls at the peak, whichever takes longer (a decode pass is bound by the bytes)."""
+    shape = training_kind(recipe).sampling(recipe)
+    if shape is None:
+        return 0.0
+    cfg, params = recipe.model, count_params(recipe.model)
+    a = compute_dtype(precision_on(recipe.parallel.mixed_precision, "cuda")[0]).itemsize
+    prompt_tokens = shape.prompts * max(1, shape.positions - shape.new_tokens)
+    prefill = 2 * params * prompt_tokens / (peak * matmul_efficiency(prompt_tokens, peak, hbm, calibration))
+    read = a * params + kv_cache_bytes(cfg, shape.rows, shape.positions, a) / 2
+    decode = max(read / hbm, 2 * params * shape.rows / peak)
+    return shape.share * shape.batches * (prefill + shape.new_tokens * decode)
 
 
 def seconds_per_token(
@@ -214,7 +235,7 @@ def peak_flops(recipe: Recipe, gpu: str) -> float:
 def matmul_tokens(recipe: Recipe) -> tuple[int, float]:
     """The tokens that share a weight in a micro-batch's matmuls, which set their efficiency: the micro-batch's, and
     a routed expert's, top_k / experts of them on average (the micro-batch's in a dense model)."""
-    cfg, tokens = recipe.model, recipe.data.micro_batch_size * recipe.data.seq_len
+    cfg, tokens = recipe.model, training_kind(recipe).trained_rows(recipe) * recipe.data.seq_len
     return tokens, tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
 
 

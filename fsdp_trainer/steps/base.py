@@ -34,6 +34,7 @@ from fsdp_trainer.config import ModelConfig, ParallelConfig, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, reshard, set_gradient_sync
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.generation import SamplingShape
 from fsdp_trainer.loss import share_of_global_mean
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, forget_routing
@@ -105,6 +106,16 @@ class Kind:
         """The parameters of its frozen models it keeps gathered through the policy's forward and backward (a
         teacher's output layer), beyond their shards."""
         return 0
+
+    @classmethod
+    def trained_rows(cls, recipe: Any) -> int:
+        """The windows a micro-batch trains on, for the planner (its activations, logits and FLOPs): the data's."""
+        return recipe.data.micro_batch_size
+
+    @classmethod
+    def sampling(cls, recipe: Any) -> SamplingShape | None:
+        """What a step samples with the model before it trains (an online kind), for the planner; None: nothing."""
+        return None
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str | None:

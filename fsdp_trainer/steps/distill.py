@@ -30,11 +30,12 @@ from fsdp_trainer.data.format import open_tokens
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
+from fsdp_trainer.generation import SamplingShape, sampling_bytes
 from fsdp_trainer.loss import DistillationLoss
 from fsdp_trainer.model import count_params
 from fsdp_trainer.steps.base import Kind, frozen_copy
 from fsdp_trainer.steps.next_token import NextTokenStep
-from fsdp_trainer.steps.on_policy import OnPolicy
+from fsdp_trainer.steps.on_policy import OnPolicy, rehearse
 from fsdp_trainer.tokenizer import load_tokenizer
 
 TEACHER_FILE = "teacher.json"
@@ -86,17 +87,6 @@ def check_teacher(recipe: Any) -> None:
                     f"distill.lmbda={recipe.distill.lmbda} samples answers to the prompts of chat examples, and {path} "
                     "holds token windows: prepare chat data (tools/prepare_data.py --format chat) or set it to 0"
                 )
-
-
-def sampling_gb(recipe: Any) -> float:
-    """What an on-policy step's sampling holds beside the sharded state, in GB: the model whole in the compute dtype,
-    a KV cache for a micro-batch's positions plus the answers, and a pass's fp32 logits for its examples."""
-    model, data = recipe.model, recipe.data
-    itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
-    positions = data.micro_batch_size * (data.seq_len + recipe.distill.max_new_tokens)
-    cache = positions * model.n_layers * 2 * model.n_kv_heads * model.resolved_head_dim * itemsize
-    logits = data.micro_batch_size * model.vocab_size * 4
-    return (count_params(model) * itemsize + cache + logits) / 1e9
 
 
 STORED_TOP_K = 64
@@ -161,14 +151,22 @@ class Distillation(Kind):
         )
         if recipe.distill.lmbda == 0:
             return note
-        sampling = sampling_gb(recipe)
-        over = [f"{e.sharding}/{e.ac}" for e in estimates if e.state_gb + e.reference_gb + sampling > e.total_gb]
+        itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
+        sampling = sampling_bytes(recipe.model, cls.sampling(recipe), itemsize) / 1e9
         return (
-            f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole and a KV cache "
-            f"(about {sampling:.2f} GB beside the sharded state: "
-            + (f"above the step's peak for {', '.join(over)})" if over else "below every row's step peak)")
-            + "; the sampling's time, a forward pass per new token, is not in the step time"
+            f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole, a KV cache and a "
+            f"decode pass's logits ({sampling:.2f} GB beside the sharded state: `sampling`, in each row's peak), its "
+            f"{recipe.distill.max_new_tokens} decode passes a micro-batch priced by the bytes they read, in "
+            f"{recipe.distill.lmbda:.0%} of the steps (in the predicted step time: a floor, kernel launches unpriced)"
         )
+
+    @classmethod
+    def sampling(cls, recipe: Any) -> SamplingShape | None:
+        data, cfg = recipe.data, recipe.distill
+        if cfg.lmbda == 0:
+            return None
+        positions = data.seq_len + cfg.max_new_tokens
+        return SamplingShape(data.micro_batch_size, 1, positions, cfg.max_new_tokens, data.grad_accum_steps, cfg.lmbda)
 
 
 class DistillStep(Distillation, NextTokenStep):
@@ -208,8 +206,12 @@ class DistillStep(Distillation, NextTokenStep):
         self, model: nn.Module, micro_batches: list[MicroBatch], plan: ShardingPlan, backward, world: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
         """Step.__call__, on the model's own answers on the steps the sampler draws."""
-        # A step never begun (the planner's on fake tensors) trains on the batches it is given.
+        # A step never begun (the planner's on fake tensors) trains on the batches it is given, after what sampling
+        # them would allocate.
         self.sampled = self.sampler is not None and self.step > 0 and self.sampler.due(self.step)
+        if self.sampler is not None and self.step == 0:
+            inputs = micro_batches[0].inputs
+            rehearse(model, plan, inputs, 1, inputs.shape[1] + self.cfg.max_new_tokens)
         if self.sampled:
             micro_batches = self.sampler.batches(model, micro_batches, plan, self.step)
         return super().__call__(model, micro_batches, plan, backward, world)

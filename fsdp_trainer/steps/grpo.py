@@ -20,14 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_trainer.config import GRPOConfig
+from fsdp_trainer.config import GRPOConfig, compute_dtype
 from fsdp_trainer.data.format import first_record
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
+from fsdp_trainer.generation import SamplingShape, sampling_bytes
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
 from fsdp_trainer.rewards import RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
+from fsdp_trainer.steps.on_policy import rehearse
 from fsdp_trainer.steps.reference import Reference
 from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate, rewards_of
 
@@ -100,12 +102,30 @@ class GRPO(Kind):
         return n_params if recipe.grpo.beta > 0 else 0
 
     @classmethod
+    def trained_rows(cls, recipe: Any) -> int:
+        """A window a completion: a micro-batch of prompts trains num_generations windows of each (at most)."""
+        return recipe.data.micro_batch_size * recipe.grpo.num_generations
+
+    @classmethod
+    def sampling(cls, recipe: Any) -> SamplingShape:
+        data, cfg = recipe.data, recipe.grpo
+        return SamplingShape(
+            data.micro_batch_size, cfg.num_generations, data.seq_len, cfg.max_completion_length, data.grad_accum_steps
+        )
+
+    @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
-        g = recipe.grpo.num_generations
+        g, data = recipe.grpo.num_generations, recipe.data
+        shape = cls.sampling(recipe)
+        itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
         return (
-            f"grpo: these rows price a micro-batch of data.micro_batch_size windows of completions; a step trains the "
-            f"{g} completions of each prompt, up to {g}x as many windows, and first samples them with the model "
-            "gathered whole and a KV cache: neither is priced yet (its memory and time are not in these rows)"
+            f"grpo: a micro-batch of {data.micro_batch_size} prompts trains their {g} completions each, "
+            f"{shape.rows} windows of {data.seq_len} (the rows' activations and logits); a step first samples them "
+            f"with the model gathered whole, a KV cache and a decode pass's logits, "
+            f"{sampling_bytes(recipe.model, shape, itemsize) / 1e9:.2f} GB beside the sharded state (`sampling`, "
+            f"in each row's peak), its {shape.new_tokens} decode passes a micro-batch priced by the bytes they read "
+            "(in the predicted step time: a floor, since an eager pass over a small model waits on kernel launches, "
+            f"which are not priced){'; and the reference model as DPO holds it' if recipe.grpo.beta else ''}"
         )
 
     @classmethod
@@ -118,10 +138,14 @@ class GRPO(Kind):
         return MicroBatch(inputs, batch.targets, torch.ones_like(inputs), sequences, trained=trained)
 
 
-def as_rollout(batch: MicroBatch) -> Rollout:
-    """A micro-batch of completions (GRPO.fake_batch's) as a rollout whose advantages are all 0."""
-    rows = batch.inputs.shape[0]
-    return Rollout(batch, torch.zeros(rows, device=batch.inputs.device), None, rows)
+def planned_rollouts(model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, cfg: GRPOConfig) -> list[Rollout]:
+    """The planner's step on fake tensors: what sampling the first micro-batch's prompts would allocate (nothing can
+    be drawn there), then its micro-batches of completions (GRPO.fake_batch's) as rollouts whose advantages are 0."""
+    inputs, g = batches[0].inputs, cfg.num_generations
+    prompt = max(1, inputs.shape[1] - cfg.max_completion_length)
+    rehearse(model, plan, inputs[: max(1, inputs.shape[0] // g), :prompt], g, inputs.shape[1])
+    rows = inputs.shape[0]
+    return [Rollout(batch, torch.zeros(rows, device=inputs.device), None, rows) for batch in batches]
 
 
 class GRPOStep(GRPO, Step):
@@ -158,7 +182,7 @@ class GRPOStep(GRPO, Step):
         """Step.__call__ on the step's rollouts of its micro-batches of prompts."""
         self.plan = plan
         if self.step == 0:  # a step never begun (the planner's, on fake tensors): its batches are completions
-            rollouts, self.rollouts.stats = [as_rollout(batch) for batch in micro_batches], {}
+            rollouts, self.rollouts.stats = planned_rollouts(model, micro_batches, plan, self.cfg), {}
         else:
             records = [self.files["train"].columns(batch.windows.tolist()) for batch in micro_batches]
             rollouts = self.rollouts(model, micro_batches, plan, self.step, records, len(micro_batches) * world)

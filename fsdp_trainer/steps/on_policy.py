@@ -24,7 +24,8 @@ from fsdp_trainer.config import DistillConfig
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
-from fsdp_trainer.generation import sample_batch
+from fsdp_trainer.generation import last_logits, sample_batch
+from fsdp_trainer.model import KVCache
 from fsdp_trainer.steps.examples import examples_of, packed
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
@@ -77,3 +78,15 @@ class OnPolicy:
     def generator(self, step: int, prompt: np.ndarray, device: torch.device) -> torch.Generator:
         seed = zlib.crc32(prompt.astype(np.int64).tobytes(), zlib.crc32(f"{self.seed}:{step}".encode()))
         return torch.Generator(device=device).manual_seed(seed)
+
+
+@torch.no_grad()
+def rehearse(model: nn.Module, plan: ShardingPlan, prompts: torch.Tensor, n: int, positions: int) -> None:
+    """What sampling `n` continuations of each of `prompts` (B, T) allocates, without drawing a token (the planner's
+    step on fake tensors, where nothing can be drawn): the model gathered whole, the prompts read into a KV cache of
+    `positions` and copied to their samples' rows, and one decode pass's logits with their log-softmax."""
+    with held_gathered(model, plan):
+        cache = KVCache(model.cfg, positions)
+        model(prompts, cache=cache, loss=last_logits)
+        cache.repeat_rows(n)
+        model(prompts[:, -1:].repeat_interleave(n, 0), cache=cache)[:, -1].float().log_softmax(-1)
