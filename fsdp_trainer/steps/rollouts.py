@@ -128,8 +128,9 @@ class Rollouts:
         advantages, total, std_zero = group_advantages(rewards, self.weights, cfg.num_generations, cfg.scale_rewards)
         local = local_rows(advantages, len(batches), micro_steps)
         out, lengths, cut = [], [], []
+        window = training_window(batches[0].inputs.shape[1], cfg.num_generations, model.cfg.max_seq_len)
         for batch, (prompts, completions, logps) in zip(batches, sampled, strict=True):
-            rollout, local = pack(self, batch, prompts, completions, logps, local, lengths, cut)
+            rollout, local = pack(self, batch, window, prompts, completions, logps, local, lengths, cut)
             out.append(rollout)
         self.stats = reward_stats(self.rewards, rewards, total, std_zero)
         self.stats.update(completion_stats(lengths, cut, len(batches), micro_steps, device))
@@ -214,11 +215,20 @@ def completion_stats(
     }
 
 
+def training_window(seq_len: int, num_generations: int, max_seq_len: int) -> int:
+    """The windows a micro-batch's completions are packed into to train: as long as its num_generations prompt
+    windows together (the model's max_seq_len at most), so that a window holds several prompt + completion examples
+    (block-causal) instead of one and the padding after it. A micro-batch of G x prompts windows of seq_len tokens
+    at most, as the planner prices it; usually fewer tokens."""
+    return seq_len * max(1, min(num_generations, max_seq_len // seq_len))
+
+
 def pack(
-    rollouts: Rollouts, batch, prompts, completions, logps, advantages, lengths, cut
+    rollouts: Rollouts, batch, window, prompts, completions, logps, advantages, lengths, cut
 ) -> tuple[Rollout, torch.Tensor]:
-    """A micro-batch's completions packed after their prompts, with their advantages (the first of `advantages`; the
-    rest returned); each completion's length and whether it was cut are appended to those lists."""
+    """A micro-batch's completions packed after their prompts into windows of `window` tokens, with their advantages
+    (the first of `advantages`; the rest returned); each completion's length and whether it was cut are appended to
+    those lists."""
     cfg = rollouts.cfg
     n, length, device = len(completions) // len(prompts), batch.inputs.shape[1], batch.inputs.device
     limits = [min(cfg.max_completion_length, length - len(p)) for p in prompts]
@@ -233,7 +243,7 @@ def pack(
         kept_logps += token_logps
     kept = torch.stack(kept_advantages).to(device) if kept_advantages else torch.zeros(0, device=device)
     sampled = torch.tensor(kept_logps, dtype=torch.float32, device=device)
-    rollout = Rollout(packed(examples, length, device), kept, sampled, len(completions))
+    rollout = Rollout(packed(examples, window, device), kept, sampled, len(completions))
     return rollout, advantages[len(completions) :]
 
 
