@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from bench_peers import tokenizer_and_model, tool
-from runner import launch, torchrun_command
+from runner import launch, torchrun_command, write_rows
 
 from fsdp_trainer.convert import consolidate, import_hf
 from fsdp_trainer.files import METRICS_FILE
@@ -154,9 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(result)
             print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}), flush=True)
     print(table(rows, args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    header = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "args": vars(args)}
-    Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+    write_rows(args.out, args, rows)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

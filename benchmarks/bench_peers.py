@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from runner import launch, torchrun_command
+from runner import launch, torchrun_command, write_rows
 
 from fsdp_trainer.convert import consolidate, import_hf
 from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
@@ -291,9 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(result)
                 print(json.dumps(result), flush=True)
     print(table(rows, args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    header = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "args": vars(args)}
-    Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+    write_rows(args.out, args, rows)
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
-import time
 
 import torch
-import torch.distributed as dist
+from peers_trl import timed_train
 
 
 def main(job_path: str) -> None:
@@ -43,15 +41,11 @@ def main(job_path: str) -> None:
         model=job["model"], reward_funcs=functions, args=config, train_dataset=datasets.Dataset.from_list(records),
         processing_class=tokenizer,
     )  # fmt: skip
-    start = time.perf_counter()
-    output = trainer.train()
-    wall = time.perf_counter() - start
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    output, wall, peak = timed_train(trainer)
     if int(os.environ.get("RANK", "0")) == 0:
         logged = [r for r in trainer.state.log_history if "reward" in r]
         result = {
-            "train_runtime_s": output.metrics["train_runtime"], "wall_s": wall, "peak_rss_gb": rss.item(),
+            "train_runtime_s": output.metrics["train_runtime"], "wall_s": wall, "peak_rss_gb": peak,
             "steps": output.global_step, "rewards": [r["reward"] for r in logged],
             "mean_lengths": [r["completions/mean_length"] for r in logged],
             "exact": [r.get("rewards/exact_answer/mean") for r in logged],

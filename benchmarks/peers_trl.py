@@ -59,20 +59,26 @@ def main(job_path: str) -> None:
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                              peft_config=peft_config)  # fmt: skip
     trained = trained_tokens(trainer.train_dataset, job["kind"])
-    start = time.perf_counter()
-    output = trainer.train()
-    wall = time.perf_counter() - start
-    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
-    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    output, wall, peak = timed_train(trainer)
     if int(os.environ.get("RANK", "0")) == 0:
         final = trainer.model
         if peft_config is not None:
             final = final.merge_and_unload()
         final.save_pretrained(job["out"] + "/final")
         tokenizer.save_pretrained(job["out"] + "/final")
-        result = {"train_runtime_s": output.metrics["train_runtime"], "wall_s": wall, "peak_rss_gb": rss.item(),
+        result = {"train_runtime_s": output.metrics["train_runtime"], "wall_s": wall, "peak_rss_gb": peak,
                   "trained_tokens": trained, "steps": output.global_step, "examples": len(records)}  # fmt: skip
         json.dump(result, open(job["out"] + "/result.json", "w"))
+
+
+def timed_train(trainer) -> tuple:
+    """(trainer.train()'s output, its wall seconds, the largest peak RSS of the ranks in GB)."""
+    start = time.perf_counter()
+    output = trainer.train()
+    wall = time.perf_counter() - start
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return output, wall, rss.item()
 
 
 def trained_tokens(dataset, kind: str) -> int:

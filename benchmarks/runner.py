@@ -189,3 +189,12 @@ def nearest_run(rows: list[dict], i: int, kind: str) -> dict | None:
     """The row of `kind` that ran nearest to row i (a ratio's baseline, alternating orders), None if none ran."""
     runs = [j for j, row in enumerate(rows) if row["kind"] == kind]
     return rows[min(runs, key=lambda j: abs(j - i))] if runs else None
+
+
+def write_rows(out: str, args, rows: list[dict]) -> None:
+    """A benchmark's rows as JSON at `out`, with the CPU capability and the arguments it ran with."""
+    import torch
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    header = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "args": vars(args)}
+    Path(out).write_text(json.dumps({**header, "rows": rows}, indent=1))

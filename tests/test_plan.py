@@ -399,8 +399,16 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     completions of each prompt (G x the micro-batch's windows) after what sampling them allocates (the model gathered
     whole, a KV cache, a decode pass's logits: the step on fake tensors rehearses it, since nothing can be drawn)."""
     extra = {
-        "grpo": ["--grpo.rewards", '[{function: "fsdp_trainer.rewards:exact_answer"}]', "--grpo.num_generations", "4",
-                 "--data.micro_batch_size", "2", "--grpo.max_completion_length", "64"],  # fmt: skip
+        "grpo": [
+            "--grpo.rewards",
+            '[{function: "fsdp_trainer.rewards:exact_answer"}]',
+            "--grpo.num_generations",
+            "4",
+            "--data.micro_batch_size",
+            "2",
+            "--grpo.max_completion_length",
+            "64",
+        ],  # fmt: skip
         "dpo": ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
