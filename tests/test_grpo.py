@@ -231,3 +231,22 @@ def test_builtin_rewards():
     assert overlong_penalty([[1] * 80, [1] * 90, [1] * 101], max_length=100, buffer=20) == [0.0, -0.5, -1.0]
     bound = Reward("fsdp_trainer.rewards:overlong_penalty", args={"max_length": 100, "buffer": 20})
     assert score([bound], ["p"], ["c"], [[1] * 90], {}).tolist() == [[-0.5]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.5, 4, 1.0), (1.0, None, 0.8)])
+def test_the_sampler_draws_each_token_with_its_probability_and_each_row_alone(temperature, top_k, top_p):
+    """generation.draw over 20,000 rows of the same logits: each token's share is its probability after the
+    temperature, top-k and top-p (as transformers' warpers keep them); a row's token depends on its own generator
+    only, not on the rows beside it."""
+    from fsdp_trainer.generation import draw, truncated
+
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    rows = 20_000
+    generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+    drawn = draw(logits.expand(rows, -1), temperature, top_k, generators, top_p)
+    expected = torch.softmax(truncated(logits / temperature, top_k, top_p), dim=-1)
+    shares = torch.bincount(drawn, minlength=len(logits)).float() / rows
+    assert torch.allclose(shares, expected, atol=0.012), (shares, expected)
+    assert (shares[expected == 0] == 0).all()
+    alone = draw(logits[None], temperature, top_k, [torch.Generator().manual_seed(7)], top_p)
+    assert alone.item() == drawn[7].item()
