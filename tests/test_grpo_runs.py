@@ -123,14 +123,19 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
             assert resumed[step][key] == steps[step][key], (step, key)
 
 
-def test_a_lora_policy_is_measured_against_itself_with_its_adapters_off(prompts, tmp_path):
-    """GRPO with LoRA and a KL term: the reference is the policy with its adapters off (no second copy), so at step
-    1 (adapters' B = 0) the KL is exactly 0, and it grows once they move; the checkpoints hold the adapters alone."""
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_a_lora_policy_is_measured_against_itself_with_its_adapters_off(prompts, tmp_path, base):
+    """GRPO with LoRA (and QLoRA: the frozen projections in NF4, sampled through and trained through) and a KL term:
+    the reference is the policy with its adapters off (no second copy), so at step 1 (adapters' B = 0) the KL is
+    exactly 0, and it grows once they move; the checkpoints hold the adapters alone."""
     out = tmp_path / "run"
-    lora = {"rank": 4, "alpha": 8}
-    settings = grpo(beta=0.1, loss_type="grpo")
+    lora = {"rank": 4, "alpha": 8, "quantize_base": "nf4" if base == "nf4" else None}
+    model = {"dim": 256} if base == "nf4" else {}  # every projection a whole number of NF4's 16,384-value blocks
+    settings, every = grpo(beta=0.1, loss_type="grpo"), {"every": 4}
     train_cli(
-        run_args(prompts / "grpo.yaml", out, 4, grpo=settings, lora=lora, optim={"lr": 3e-2}, checkpoint={"every": 4})
+        run_args(
+            prompts / "grpo.yaml", out, 4, grpo=settings, lora=lora, model=model, optim={"lr": 3e-2}, checkpoint=every
+        )
     )
     records = {r["step"]: r for r in read_metrics(out) if "kl" in r}
     assert records[1]["kl"] == 0.0 and records[4]["kl"] > 0, records
