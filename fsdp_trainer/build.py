@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fsdp_trainer.adapters import adapter_kind, check_adapters, has_adapters, meta_model, start_adapters
+from fsdp_trainer.adapters import (
+    adapter_kind,
+    check_adapters,
+    has_adapters,
+    meta_model,
+    read_only_meta_model,
+    start_adapters,
+)
 from fsdp_trainer.adapters.lora import init_lora
 from fsdp_trainer.adapters.nf4 import fill_shard
 from fsdp_trainer.checkpoint.checkpointer import Checkpointer
@@ -168,24 +175,12 @@ def lock_out_dir(out_dir: str, env: DistEnv) -> RunLock | None:
     return lock
 
 
-_META_MODELS: dict[str, Transformer] = {}
-
-
-def recipe_model(recipe: Recipe) -> Transformer:
-    """The recipe's model with its adapters on the meta device, built once a process for each model and lora section:
-    the checks before the workers (room, start, the summary line) each read it. Not to be changed by its readers."""
-    key = json.dumps([asdict(recipe.model), asdict(recipe.lora)], sort_keys=True, default=str)
-    if key not in _META_MODELS:
-        _META_MODELS[key] = meta_model(recipe.model, recipe.lora)
-    return _META_MODELS[key]
-
-
 def check_disk_room(recipe: Recipe) -> None:
     """Fail before any collective, naming the directory, if its disk lacks room for one checkpoint of the recipe's
     model: fp32 weights and the optimizer's state of what it trains, as the planner counts them (gradients are not
     saved; a LoRA run's checkpoints hold its adapters and their state only)."""
     out_dir = recipe.train.out_dir
-    model = recipe_model(recipe)
+    model = read_only_meta_model(recipe.model, recipe.lora)
     saved = sum(p.numel() for p in model.parameters() if p.requires_grad)
     need = MASTER_WEIGHT_BYTES * saved + optimizer_state_bytes(recipe.optim, model)
     free = shutil.disk_usage(out_dir).free
@@ -224,7 +219,8 @@ def check_start(recipe: Recipe) -> None:
     except CheckpointError:  # damaged metadata: the workers' verification says so (resume auto falls back past it)
         return
     try:
-        check_shapes(weights, saved, recipe_model(recipe).state_dict(), adapters_optional=True)
+        model = read_only_meta_model(recipe.model, recipe.lora)
+        check_shapes(weights, saved, model.state_dict(), adapters_optional=True)
     except CheckpointError as e:
         raise CheckpointError(f"{field}: {e}; {model_fix(weights, recipe.model)}") from None
 
@@ -266,7 +262,7 @@ def _flat(section: dict, prefix: str) -> dict:
 def run_summary(recipe: Recipe) -> str:
     """What a run trains, for the line fsdp-train starts with: `sft + LoRA r16, training 2.1M of 494.0M params`."""
     adapters = f" + LoRA r{recipe.lora.rank}" if recipe.lora.rank is not None else ""
-    trained = trained_params(recipe_model(recipe), recipe.model)
+    trained = trained_params(read_only_meta_model(recipe.model, recipe.lora), recipe.model)
     return f"{training_kind(recipe).name}{adapters}, training {trained}"
 
 
@@ -283,6 +279,15 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     check_data(recipe, files[0])
     training_kind(recipe).check(recipe)  # what the kind needs beside its data (a teacher that can teach the model)
     require_wandb(recipe)
+    check_adapters(recipe.model, recipe.lora, recipe.parallel)
+    if recipe.eval.tasks:
+        try:
+            check_tasks(recipe.eval.tasks, recipe.eval.include_path)
+        except (ModuleNotFoundError, ValueError) as e:
+            raise ValueError(f"eval.tasks: {e}") from None
+    process_group_backend(recipe.parallel, torch.cuda.is_available())
+    # Last, the checks of the output directory, which the first makes: a run refused by one leaves no empty
+    # directory behind (another rank's files there are left).
     made = not os.path.isdir(recipe.train.out_dir)
     check_writable(recipe.train.out_dir, int(os.environ.get("RANK", 0)))
     try:
@@ -291,15 +296,8 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
             check_disk_room(recipe)
         check_start(recipe)
     except BaseException:
-        if made:  # a run refused as it starts leaves no empty directory behind (another rank's files: left)
+        if made:
             with contextlib.suppress(OSError):
                 os.rmdir(recipe.train.out_dir)
         raise
-    check_adapters(recipe.model, recipe.lora, recipe.parallel)
-    if recipe.eval.tasks:
-        try:
-            check_tasks(recipe.eval.tasks, recipe.eval.include_path)
-        except (ModuleNotFoundError, ValueError) as e:
-            raise ValueError(f"eval.tasks: {e}") from None
-    process_group_backend(recipe.parallel, torch.cuda.is_available())
     return files

@@ -37,6 +37,19 @@ def meta_model(
     return built
 
 
+def read_only_meta_model(model: ModelConfig, lora: LoraConfig) -> Transformer:
+    """meta_model(model, lora), built once a process for each model and adapters (by their reprs: every field), for
+    readers that only read it: the checks before the workers start (room, start, the summary line) and the planner,
+    row after row. Not to be changed by them."""
+    key = (repr(model), repr(lora))
+    if key not in _READ_ONLY:
+        _READ_ONLY[key] = meta_model(model, lora)
+    return _READ_ONLY[key]
+
+
+_READ_ONLY: dict[tuple[str, str], Transformer] = {}
+
+
 def has_adapters(model: nn.Module) -> bool:
     """Whether a model carries adapters: it trains them alone, and its checkpoints hold them alone."""
     return any(isinstance(module, (LoRALinear, LoRAEmbedding, LoRAExperts)) for module in model.modules())

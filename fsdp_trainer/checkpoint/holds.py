@@ -173,11 +173,11 @@ def step_holds(step: Path) -> list[Hold]:
         for file in files
         for record in [_read(file)]
     ]
-    for h in found:
-        if h.reader is not None and h.stale:
-            h.file.unlink(missing_ok=True)
-            _drop_if_empty(folder)
-    return [h for h in found if not (h.reader is not None and h.stale)]
+    gone = [h.reader is not None and h.stale for h in found]
+    for h in (h for h, stale in zip(found, gone, strict=True) if stale):
+        h.file.unlink(missing_ok=True)
+        _drop_if_empty(folder)
+    return [h for h, stale in zip(found, gone, strict=True) if not stale]
 
 
 def all_holds(ckpt_dir: Path) -> list[Hold]:

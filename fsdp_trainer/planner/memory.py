@@ -104,11 +104,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_trainer.adapters import meta_model, quantizes_base
+from fsdp_trainer.adapters import quantizes_base, read_only_meta_model
 from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.adapters.nf4 import dequantization_peak_bytes
-from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe, compute_dtype
+from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.generation import sampling_bytes
@@ -361,18 +361,6 @@ def kind_costs(
     return forward, sent * other_shards, reference, sampled
 
 
-def planned_model(cfg: ModelConfig, lora: LoraConfig) -> Transformer:
-    """adapters.meta_model, built once per model and adapters (by their reprs: every field) for the planner, which
-    only reads it, row after row."""
-    key = (repr(cfg), repr(lora))
-    if key not in _PLANNED:
-        _PLANNED[key] = meta_model(cfg, lora)
-    return _PLANNED[key]
-
-
-_PLANNED: dict[tuple[str, str], Transformer] = {}
-
-
 def estimate(
     recipe: Recipe, nproc: int, nnodes: int, sharding: str, ac: str, device: str, offload: bool = False
 ) -> Estimate:
@@ -386,7 +374,7 @@ def estimate(
     n_root = count_params(cfg) - cfg.n_layers * n_block
     kind = training_kind(recipe)
     tokens, prefetch = kind.trained_rows(recipe) * data.seq_len, recipe.parallel.prefetch_blocks
-    meta = planned_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
+    meta = read_only_meta_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
     n_params = sum(p.numel() for p in meta.parameters())
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
     optimizer = optimizer_state_bytes(recipe.optim, meta)

@@ -36,7 +36,7 @@ from fsdp_trainer.model import count_params
 from fsdp_trainer.steps.base import Kind, frozen_copy
 from fsdp_trainer.steps.next_token import NextTokenStep
 from fsdp_trainer.steps.on_policy import OnPolicy, rehearse
-from fsdp_trainer.tokenizer import load_tokenizer
+from fsdp_trainer.tokenizer import fingerprint
 
 TEACHER_FILE = "teacher.json"
 """In a distillation run's step directory: where its teacher's weights came from (checkpoint/starts.py)."""
@@ -74,7 +74,7 @@ def check_teacher(recipe: Any) -> None:
     tokenizer = checkpoint_tokenizer(path, sections["data"].tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"distill.teacher {path} carries no tokenizer to check against data.tokenizer_path")
-    if load_tokenizer(tokenizer).fingerprint() != load_tokenizer(recipe.data.tokenizer_path).fingerprint():
+    if fingerprint(tokenizer) != fingerprint(recipe.data.tokenizer_path):
         raise ValueError(
             f"distill.teacher {path} was trained with the tokenizer {tokenizer}, not this run's "
             f"{recipe.data.tokenizer_path} (their files differ): a teacher must use the model's tokenizer"
