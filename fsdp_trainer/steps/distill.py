@@ -30,7 +30,7 @@ from fsdp_trainer.data.format import open_tokens
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
-from fsdp_trainer.generation import SamplingShape, sampling_bytes
+from fsdp_trainer.generation import SamplingShape
 from fsdp_trainer.loss import DistillationLoss
 from fsdp_trainer.model import count_params
 from fsdp_trainer.steps.base import Kind, frozen_copy
@@ -151,8 +151,7 @@ class Distillation(Kind):
         )
         if recipe.distill.lmbda == 0:
             return note
-        itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
-        sampling = sampling_bytes(recipe.model, cls.sampling(recipe), itemsize) / 1e9
+        sampling = max(e.sampling_gb for e in estimates)
         return (
             f"{note}. distill.lmbda: an on-policy step first samples with the model gathered whole, a KV cache and a "
             f"decode pass's logits ({sampling:.2f} GB beside the sharded state: `sampling`, in each row's peak), its "

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_trainer.config import GRPOConfig, compute_dtype
+from fsdp_trainer.config import GRPOConfig
 from fsdp_trainer.data.format import first_record
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
-from fsdp_trainer.generation import SamplingShape, sampling_bytes
+from fsdp_trainer.generation import SamplingShape
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
 from fsdp_trainer.rewards import RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
@@ -116,13 +116,12 @@ class GRPO(Kind):
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
         g, data = recipe.grpo.num_generations, recipe.data
-        shape = cls.sampling(recipe)
-        itemsize = compute_dtype(recipe.parallel.mixed_precision).itemsize
+        shape, sampling_gb = cls.sampling(recipe), max(e.sampling_gb for e in estimates)
         return (
             f"grpo: a micro-batch of {data.micro_batch_size} prompts trains their {g} completions each, "
             f"{shape.rows} windows of {data.seq_len} (the rows' activations and logits); a step first samples them "
             f"with the model gathered whole, a KV cache and a decode pass's logits, "
-            f"{sampling_bytes(recipe.model, shape, itemsize) / 1e9:.2f} GB beside the sharded state (`sampling`, "
+            f"{sampling_gb:.2f} GB beside the sharded state (`sampling`, "
             f"in each row's peak), its {shape.new_tokens} decode passes a micro-batch priced by the bytes they read "
             "(in the predicted step time: a floor, since an eager pass over a small model waits on kernel launches, "
             f"which are not priced){'; and the reference model as DPO holds it' if recipe.grpo.beta else ''}"
