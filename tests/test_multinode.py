@@ -12,42 +12,48 @@ import pytest
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.model import count_params
-from tests.helpers import REPO, TINY_MODEL, free_port, read_metrics, run_args, train_multinode, wait_for_step
+from tests.helpers import (
+    REPO,
+    TINY_MODEL,
+    free_port,
+    read_metrics,
+    run_args,
+    train_cli,
+    train_losses,
+    train_multinode,
+    wait_for_step,
+)
 
 
-def _run(tiny_data, out_dir, sharding, **overrides):
-    args = run_args(tiny_data, out_dir, parallel={"sharding": sharding}, checkpoint={"every": 10}, **overrides)
-    outputs = train_multinode(args)
-    records = read_metrics(out_dir)
-    return outputs, {r["step"]: r["loss"] for r in records if "loss" in r}, next(r for r in records if "state_gb" in r)
+def _state(records: list[dict]) -> dict:
+    return next(r for r in records if "state_gb" in r)
+
+
+def _assert_zero_3_state(state: dict, shard_group: int) -> None:
+    """fp32 params, grads and the two AdamW moments, 16 bytes per parameter, divided by the ranks they are sharded
+    over."""
+    n_params = count_params(ModelConfig(**TINY_MODEL))
+    assert state["params_gb"] == pytest.approx(4 * n_params / shard_group / 1e9, rel=0.02)
+    assert state["grads_gb"] == pytest.approx(state["params_gb"])
+    assert state["optimizer_gb"] == pytest.approx(2 * state["params_gb"], rel=0.01)
 
 
 @pytest.mark.slow
-def test_hybrid_shard_on_two_nodes_matches_full_shard(tiny_data, tmp_path):
-    outputs, full, full_state = _run(tiny_data, tmp_path / "full", "FULL_SHARD")
-    # The same global batch in 2 micro-steps of 1 sequence: each reduce-scattered within the node, the two summed and
-    # all-reduced across the nodes at the second.
-    accumulating = {"data": {"micro_batch_size": 1, "grad_accum_steps": 2}}
-    _, hybrid, hybrid_state = _run(tiny_data, tmp_path / "hybrid", "HYBRID_SHARD", **accumulating)
-
-    # 4 ranks, one global batch; the losses agree to float rounding (the reductions are grouped differently).
-    assert "| 4 rank(s), FULL_SHARD" in "".join(outputs)
-    assert sorted(full) == list(range(1, 11)) and full[10] < full[1] - 0.5
-    for step in full:
-        assert hybrid[step] == pytest.approx(full[step], rel=1e-5), step
-
-    # Memory per rank follows the formula: fp32 params, grads and the two AdamW moments, 16 bytes per parameter,
-    # divided by the 4 ranks of FULL_SHARD and by the 2 ranks of a node for HYBRID_SHARD.
-    n_params = count_params(ModelConfig(**TINY_MODEL))
-    for state, shard_group in ((full_state, 4), (hybrid_state, 2)):
-        assert state["params_gb"] == pytest.approx(4 * n_params / shard_group / 1e9, rel=0.02)
-        assert state["grads_gb"] == pytest.approx(state["params_gb"])
-        assert state["optimizer_gb"] == pytest.approx(2 * state["params_gb"], rel=0.01)
-    assert hybrid_state["state_gb"] == pytest.approx(2 * full_state["state_gb"], rel=0.02)
-
-    # Both saved a checkpoint that the two nodes wrote together.
-    for name in ("full", "hybrid"):
-        assert (tmp_path / name / "checkpoints" / "latest").read_text().strip() == "step_00000010"
+def test_hybrid_shard_on_two_nodes_matches_one_process(tiny_data, tmp_path):
+    """The global batch of 4 ranks (8 sequences) in 2 micro-steps of 1 sequence a rank: each reduce-scattered within
+    the node, the two summed and all-reduced across the nodes at the second; one process takes it in 4 micro-batches
+    of 2. The losses agree to float rounding (the reductions are grouped differently)."""
+    flags = {"checkpoint": {"every": 10}}
+    hybrid = {"parallel": {"sharding": "HYBRID_SHARD"}, "data": {"micro_batch_size": 1, "grad_accum_steps": 2}}
+    outputs = train_multinode(run_args(tiny_data, tmp_path / "hybrid", **hybrid, **flags))
+    train_cli(run_args(tiny_data, tmp_path / "one", data={"grad_accum_steps": 4}, **flags))
+    one, records = train_losses(tmp_path / "one"), read_metrics(tmp_path / "hybrid")
+    assert "| 4 rank(s), HYBRID_SHARD" in "".join(outputs)
+    assert sorted(one) == list(range(1, 11)) and one[10] < one[1] - 0.5
+    assert train_losses(tmp_path / "hybrid") == pytest.approx(one, rel=1e-5)
+    _assert_zero_3_state(_state(records), shard_group=2)  # sharded within a node, replicated across the two
+    # A checkpoint the two nodes wrote together.
+    assert (tmp_path / "hybrid" / "checkpoints" / "latest").read_text().strip() == "step_00000010"
 
 
 FAKE_SRUN = """#!/bin/bash
@@ -74,7 +80,7 @@ esac
 
 @pytest.mark.slow
 def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(tiny_data, tmp_path):
-    """tools/slurm/train.sbatch under stand-ins for srun and scontrol: 2 nodes x 2 ranks; USR1 (Slurm's warning before
+    """tools/slurm/train.sbatch under stand-ins for srun and scontrol: 2 nodes of a rank each; USR1 (Slurm's warning before
     the time limit) requeues the job, the workers save the step they are at, and the requeued job resumes there."""
     fake = tmp_path / "fake_slurm"
     fake.mkdir()
@@ -91,7 +97,7 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
         "SLURM_JOB_NAME": "test",
         "SLURM_NNODES": "2",
         "SLURM_JOB_NODELIST": "node[1-2]",
-        "NPROC_PER_NODE": "2",
+        "NPROC_PER_NODE": "1",
         "OUT_DIR": str(out),
         "OMP_NUM_THREADS": "1",
     }
@@ -110,7 +116,7 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
             job.kill()
     text = log.read_text()
     assert (fake / "requeued").read_text() == "requeue 4242\n", text[-3000:]
-    assert "SIGTERM: saving step" in text and "2 node(s) x 2" in text
+    assert "SIGTERM: saving step" in text and "2 node(s) x 1" in text
     saved = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
     assert saved >= 3
 
@@ -121,5 +127,6 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_{saved:08d} at step {saved}" in proc.stdout
-    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
-    assert steps == list(range(1, saved + 3))  # each step logged once across the two jobs
+    records = read_metrics(out)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, saved + 3))  # each step logged once
+    _assert_zero_3_state(_state(records), shard_group=2)  # FULL_SHARD over both nodes
