@@ -80,8 +80,9 @@ esac
 
 @pytest.mark.slow
 def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(tiny_data, tmp_path):
-    """tools/slurm/train.sbatch under stand-ins for srun and scontrol: 2 nodes of a rank each; USR1 (Slurm's warning before
-    the time limit) requeues the job, the workers save the step they are at, and the requeued job resumes there."""
+    """tools/slurm/train.sbatch under stand-ins for srun and scontrol: 2 nodes of a rank each; USR1 (Slurm's warning
+    before the time limit) requeues the job, the workers save the step they are at, and the requeued job resumes
+    there."""
     fake = tmp_path / "fake_slurm"
     fake.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):

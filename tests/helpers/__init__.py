@@ -175,13 +175,14 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) 
         close_distributed()
 
 
-def train_popen(args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = ()):
-    """Start torchrun in the background, its output going to log_path."""
+def train_popen(
+    args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = (), env: dict | None = None
+):
+    """Start torchrun in the background, its output going to log_path, `env` added to this process's."""
     cmd = torchrun_command(["-m", "fsdp_trainer.train", *args], nproc, flags=torchrun_flags)
     log = open(log_path, "w")
-    return subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
 
 
 def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> int:
