@@ -156,25 +156,6 @@ def test_a_failure_every_worker_finds_is_one_line_per_node_and_exit_1(tiny_data,
     assert not (tmp_path / "run").exists()  # a run refused as it started leaves no empty run.lock behind
 
 
-@pytest.mark.slow
-def test_workers_die_with_a_killed_launcher_and_the_next_run_resumes(tiny_data, tmp_path):
-    """SIGKILL of torchrun alone (not its group: each worker has a session of its own): the workers are gone within
-    seconds instead of training on beside the next attempt; `latest` names a complete checkpoint, which resumes."""
-    out, log = tmp_path / "run", tmp_path / "log.txt"
-    proc = train_popen(run_args(tiny_data, out, 100_000, checkpoint={"every": 1}), log)
-    wait_for_step(out, 3, proc, log)
-    workers = worker_pids(proc.pid)
-    assert len(workers) == 2
-    proc.kill()
-    proc.wait()
-    _wait_gone(workers)
-    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    assert verify_checkpoint(latest) == []
-    stopped_at = int(latest.name.removeprefix("step_"))
-    again = train_cli(run_args(tiny_data, out, stopped_at + 2, checkpoint={"every": 1}), nproc=2)
-    assert f"resumed from {latest}" in again.stdout
-
-
 def _wait_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 30  # the kernel's signal is immediate; this only bounds a broken test
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
@@ -182,16 +163,21 @@ def _wait_gone(pids: list[int]) -> None:
     assert not any(_alive(pid) for pid in pids), "workers outlived torchrun"
 
 
-def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_crash_needs_no_clean_up(tiny_data, tmp_path):
+@pytest.mark.slow
+def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_killed_launchers_run_needs_no_clean_up(
+    tiny_data, tmp_path
+):
     """While a run trains, another on its out_dir (one process, torchrun, or fsdp-train before it spawns anything)
-    exits 1 with one line naming the holder and writes nothing; once the first is SIGKILLed, launcher and workers,
-    the next run takes the lock over and resumes."""
+    exits 1 with one line naming the holder and writes nothing. SIGKILL of torchrun alone (not its group: each worker
+    has a session of its own): the workers are gone within seconds instead of training on beside the next attempt,
+    `latest` names a complete checkpoint, and the next run takes the lock over and resumes from it."""
     out, log = tmp_path / "run", tmp_path / "log.txt"
     args = run_args(tiny_data, out, 100_000, checkpoint={"every": 1})
     proc = train_popen(args, log)
     try:
         wait_for_step(out, 2, proc, log)
         workers = sorted(worker_pids(proc.pid))
+        assert len(workers) == 2
         config = (out / "config.yaml").read_bytes()
         holder = f"train.out_dir={out} is in use by a live run (pid {workers[0]} on host {socket.gethostname()}"
         for nproc in (1, 2):  # under plain torchrun, its own report of the failed workers follows our line
@@ -207,12 +193,11 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_crash_needs_no_c
         assert launcher.stderr.count("\n") == 1
         assert (out / "config.yaml").read_bytes() == config  # the refused runs wrote nothing
     finally:
-        for pid in worker_pids(proc.pid):
-            os.kill(pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
     _wait_gone(workers)
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert verify_checkpoint(latest) == []
     stopped_at = int(latest.name.removeprefix("step_"))
     again = train_cli(run_args(tiny_data, out, stopped_at + 1, checkpoint={"every": 1}), nproc=2)
     assert f"from a run that ended without releasing it (pid {workers[0]} on host" in again.stdout, again.stdout
