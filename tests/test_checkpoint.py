@@ -17,7 +17,16 @@ from fsdp_trainer.checkpoint.storage import CHECKSUMS_FILE, RECIPE_FILE, Checkpo
 from fsdp_trainer.checkpoint.verify import checkpoint_status, verified_checkpoint, verify_checkpoint
 from fsdp_trainer.checkpoint.weights import save_model_weights
 from fsdp_trainer.config import OptimConfig
-from tests.helpers import REPO, read_metrics, run_args, train_cli, train_losses, train_popen, wait_for_step
+from tests.helpers import (
+    REPO,
+    read_metrics,
+    run_args,
+    train_background,
+    train_cli,
+    train_losses,
+    train_popen,
+    wait_for_step,
+)
 from tests.helpers import tool as run_tool
 
 # A constant learning rate, so a run cut at step 3 follows the same schedule as one planned for 6 steps.
@@ -124,9 +133,9 @@ def test_bad_checkpoints_give_clear_errors(tiny_data, tmp_path, one_step_checkpo
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_and_resume_continues_exactly(tiny_data, tmp_path):
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    proc = train_popen(_args(tiny_data, out, 100_000, checkpoint={"every": 0}), log)
+    proc = train_background(_args(tiny_data, out, 100_000, checkpoint={"every": 0}), log)
     wait_for_step(out, 5, proc, log)
-    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    proc.send_signal(signal.SIGTERM)  # to every rank, as torchrun forwards it (tests/test_launch.py: fsdp-train's)
     proc.wait(timeout=900)
     assert "SIGTERM: saving step" in log.read_text()
     stopped_at = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))

@@ -21,21 +21,20 @@ from fsdp_trainer.checkpoint.verify import checkpoint_status
 from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import materialize, parallelize
-from fsdp_trainer.launch import child_pids
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.train import train_step
 from tests.helpers import (
     REPO,
+    forked,
     read_metrics,
     run_args,
     run_distributed,
     torchrun_command,
+    train_background,
     train_cli,
     train_command,
-    train_popen,
     wait_for_step,
-    worker_pids,
 )
 from tests.helpers import tool as run_tool
 
@@ -203,16 +202,11 @@ def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room
     )
     if small_disk is None:
         script = str(REPO / "tests" / "helpers" / "full_disk.py")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "FULL_DISK_RANK": "1", "FULL_DISK_FLAG": str(flag)}
-        proc = subprocess.Popen(
-            torchrun_command([script, *args], nproc=2),
-            stdout=open(log, "w"),
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env=env,
-        )
+        env = {"FULL_DISK_RANK": "1", "FULL_DISK_FLAG": str(flag)}
+        log.write_text("")
+        proc = forked.start(script, args, [(log, log)] * 2, env)
     else:
-        proc = train_popen(args, log)
+        proc = train_background(args, log)
     ckpts = out / "checkpoints"
     try:
         wait_for_step(out, 3, proc, log)
@@ -242,8 +236,7 @@ def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room
         while (ckpts / "latest").read_text().strip() <= failed:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        for pid in child_pids(proc.pid):  # as a scheduler's preemption does: the current step is saved, exit 0
-            os.kill(pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # to every rank, as a scheduler's preemption does: the step saved, exit 0
         assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -280,16 +273,16 @@ def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
 def test_hung_rank_fails_its_peer_after_the_timeout(tiny_data, tmp_path):
     log = tmp_path / "log.txt"
     args = run_args(tiny_data, tmp_path, 100000, parallel={"timeout_s": 10})
-    proc = train_popen(args, log)
+    proc = train_background(args, log)
     stopped = []
     try:
         wait_for_step(tmp_path, 2, proc, log)
-        rank1 = sorted(worker_pids(proc.pid))[1]  # started second: local rank 1
+        rank1 = proc.pids[1]
         os.kill(rank1, signal.SIGSTOP)
         stopped.append(rank1)
         start = time.monotonic()
         # Rank 0's error line is the behaviour under test; once it is out, the stopped rank is killed rather than
-        # left to torchrun, which would wait 30 s for it to answer SIGTERM.
+        # sent SIGTERM and waited for 30 s, as torchrun would.
         while not any(line.startswith("error: rank 0: ") for line in _error_lines(log.read_text())):
             assert proc.poll() is None and time.monotonic() - start < 900, log.read_text()[-3000:]
             time.sleep(0.2)

@@ -185,6 +185,13 @@ def train_popen(
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
 
 
+def train_background(args: list[str], log_path: Path, nproc: int = 2, env: dict | None = None) -> forked.Started:
+    """fsdp_trainer.train forked as `nproc` ranks in the background (tests/helpers/forked.py), every rank's output
+    appended to log_path: train_popen without torchrun, for tests of the trainer's own behaviour."""
+    Path(log_path).write_text("")
+    return forked.start("fsdp_trainer.train", args, [(log_path, log_path)] * nproc, env)
+
+
 def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> int:
     """Block until metrics.jsonl has logged `step` (returns the newest logged step); fail if the run dies first."""
     deadline = time.monotonic() + timeout

@@ -64,12 +64,13 @@ def exit_code(code) -> int:
 
 
 def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """In the forked child: `target` (a module name, or a script's path) as __main__, its output into files."""
+    """In the forked child: `target` (a module name, or a script's path) as __main__, its output into files (appended
+    to: the ranks of a run started in the background share one log)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
     # preloaded (nor a sitecustomize, which only an interpreter's start runs).
     sys.path[1:1] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
@@ -100,7 +101,81 @@ def run(
     """Run `target` (module or script) with `argv` in `nproc` forked processes (ranks 0..nproc-1 of one node when
     more than one); returns what subprocess.run would: exit code 1 if any rank failed (the others then get SIGTERM,
     as torchrun sends them), the ranks' stdout and stderr one after the other."""
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
+        started = start(target, argv, files, env, cwd, timeout)
+        started.wait(timeout)
+        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
+        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
+    return subprocess.CompletedProcess(started.args, started.returncode, stdout, stderr)
+
+
+class Started:
+    """The ranks of a run forked in the background (`start`), with what the tests use of a subprocess.Popen: poll,
+    wait, send_signal (to every rank, as torchrun forwards it), returncode (1 if any rank failed); and `pids`."""
+
+    def __init__(self, args: list[str], procs: list, store) -> None:
+        self.args, self.procs, self._store = args, procs, store
+        self.pids = [p.pid for p in procs]
+        self._stopping = None
+
+    @property
+    def returncode(self) -> int | None:
+        if any(p.exitcode is None for p in self.procs):
+            return None
+        return 0 if all(p.exitcode == 0 for p in self.procs) else 1
+
+    def poll(self) -> int | None:
+        """The exit code once every rank has exited; once one has failed, the others get SIGTERM (SIGKILL after 30 s),
+        as torchrun stops a failed run's workers."""
+        if any(p.exitcode not in (None, 0) for p in self.procs) and self._stopping is None:
+            self._stopping = time.monotonic()
+            for p in self.procs:
+                if p.exitcode is None:
+                    p.terminate()
+        if self._stopping is not None and time.monotonic() - self._stopping > 30:
+            for p in self.procs:
+                if p.exitcode is None:
+                    p.kill()
+        if self.returncode is not None:
+            for p in self.procs:
+                p.join()
+            self._store = None
+        return self.returncode
+
+    def wait(self, timeout: float = 900) -> int:
+        """The exit code once every rank has exited; all are killed at `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                for p in self.procs:
+                    p.kill()
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                os.kill(p.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+def start(
+    target: str,
+    argv: list[str],
+    files: list[tuple[str, str]],
+    env: dict | None = None,
+    cwd: Path = REPO,
+    timeout: float = 900,
+) -> Started:
+    """`target` (module or script) with `argv` forked as len(files) ranks of one node, started in the background;
+    rank r's stdout and stderr are appended to files[r] (one path twice, or the same pair for every rank, for one
+    log); the ranks' store waits up to `timeout` for a key."""
     server = context()
+    nproc = len(files)
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     store = None
     if nproc > 1:
@@ -117,43 +192,13 @@ def run(
         ]  # fmt: skip
     else:
         ranks = [base]
-    with tempfile.TemporaryDirectory() as tmp:
-        files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
-        procs = [
-            server.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *paths))
-            for environ, paths in zip(ranks, files, strict=True)
-        ]
-        for p in procs:
-            p.start()
-        _wait(procs, timeout, [target, *map(str, argv)])
-        code = 0 if all(p.exitcode == 0 for p in procs) else 1
-        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
-        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
-    del store
-    return subprocess.CompletedProcess([target, *map(str, argv)], code, stdout, stderr)
-
-
-def _wait(procs: list, timeout: float, cmd: list[str]) -> None:
-    """Until every rank has exited; once one fails the others get SIGTERM (then SIGKILL after 30 s), as torchrun
-    stops a failed run's workers; all are killed at `timeout`."""
-    deadline, stopping = time.monotonic() + timeout, None
-    while any(p.exitcode is None for p in procs):
-        if time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        failed = any(p.exitcode not in (None, 0) for p in procs)
-        if failed and stopping is None:
-            stopping = time.monotonic()
-            for p in procs:
-                if p.exitcode is None:
-                    p.terminate()
-        if stopping is not None and time.monotonic() - stopping > 30:
-            for p in procs:
-                p.kill()
-        time.sleep(0.05)
+    procs = [
+        server.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *map(str, paths)))
+        for environ, paths in zip(ranks, files, strict=True)
+    ]
     for p in procs:
-        p.join()
+        p.start()
+    return Started([target, *map(str, argv)], procs, store)
 
 
 def run_command(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
