@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS, BUNDLED_PREFERENCES
-from tests.helpers import REPO, TINY_BATCH, TINY_MODEL
+from tests.helpers import TINY_BATCH, TINY_MODEL, tool
 
 
 @pytest.fixture(scope="session")
@@ -39,13 +37,7 @@ def tiny_data(tmp_path_factory) -> Path:
             }
         )
     )
-    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe)]
-    subprocess.run(
-        [*tool, "--input", str(root / "corpus.txt"), "--val_fraction", "0.1"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    tool("prepare_data.py", "--recipe", recipe, "--input", root / "corpus.txt", "--val_fraction", "0.1")
     return recipe
 
 
@@ -55,13 +47,10 @@ PAIRS_SEQ_LEN = 256  # a pair per window at most 256 tokens: each conversation u
 def prepare_records(recipe, out, fmt, inputs, seq_len, *extra, check=True):
     """tools/prepare_data.py --format `fmt` of `inputs` into out/train.bin and out/val.bin (a tenth), in windows of
     `seq_len`; `extra` flags after those (a later --val_fraction wins)."""
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", fmt]
-    cmd += ["--input", *map(str, inputs)]
-    cmd += ["--data.seq_len", str(seq_len), "--model.max_seq_len", str(seq_len), "--val_fraction", "0.1"]
-    cmd += ["--data.train_path", str(out / "train.bin"), "--data.val_path", str(out / "val.bin"), *map(str, extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert not check or proc.returncode == 0, proc.stderr
-    return proc
+    args = ["--recipe", recipe, "--format", fmt, "--input", *inputs, "--data.seq_len", seq_len, "--model.max_seq_len",
+            seq_len, "--val_fraction", "0.1", "--data.train_path", out / "train.bin", "--data.val_path",
+            out / "val.bin", *extra]  # fmt: skip
+    return tool("prepare_data.py", *args, check=check)
 
 
 def prepare_pairs(recipe, out, inputs, *extra, check=True):

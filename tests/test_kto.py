@@ -9,8 +9,6 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.loss import IGNORE
 from fsdp_trainer.steps.kto import KTOStep
 from fsdp_trainer.steps.preference import Reference
-from tests.helpers import REPO, read_metrics, run_args, train_cli
+from tests.helpers import read_metrics, run_args, tool, train_cli
 from tests.test_dpo import PAIRS, trl_first_batch
 
 transformers = pytest.importorskip("transformers")
@@ -73,12 +71,9 @@ def test_loss_kl_and_metrics_equal_trls(trl_setup, one_rank, beta, weights):
 def prepare_unpaired(recipe, out, records, *extra):
     """tools/prepare_data.py --format unpaired of `records` into out/train.bin and out/val.bin (windows of 256)."""
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(recipe), "--format", "unpaired",
-           "--input", str(out / "records.jsonl"), "--data.seq_len", "256", "--model.max_seq_len", "256",
-           "--data.train_path", str(out / "train.bin"), "--data.val_path", str(out / "val.bin"), *extra]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    return proc
+    return tool("prepare_data.py", "--recipe", recipe, "--format", "unpaired", "--input", out / "records.jsonl",
+                "--data.seq_len", 256, "--model.max_seq_len", 256, "--data.train_path", out / "train.bin",
+                "--data.val_path", out / "val.bin", *extra)  # fmt: skip
 
 
 def test_prepared_answers_keep_their_labels_and_are_trained_on_the_completion_alone(tiny_data, tmp_path):
@@ -103,11 +98,9 @@ def test_prepared_answers_keep_their_labels_and_are_trained_on_the_completion_al
     assert answers == {r["completion"].strip(): r["label"] for r in RECORDS}
 
     bad = [*RECORDS[:2], {"prompt": "Hi", "completion": "there", "label": "yes"}]
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tiny_data), "--format",
-           "unpaired", "--input", str(tmp_path / "bad.jsonl"), "--data.train_path", str(tmp_path / "b.bin"),
-           "--data.val_path", "null"]  # fmt: skip
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = tool("prepare_data.py", "--recipe", tiny_data, "--format", "unpaired", "--input", tmp_path / "bad.jsonl",
+                "--data.train_path", tmp_path / "b.bin", "--data.val_path", "null", check=False)  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'bad.jsonl'}:3: 'label' is 'yes': it must be true (a desirable completion) or false; fix "
