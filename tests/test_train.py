@@ -19,6 +19,7 @@ from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.distributed.runtime import native_precision
 from fsdp_trainer.model import count_params
 from tests.helpers import REPO, TINY_MODEL, read_metrics, run_args, train_cli, train_losses
+from tests.helpers import script as script_run
 
 
 def _run(tiny_data, out_dir, steps=None, nproc=1, **overrides):
@@ -298,7 +299,8 @@ assert signal.getsignal(signal.SIGTERM) is users_handler, signal.getsignal(signa
 assert not dist.is_initialized()
 print("clean")
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=900)
+    (tmp_path / "users_program.py").write_text(script)
+    proc = script_run(tmp_path / "users_program.py", check=False)  # forked, as `python users_program.py` runs
     assert proc.returncode == 0 and proc.stdout.strip().endswith("clean"), proc.stderr[-3000:]
 
 
