@@ -30,7 +30,6 @@ from tests.helpers import (
     read_metrics,
     run_args,
     run_distributed,
-    torchrun_command,
     train_background,
     train_cli,
     train_command,
@@ -259,9 +258,8 @@ def test_rank_that_exits_early_is_named_by_its_peer(tiny_data, tmp_path):
     script = str(REPO / "tests" / "helpers" / "exit_early.py")
     # A closed connection fails at once, not after the collectives' timeout: an hour here, so a run that waited for
     # it would overrun the 15 minutes given below however slow or loaded the machine is.
-    cmd = torchrun_command([script, *run_args(tiny_data, tmp_path, parallel={"timeout_s": 3600})], nproc=2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXIT_STEP": "3", "EXIT_RANK": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+    args = run_args(tiny_data, tmp_path, parallel={"timeout_s": 3600})
+    proc = forked.run(script, args, nproc=2, env={"EXIT_STEP": "3", "EXIT_RANK": "1"})
     assert proc.returncode != 0
     [line] = _error_lines(proc.stderr)
     assert line.startswith("error: rank 0: ") and line.endswith(

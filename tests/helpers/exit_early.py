@@ -1,5 +1,6 @@
-"""A torchrun target for tests: fsdp_trainer.train, except that rank $EXIT_RANK leaves with status 0 when it reaches
-step $EXIT_STEP, as a rank that returns early by mistake would. Its peers must fail naming it, not hang."""
+"""A script run as the ranks of a test (forked, with torchrun's environment): fsdp_trainer.train, except that rank
+$EXIT_RANK leaves with status 0 when it reaches step $EXIT_STEP, as a rank that returns early by mistake would. Its
+peers must fail naming it, not hang."""
 
 import os
 

@@ -1,6 +1,6 @@
-"""A torchrun target for tests: fsdp_trainer.train, except that rank $FULL_DISK_RANK finds the disk full (ENOSPC on
-opening any checkpoint file to write) while the file $FULL_DISK_FLAG exists: a full disk on one rank, for machines where
-a test cannot mount a small file system of its own."""
+"""A script run as the ranks of a test (forked, with torchrun's environment): fsdp_trainer.train, except that rank
+$FULL_DISK_RANK finds the disk full (ENOSPC on opening any checkpoint file to write) while the file $FULL_DISK_FLAG
+exists: a full disk on one rank, for machines where a test cannot mount a small file system of its own."""
 
 import errno
 import os
