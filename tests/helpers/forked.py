@@ -15,6 +15,7 @@ import itertools
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,7 +161,7 @@ class Started:
                 os.kill(p.pid, sig)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 def start(
