@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -181,6 +182,7 @@ class TensorBoard:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return None
+        _quiet_writer_threads_on_a_full_disk()
         # purge_step drops events a previous attempt wrote past the step this run resumes from.
         return cls(SummaryWriter(log_dir, purge_step=start_step or None), lambda: SummaryWriter(log_dir), log_dir)
 
@@ -219,6 +221,26 @@ class TensorBoard:
                 writer.close()
         except OSError as e:
             self._drop(e)
+
+
+def _quiet_writer_threads_on_a_full_disk() -> None:
+    """TensorBoard's writer thread keeps a failed write for the writer's next call (which `TensorBoard._drop` turns
+    into one warning) and raises it again as it ends, which threading's hook would print as a traceback beside that
+    line. Those, on a full disk, are left unprinted; any other thread's exception is printed as before. Once a
+    process."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_on_a_full_disk", False):
+        return
+
+    def hook(args) -> None:
+        error, thread = args.exc_value, type(args.thread)
+        if not (
+            isinstance(error, OSError) and error.errno in FULL_DISK and thread.__module__.startswith("tensorboard")
+        ):
+            previous(args)
+
+    hook.quiet_on_a_full_disk = True
+    threading.excepthook = hook
 
 
 WANDB_RUN_FILE = "wandb_run.json"

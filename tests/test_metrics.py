@@ -270,6 +270,36 @@ def test_benchmark_scores_keep_their_names_in_tensorboard_and_wandb_and_one_log_
     assert score_lines(record) == ["arc_easy acc 0.5000 (+-0.100)", "gsm8k exact_match,strict-match 0.1250 (+-0.050)"]
 
 
+def test_tensorboards_writer_thread_failing_on_a_full_disk_prints_no_traceback(tmp_path, capsys, caplog, monkeypatch):
+    """The real writer: its thread's failed write (ENOSPC) is kept for the next call, which warns once; the thread's
+    own re-raise prints nothing (it printed a traceback into the run's log beside the warning)."""
+    import errno
+    import threading
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from fsdp_trainer.sinks import TensorBoard
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    printed = []  # what threading's hook would print, as pytest's own hook would catch it
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))
+    sink = TensorBoard.open(str(tmp_path / "tensorboard"), 0)
+    monkeypatch.setattr(RecordWriter, "write", full)
+    with caplog.at_level("WARNING", logger="fsdp_trainer"):
+        sink.write({"step": 1, "loss": 1.0})
+        sink.writer.file_writer.event_writer._async_writer._worker.join(timeout=60)  # the thread, ended by the error
+        sink.write({"step": 2, "loss": 2.0})
+    assert printed == [] and "Traceback" not in capsys.readouterr().err
+    assert [r.message for r in caplog.records if "No space left" in r.message] == [
+        f"{tmp_path / 'tensorboard'}: No space left on device; TensorBoard gets no records until there is room "
+        "(metrics.jsonl keeps them all)"
+    ]
+    sink.close()
+
+
 def test_a_full_disk_drops_tensorboards_writer_and_a_new_one_takes_the_records_once_there_is_room(caplog):
     """TensorBoard's writer fails for good once a write fails (from its own thread, on a later call): on a full disk
     the run goes on, warned once, and a new writer (a new events file) takes the records when one can be made; any
