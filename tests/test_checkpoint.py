@@ -18,7 +18,7 @@ from fsdp_trainer.checkpoint.verify import checkpoint_status, verified_checkpoin
 from fsdp_trainer.checkpoint.weights import save_model_weights
 from fsdp_trainer.config import OptimConfig
 from tests.helpers import (
-    REPO,
+    injected,
     read_metrics,
     run_args,
     train_background,
@@ -153,8 +153,7 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes(tiny_data, tmp_path, u
     """Rank 1 SIGKILLed in step 5 (as the OOM killer would): torchrun restarts both workers, which resume from step 3's
     checkpoint and finish as the uninterrupted run did."""
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    kill = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "inject"), "INJECT_RANK": "1", "INJECT_FAIL": "kill",
-            "INJECT_STEP": "5", "INJECT_ONCE": str(tmp_path / "killed")}  # fmt: skip
+    kill = injected("kill", rank=1, step=5, once=tmp_path / "killed")
     args = _args(tiny_data, out, 6, checkpoint={"every": 3})
     proc = train_popen(args, log, torchrun_flags=("--max-restarts=1",), env=kill)
     assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]

@@ -201,9 +201,7 @@ def test_save_on_a_full_disk_goes_on_under_continue_and_saves_once_there_is_room
     )
     if small_disk is None:
         script = str(REPO / "tests" / "helpers" / "full_disk.py")
-        env = {"FULL_DISK_RANK": "1", "FULL_DISK_FLAG": str(flag)}
-        log.write_text("")
-        proc = forked.start(script, args, [(log, log)] * 2, env)
+        proc = train_background(args, log, env={"FULL_DISK_RANK": "1", "FULL_DISK_FLAG": str(flag)}, target=script)
     else:
         proc = train_background(args, log)
     ckpts = out / "checkpoints"

@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_trainer.checkpoint.verify import verify_checkpoint
 from fsdp_trainer.launch import child_pids, split_argv
-from tests.helpers import REPO, forked, run_args, train_cli, train_popen, wait_for_step, worker_pids
+from tests.helpers import REPO, forked, injected, run_args, train_cli, train_popen, wait_for_step, worker_pids
 
 LAUNCHER = [sys.executable, "-m", "fsdp_trainer.launch"]
 
@@ -96,9 +96,6 @@ def test_a_worker_killed_by_a_signal_is_one_line_and_the_shells_exit_code(tiny_d
     assert after in ([], ["rank 0 stopped because rank 1 failed"]), after  # not the survivor's gloo error
 
 
-INJECT = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "inject"), "INJECT_RANK": "1", "INJECT_STEP": "3"}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "code", "first"),
@@ -116,7 +113,7 @@ def test_the_first_line_names_the_rank_that_failed_and_why(tiny_data, tmp_path, 
         stdout=open(log, "w"),
         stderr=open(log.with_suffix(".err"), "w"),
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **INJECT, "INJECT_FAIL": how},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **injected(how, rank=1, step=3)},
     )
     assert proc.wait(timeout=900) == code
     lines = log.with_suffix(".err").read_text().strip().splitlines()

@@ -18,7 +18,7 @@ import yaml
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.distributed.runtime import native_precision
 from fsdp_trainer.model import count_params
-from tests.helpers import REPO, TINY_MODEL, read_metrics, run_args, train_cli, train_losses
+from tests.helpers import REPO, TINY_MODEL, injected, read_metrics, run_args, train_cli, train_losses
 from tests.helpers import script as script_run
 
 
@@ -335,8 +335,7 @@ def test_bad_input_under_torchrun_is_one_line_per_node(tiny_data, tmp_path, flag
     """Every rank parses the recipe and opens the data, and every rank exits 1, but one line is printed per node:
     by the first rank to fail, even when rank 0 is slow and torchrun stops it before it gets there (forced here, as a
     busy 2-core machine once did by chance)."""
-    inject = {"PYTHONPATH": f"{REPO / 'tests' / 'helpers' / 'inject'}", "INJECT_RANK": "0", "INJECT_FAIL": "slow"}
-    proc = train_cli([*run_args(tiny_data, tmp_path), *flags], nproc=2, check=False, env=inject)
+    proc = train_cli([*run_args(tiny_data, tmp_path), *flags], nproc=2, check=False, env=injected("slow", rank=0))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]

@@ -185,11 +185,25 @@ def train_popen(
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
 
 
-def train_background(args: list[str], log_path: Path, nproc: int = 2, env: dict | None = None) -> forked.Started:
-    """fsdp_trainer.train forked as `nproc` ranks in the background (tests/helpers/forked.py), every rank's output
-    appended to log_path: train_popen without torchrun, for tests of the trainer's own behaviour."""
+def train_background(
+    args: list[str], log_path: Path, nproc: int = 2, env: dict | None = None, target: str = "fsdp_trainer.train"
+) -> forked.Started:
+    """fsdp_trainer.train (or a script standing in for it, `target`) forked as `nproc` ranks in the background
+    (tests/helpers/forked.py), every rank's output in log_path: train_popen without torchrun, for tests of the
+    trainer's own behaviour."""
     Path(log_path).write_text("")
-    return forked.start("fsdp_trainer.train", args, [(log_path, log_path)] * nproc, env)
+    return forked.start(target, args, [(log_path, log_path)] * nproc, env)
+
+
+def injected(fail: str, rank: int, step: int | None = None, once: Path | None = None) -> dict[str, str]:
+    """The environment that makes rank `rank` of a run fail as `fail` says (tests/helpers/inject: raise, exit or kill
+    at micro-batch `step`, only once where the file `once` is given; slow), for a run started as a new interpreter."""
+    env = {"PYTHONPATH": str(REPO / "tests" / "helpers" / "inject"), "INJECT_RANK": str(rank), "INJECT_FAIL": fail}
+    if step is not None:
+        env["INJECT_STEP"] = str(step)
+    if once is not None:
+        env["INJECT_ONCE"] = str(once)
+    return env
 
 
 def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> int:
