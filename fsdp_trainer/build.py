@@ -142,11 +142,12 @@ def training_data(data) -> list[str]:
 
 
 def build_checkpointer(recipe: Recipe, env: DistEnv, states: dict[str, Stateful], step: Step) -> Checkpointer:
-    """The checkpointer of `states`, restored as checkpoint.resume says (auto | none | PATH), and of the models that
-    hold the weights the run started from (a LoRA run's base, the step's frozen models); a fresh LoRA run with
-    lora.adapter starts its adapters from that PEFT adapter."""
+    """The checkpointer of `states` and of what the step carries, restored as checkpoint.resume says (auto | none |
+    PATH), and of the models that hold the weights the run started from (a LoRA run's base, the step's frozen models);
+    a fresh LoRA run with lora.adapter starts its adapters from that PEFT adapter."""
     model = states["model"].model
     starts = [*([lora_start(model)] if has_adapters(model) else []), *step.starts]
+    states.update(step.carried())  # what the kind carries from step to step
     ckpt = Checkpointer(recipe, env, states, starts, lambda path: resumes(recipe, path))
     if ckpt.load() is None and start_adapters(model, recipe.lora) and env.is_main:
         logger.info(f"adapters loaded from {recipe.lora.adapter}")

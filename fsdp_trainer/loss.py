@@ -387,8 +387,7 @@ class PolicyLoss:
     epsilon is DAPO's clip-higher), or for `cispo` (MiniMax-M1, 2025) `-min(r, epsilon_high).detach() A log p`; plus
     beta x the k3 estimate of KL(policy || reference), exp(q - p) - (q - p) - 1 (Schulman 2020), where beta > 0,
     times r where use_bias_correction_kl (TRL's default: the KL gradient then unbiased off-policy, DeepSeek-V3.2).
-    How they are summed is the loss type's (`summed`, `units`).
-    """
+    How they are summed is the loss type's (`summed`, `units`)."""
 
     loss_type: str = "dapo"
     importance_sampling_level: str = "token"
@@ -418,10 +417,11 @@ class PolicyLoss:
         advantages: torch.Tensor,
         sequences: torch.Tensor,
         n_sequences: int,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(each token's loss (N,), the ratios r (a token's (N,), or at the sequence level a completion's
         (n_sequences,)), each token's k3 KL (zeros without a reference)), from the tokens' log-probs (N,), their
-        sequence's number (N,) and the sequences' advantages (n_sequences,)."""
+        sequence's number (N,), the sequences' advantages (n_sequences,) and `weights` of the policy terms (N,)."""
         ratios = ratio = (logps - old).exp()
         if self.importance_sampling_level == "sequence":
             lengths = sequence_sums(torch.ones_like(logps), sequences, n_sequences).clamp(min=1)
@@ -433,6 +433,7 @@ class PolicyLoss:
         else:
             clipped = ratio.clamp(1 - self.epsilon, 1 + self.epsilon_high)
             loss = -torch.min(ratio * a, clipped * a)
+        loss = loss if weights is None else loss * weights
         kl = torch.zeros_like(logps)
         if self.beta != 0:
             kl = (ref - logps).exp() - (ref - logps) - 1
@@ -474,7 +475,8 @@ class PolicyObjective:
     them, each whole in the micro-batch). It returns the loss summed as `policy` says, then the sums POLICY_METRICS
     names (tokens, KL, entropy; the clipped ratios over tokens, or over completions at the sequence level), (7,).
     `old` and `ref`: the trained positions' log-probs under the policy that sampled them and the reference (N,);
-    `sampled`: those the sampler computed, whose largest difference from the policy's the forward leaves in `gap`.
+    `sampled`: those the sampler computed, whose largest difference from the policy's the forward leaves in `gap`;
+    `weights`: each trained position's weight of its policy term (PolicyLoss.token_losses).
 
     Not a dataclass, on purpose: FSDP casts the floating tensors it finds in a forward's arguments, dataclasses'
     fields included (on a copy), to the compute dtype, and the advantages and log-probs must stay fp32."""
@@ -491,10 +493,11 @@ class PolicyObjective:
         ref: torch.Tensor | None = None,
         chunks: int = 1,
         sampled: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ):
         self.policy, self.targets, self.trained, self.sequences = policy, targets, trained, sequences
         self.n_sequences, self.advantages, self.old, self.ref = n_sequences, advantages, old, ref
-        self.chunks, self.sampled = chunks, sampled
+        self.chunks, self.sampled, self.weights = chunks, sampled, weights
         self.gap: torch.Tensor | None = None
 
     def __call__(self, hidden: torch.Tensor, output: nn.Module) -> torch.Tensor:
@@ -503,7 +506,7 @@ class PolicyObjective:
         if self.sampled is not None:
             self.gap = (logps.detach() - self.sampled).abs().max() if len(logps) else logps.new_zeros(())
         old = logps.detach() if self.old is None else self.old
-        losses, ratios, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n)
+        losses, ratios, kl = self.policy.token_losses(logps, old, self.ref, self.advantages, sequences, n, self.weights)
         loss = self.policy.summed(losses, sequences, n)
         per_sequence = self.policy.importance_sampling_level == "sequence"  # one ratio a completion: count those
         advantages = self.advantages if per_sequence else self.advantages.index_select(0, sequences)

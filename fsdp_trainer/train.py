@@ -241,8 +241,8 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
     try:
         while state.step < cfg.steps:
             lr = lr_at(state.step, recipe.optim, cfg.steps)
-            batches = loader.next_batch()
             step.begin(state.step + 1)
+            batches = step.read(loader)
             stats = train_step(
                 model, optimizer, batches, lr, recipe.optim.grad_clip, cfg.loss_chunks, scaler, applied.plan, step
             )

@@ -187,12 +187,53 @@ def _exact_on_the_same_log_probs(trainer, inputs, policy: PolicyLoss, objective:
     ours_logps = logps.detach()[mask].requires_grad_()
     o = objective
     sequences = o.sequences.flatten().index_select(0, o.trained)
-    losses, _, _ = policy.token_losses(ours_logps, o.old, o.ref, o.advantages, sequences, o.n_sequences)
+    losses, _, _ = policy.token_losses(ours_logps, o.old, o.ref, o.advantages, sequences, o.n_sequences, o.weights)
     units = {"completions": o.n_sequences, "micro_batches": 1, "tokens": len(ours_logps)}[policy.units]
     loss = policy.summed(losses, sequences, o.n_sequences) / units
     (grad,) = torch.autograd.grad(loss, ours_logps)
     assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-9)
     torch.testing.assert_close(grad, trl_grad[mask], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "level", "mode"),
+    [("grpo", "token", "token_truncate"), ("dapo", "sequence", "sequence_mask"), ("bnpo", "token", "token_mask")],
+)
+def test_the_samplers_correction_weighs_each_token_as_trls(grpo_setup, loss_type, level, mode):
+    """grpo.sampler_correction: each token's weight from the sampler's and the trainer's log-probs is TRL's
+    importance-sampling ratio (its vLLM correction's formula, each mode), and the loss it weighs (the policy term,
+    not the KL) is TRL's with that ratio, gradients included."""
+    from fsdp_trainer.config import GRPOConfig
+    from fsdp_trainer.steps.rollout_buffer import sampler_weights
+
+    policy = PolicyLoss(loss_type, level, 0.05, 0.08, 0.04, temperature=0.7, max_completion_length=8)
+    trainer, batch, inputs = _trl_rollout(grpo_setup, policy, "group")
+    mask = inputs["completion_mask"].bool()
+    old = inputs["old_per_token_logps"]
+    noise = 0.4 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+    sampler = (old + noise).masked_fill(~mask, 0)
+    low, high = 0.7, 1.4
+    cfg = GRPOConfig(sampler_correction=mode, sampler_correction_min=low, sampler_correction_max=high)
+    differences = [(old[row] - sampler[row])[mask[row]] for row in range(len(mask))]
+    weights = sampler_weights(cfg, differences, torch.device("cpu"))
+    # TRL's ratio, as its generation computes it for vLLM's log-probs
+    diff = (old - sampler) * mask
+    ratio = (diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff).exp()
+    outside = (ratio < low) | (ratio > high)
+    ratio = ratio.clamp(low, high) if mode.endswith("truncate") else ratio.masked_fill(outside, 0)
+    torch.testing.assert_close(weights, ratio.expand_as(mask)[mask], rtol=1e-6, atol=0)
+    assert 0 < (weights == (high if mode.endswith("truncate") else 0)).float().mean() < 1  # the bounds bite
+
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    inputs["importance_sampling_ratio"], inputs["sampling_per_token_logps"] = ratio, sampler
+    rollouts = _completions(inputs)
+    mb = packed(rollouts, max(len(p) + len(c) for p, c in rollouts), torch.device("cpu"))
+    advantages = inputs["advantages"]
+    objective = PolicyObjective(
+        policy, mb.targets, mb.trained, mb.sequences, len(rollouts), advantages, old[mask],
+        inputs["ref_per_token_logps"][mask], weights=weights,
+    )  # fmt: skip
+    _exact_on_the_same_log_probs(trainer, inputs, policy, objective)
 
 
 def test_reward_functions_fail_in_one_line_naming_them():

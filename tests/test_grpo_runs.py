@@ -4,6 +4,7 @@ process with accumulation, a resume, and every bad input refused in one line bef
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import numpy as np
@@ -93,13 +94,19 @@ def grpo(**overrides) -> dict:
     return {"rewards": REWARDS, "num_generations": 4, "max_completion_length": 12, **overrides}
 
 
+CYCLES = {"on_policy": {}, "reused": {"steps_per_generation": 2, "num_iterations": 2}}
+
+
 @pytest.mark.slow
-def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
+@pytest.mark.parametrize("cycle", CYCLES)
+def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path, cycle):
     """GRPO (loss grpo, KL to a frozen reference, rewards scaled by the batch's std): 2 ranks FULL_SHARD equal 1
     process x accumulation 2 over 6 steps, rollouts included (the same completions: their lengths and rewards); the
-    sampler and the trainer agree on the sampled tokens' log-probs to float noise; a resume from step 3 is bitwise."""
-    recipe = prompts / "grpo.yaml"
-    settings = grpo(loss_type="grpo", beta=0.05, scale_rewards="batch")
+    sampler and the trainer agree on the sampled tokens' log-probs to float noise; a resume from step 3 is bitwise.
+    `reused`: a sampling feeds 2 steps, twice over (steps 1-4 train on step 1's completions, step 5 samples again);
+    the resume from step 3 is in the middle of that and carries them, also to a run on 1 process."""
+    recipe, reused = prompts / "grpo.yaml", cycle == "reused"
+    settings = grpo(loss_type="grpo", beta=0.05, scale_rewards="batch", **CYCLES[cycle])
     every = {"every": 3, "keep_last": 0}
     two, one = tmp_path / "two", tmp_path / "one"
     train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
@@ -114,7 +121,20 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path):
             assert r[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), (r["step"], key)
         assert a["sampling/sampling_logp_difference/max"] < 1e-4
     assert any(r["kl"] > 0 for r in steps.values()) and any(r["reward_std"] > 0 for r in steps.values())
+    if reused:  # one sampling's metrics for its 4 steps; the ratios move off 1 once the policy has
+        assert steps[1]["reward"] == steps[4]["reward"] != steps[5]["reward"]
+        assert steps[2]["completions/mean_length"] == steps[3]["completions/mean_length"]
+        assert steps[1]["clip_ratio/region_mean"] == 0 and steps[3]["clip_ratio/region_mean"] > 0
 
+    if reused:  # the checkpoint at step 3 holds what steps 4 and 5 train on: 1 process takes it all
+        across = tmp_path / "across"
+        shutil.copytree(two, across)
+        rewind(across, 3)
+        train_cli(run_args(recipe, across, 6, grpo=settings, checkpoint=every, data={"grad_accum_steps": 2}))
+        resumed = {r["step"]: r for r in read_metrics(across) if "reward" in r}
+        for step in (4, 5, 6):
+            assert resumed[step]["reward"] == steps[step]["reward"]
+            assert resumed[step]["loss"] == pytest.approx(steps[step]["loss"], rel=1e-5), step
     rewind(two, 3)
     train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
     resumed = {r["step"]: r for r in read_metrics(two) if "reward" in r}
@@ -144,6 +164,21 @@ def test_a_lora_policy_is_measured_against_itself_with_its_adapters_off(prompts,
     assert is_adapters_only(out / "checkpoints" / "step_00000004")
 
 
+def test_in_bf16_the_samplers_log_probs_differ_and_the_correction_weighs_them(prompts, tmp_path):
+    """In bf16 the KV-cache decode and the whole-window forward round differently: the gap is measured at sampling
+    (a forward without gradient there) and grpo.sampler_correction weighs each token by exp(trainer - sampler),
+    clipped to its bounds (TRL's metrics, per step)."""
+    out = tmp_path / "run"
+    settings = grpo(sampler_correction="token_truncate", sampler_correction_min=0.5, sampler_correction_max=2.0)
+    train_cli(run_args(prompts / "grpo.yaml", out, 2, grpo=settings, parallel={"mixed_precision": "bf16"}))
+    for r in (r for r in read_metrics(out) if "reward" in r):
+        gap, mean = r["sampling/sampling_logp_difference/max"], r["sampling/sampling_logp_difference/mean"]
+        assert 1e-3 < gap and 0 < mean < gap, r
+        low, high = r["sampling/importance_sampling_ratio/min"], r["sampling/importance_sampling_ratio/max"]
+        assert 0.5 <= low < r["sampling/importance_sampling_ratio/mean"] < high <= 2.0, r
+        assert np.isfinite(r["loss"])
+
+
 def test_evaluation_scores_greedy_completions_of_the_validation_prompts(prompts, tmp_path):
     out = tmp_path / "run"
     train_cli(run_args(prompts / "grpo.yaml", out, 2, grpo=grpo(), train={"eval_every": 2, "eval_steps": 2}))
@@ -167,6 +202,7 @@ BAD = [
         "prompt of",
     ),
     ({"rewards": REWARDS, "num_generations": 1}, "grpo.num_generations=1: a group needs at least 2"),
+    ({"rewards": REWARDS, "num_iterations": 0}, "grpo.num_iterations=0 must be >= 1"),
 ]
 
 

@@ -234,6 +234,25 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """A completion cut at max_completion_length (no end-of-turn token) trains on nothing (DAPO); it still counts in
     its group's rewards and in the loss's averages."""
+    steps_per_generation: int = 1
+    """Optimizer steps each sampling feeds: a step that samples reads the prompts of this many steps at once and each
+    of those steps trains on its share of the completions (TRL's steps_per_generation divided by its
+    gradient_accumulation_steps); above 1, every step after the first is off-policy and its ratios are taken against
+    the log-probs the policy gave the completions when they were sampled."""
+    num_iterations: int = 1
+    """Passes over each sampling's completions (mu of the GRPO paper, PPO's reuse): its steps_per_generation steps are
+    trained num_iterations times before the next sampling; the ratios are against the log-probs at sampling."""
+    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Weigh each token's loss by how much more likely the trainer's forward finds it than the sampler did (TRL's
+    vllm_importance_sampling_mode): the ratio per token or per completion (the exp of its summed log-ratio), clipped
+    to [sampler_correction_min, sampler_correction_max] (truncate) or zeroed outside it (mask). The sampler is this
+    model, so in fp32 the ratio is 1 to float noise; in bf16 the KV-cache decode and the whole-window forward round
+    differently (up to ~0.2 in a token's log-prob): `token_truncate` corrects that. Costs one forward without
+    gradient of the completions when they are sampled."""
+    sampler_correction_min: float | None = None
+    """The ratios' lower bound (null: none)."""
+    sampler_correction_max: float | None = 3.0
+    """The ratios' upper bound (TRL's 3.0; null: none)."""
 
     def __post_init__(self) -> None:
         require(self.num_generations >= 2, f"grpo.num_generations={self.num_generations}: a group needs at least 2")
@@ -244,6 +263,8 @@ class GRPOConfig:
         require(self.top_k >= 0, f"grpo.top_k={self.top_k} must be >= 0 (0: no top-k)")
         require(self.epsilon > 0, f"grpo.epsilon={self.epsilon} must be > 0")
         require(self.beta >= 0, f"grpo.beta={self.beta} must be >= 0")
+        for name in ("steps_per_generation", "num_iterations"):
+            require(getattr(self, name) >= 1, f"grpo.{name}={getattr(self, name)} must be >= 1")
         for k, reward in enumerate(self.rewards):
             require(
                 reward.function.count(":") == 1 and all(reward.function.split(":")),

@@ -60,7 +60,7 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     else:
         mesh = init_device_mesh("cpu", (replicas, group), mesh_dim_names=("dp_replicate", "dp_shard"))
     parallel.compile = False  # nothing to compile for fake tensors
-    env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"))
+    env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), world_size=nproc * nnodes)
     kind = training_kind(recipe)
     # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).

@@ -173,6 +173,17 @@ class Step(Kind):
         """Called before optimizer step `step` (from 1, counted across resumes), for a kind whose step depends on which
         it is (on-policy distillation samples on the steps (seed, step) draws)."""
 
+    def read(self, loader: Any) -> list[MicroBatch]:
+        """This step's micro-batches from the run's data loader (data.loader.TokenLoader), after `begin`: its next
+        global batch; a kind that trains several steps on what one step made of its data (online RL sampling for
+        grpo.steps_per_generation steps) reads more at that step and none at the others."""
+        return loader.next_batch()
+
+    def carried(self) -> dict[str, Any]:
+        """What a resume needs of this step beyond the model, optimizer and data (online RL's completions that later
+        steps train on): Stateful objects by name, saved and restored with the run's states."""
+        return {}
+
     def after_backward(self) -> None:
         """Free what a micro-batch's forward kept for its backward beside the model (a teacher's output layer)."""
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 from fsdp_trainer.config import GRPOConfig
 from fsdp_trainer.data.format import first_record
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan
+from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, reshard
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.generation import SamplingShape
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, TokenLogProbs
@@ -31,7 +31,8 @@ from fsdp_trainer.rewards import RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
 from fsdp_trainer.steps.on_policy import rehearse
 from fsdp_trainer.steps.reference import Reference
-from fsdp_trainer.steps.rollouts import Rollout, Rollouts, evaluate, rewards_of
+from fsdp_trainer.steps.rollout_buffer import Rollout, RolloutBuffer, load_buffer, sampler_gap, save_buffer
+from fsdp_trainer.steps.rollouts import Rollouts, evaluate, rewards_of, training_window
 
 
 def probe(recipe: Any) -> None:
@@ -99,7 +100,11 @@ class GRPO(Kind):
 
     @classmethod
     def forward_params(cls, recipe: Any, n_params: int) -> int:
-        return n_params if recipe.grpo.beta > 0 else 0
+        """The reference's forward where beta > 0; the policy's without gradient at sampling, where the log-probs then
+        are kept (once a sampling, so in 1 / num_iterations of the steps)."""
+        cfg = recipe.grpo
+        keeps_old = cfg.steps_per_generation * cfg.num_iterations > 1 or cfg.sampler_correction != "none"
+        return (n_params if cfg.beta > 0 else 0) + (n_params // cfg.num_iterations if keeps_old else 0)
 
     @classmethod
     def trained_rows(cls, recipe: Any) -> int:
@@ -110,8 +115,9 @@ class GRPO(Kind):
     def sampling(cls, recipe: Any) -> SamplingShape:
         data, cfg = recipe.data, recipe.grpo
         return SamplingShape(
-            data.micro_batch_size, cfg.num_generations, data.seq_len, cfg.max_completion_length, data.grad_accum_steps
-        )
+            data.micro_batch_size, cfg.num_generations, data.seq_len, cfg.max_completion_length, data.grad_accum_steps,
+            share=1 / cfg.num_iterations,  # each step's prompts sampled once for num_iterations passes
+        )  # fmt: skip
 
     @classmethod
     def plan_note(cls, recipe: Any, estimates: list) -> str:
@@ -137,6 +143,30 @@ class GRPO(Kind):
         return MicroBatch(inputs, batch.targets, torch.ones_like(inputs), sequences, trained=trained)
 
 
+def policy_loss(cfg: GRPOConfig) -> PolicyLoss:
+    """The loss the grpo section names."""
+    return PolicyLoss(
+        cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.temperature,
+        cfg.max_completion_length, cfg.use_bias_correction_kl,
+    )  # fmt: skip
+
+
+def loss_units(step: GRPOStep, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
+    """What the loss type averages over: the global batch's micro-batches, its sampled completions (those
+    mask_truncated_completions keeps out too, as TRL counts them) or its trained tokens (with several steps a
+    sampling, as TRL: the sampling's tokens over its steps)."""
+    what, device, cfg = step.policy.units, micro_batches[0].inputs.device, step.cfg
+    if what == "micro_batches":
+        return float(len(micro_batches) * world)
+    if what == "tokens" and cfg.steps_per_generation > 1 and step.step > 0:
+        return torch.tensor(step.samplings.buffer.trained_tokens() / cfg.steps_per_generation, device=device)
+    if what == "completions":
+        local = sum(step.current[id(b.inputs)].sampled for b in micro_batches)
+    else:
+        local = sum(len(b.trained) for b in micro_batches)
+    return sum_over_ranks(torch.tensor(float(local), device=device))
+
+
 def planned_rollouts(model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, cfg: GRPOConfig) -> list[Rollout]:
     """The planner's step on fake tensors: what sampling the first micro-batch's prompts would allocate (nothing can
     be drawn there), then its micro-batches of completions (GRPO.fake_batch's) as rollouts whose advantages are 0."""
@@ -147,17 +177,83 @@ def planned_rollouts(model: nn.Module, batches: list[MicroBatch], plan: Sharding
     return [Rollout(batch, torch.zeros(rows, device=inputs.device), None, rows) for batch in batches]
 
 
+class Samplings:
+    """Which steps sample and what each step trains on: a step that samples reads the prompts of
+    grpo.steps_per_generation steps and keeps their completions (`buffer`) for the steps that train on them,
+    num_iterations times over; a checkpoint between them carries the buffer (state_dict, as a Stateful)."""
+
+    def __init__(self, cfg: GRPOConfig, rollouts: Rollouts, data: Any, world_size: int, device, chunks: int = 1):
+        self.cfg, self.rollouts, self.chunks, self.device = cfg, rollouts, chunks, device
+        self.micro_batch_size, self.seq_len = data.micro_batch_size, data.seq_len
+        self.per_step = data.micro_batch_size * data.grad_accum_steps * world_size  # a global batch's prompts
+        self.buffer: RolloutBuffer | None = None
+        self.cycle = cfg.steps_per_generation * cfg.num_iterations
+        # The log-probs at sampling are those of a forward of the policy then, when a later step trains on them or the
+        # sampler's are to be corrected; else the policy's own, detached, in the step's forward.
+        self.keeps_old = self.cycle > 1 or cfg.sampler_correction != "none"
+        self.step = 0
+
+    def read(self, loader: Any, step: int) -> list[MicroBatch]:
+        """At a step that samples, the prompts of grpo.steps_per_generation steps; none at the steps that train on
+        what an earlier one sampled."""
+        self.step = step
+        if self.buffer is not None and self.buffer.covers(step):
+            return []
+        return [batch for _ in range(self.cfg.steps_per_generation) for batch in loader.next_batch()]
+
+    def state_dict(self) -> dict[str, bytes]:
+        """What the steps after this one train on, when a later step does (the buffer, whole)."""
+        later = self.buffer is not None and self.buffer.covers(self.step + 1)
+        return {"buffer": save_buffer(self.buffer if later else None)}
+
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        self.buffer = load_buffer(self.cfg, state["buffer"], self.per_step)
+
+    def at(self, step: int, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, records: list, world: int):
+        """(this rank's rollouts at `step`, the metrics of their sampling), sampling `batches` (their `records`)
+        first if the step read any."""
+        if batches:
+            self.sample(model, batches, plan, records, world)
+        return self.trained_at(step, model, world), self.buffer.stats
+
+    def sample(self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, records: list, world: int):
+        """The completions of the prompts read, scored; the policy's log-probs of them now where kept; the buffer
+        gathered whole where a later step trains on it."""
+        self.buffer = buffer = self.rollouts(model, batches, plan, self.step, records, len(batches) * world)
+        if self.keeps_old:
+            for j in range(self.cfg.steps_per_generation):
+                self.keep_old(model, self.step + j, world)
+            reshard(model)
+            buffer.stats.update(sampler_gap(buffer, self.cfg, self.device))
+        if self.cycle > 1:
+            buffer.gather()
+
+    @torch.no_grad()
+    def keep_old(self, model: nn.Module, step: int, world: int) -> None:
+        """The policy's log-probs, now, of the completions this rank trains at `step` (a forward without gradient)."""
+        for rollout in self.trained_at(step, model, world):
+            batch = rollout.batch
+            objective = TokenLogProbs(batch.targets, batch.trained, self.cfg.temperature, self.chunks)
+            self.buffer.keep_old(rollout, model(batch.inputs, batch.documents, loss=objective))
+
+    def trained_at(self, step: int, model: nn.Module, world: int) -> list[Rollout]:
+        """This rank's rollouts of the buffer at `step`."""
+        rank = dist.get_rank() if world > 1 else 0
+        window = training_window(self.seq_len, self.cfg.num_generations, model.cfg.max_seq_len)
+        share = self.buffer.share(step, rank, world, self.micro_batch_size)
+        return self.buffer.rollouts(share, window, self.device)
+
+
 class GRPOStep(GRPO, Step):
-    """A step's rollouts, then the losses of its micro-batches of completions; the loss is averaged as
+    """A step's rollouts (Samplings'), then the losses of its micro-batches of completions; the loss is averaged as
     grpo.loss_type says over the global batch, the metrics are TRL's."""
 
-    def __init__(self, cfg: GRPOConfig, rollouts: Rollouts, reference: Reference | None, plan: ShardingPlan, chunks=1):
+    def __init__(
+        self, cfg: GRPOConfig, samplings: Samplings, reference: Reference | None, plan: ShardingPlan, chunks=1
+    ):
         super().__init__()
-        self.cfg, self.rollouts, self.reference, self.plan, self.chunks = cfg, rollouts, reference, plan, chunks
-        self.policy = PolicyLoss(
-            cfg.loss_type, cfg.importance_sampling_level, cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.temperature,
-            cfg.max_completion_length, cfg.use_bias_correction_kl,
-        )  # fmt: skip
+        self.cfg, self.samplings, self.reference, self.plan, self.chunks = cfg, samplings, reference, plan, chunks
+        self.policy = policy_loss(cfg)
         if reference is not None:
             self.starts += reference.starts()
         self.step, self.files, self.current, self.gap = 0, {}, {}, None
@@ -165,9 +261,10 @@ class GRPOStep(GRPO, Step):
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> GRPOStep:
         rollouts = Rollouts(recipe.grpo, recipe.train.seed, recipe.data.tokenizer_path)
+        chunks = recipe.train.loss_chunks
+        samplings = Samplings(recipe.grpo, rollouts, recipe.data, env.world_size, env.device, chunks)
         reference = Reference.build(recipe, env, policy) if recipe.grpo.beta > 0 else None
-        plan = SHARDING[recipe.parallel.sharding]
-        return cls(recipe.grpo, rollouts, reference, plan, recipe.train.loss_chunks)
+        return cls(recipe.grpo, samplings, reference, SHARDING[recipe.parallel.sharding], chunks)
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
         self.files = files  # the prompts' records are read from them
@@ -175,34 +272,32 @@ class GRPOStep(GRPO, Step):
     def begin(self, step: int) -> None:
         self.step = step
 
+    def read(self, loader: Any) -> list[MicroBatch]:
+        return self.samplings.read(loader, self.step)
+
+    def carried(self) -> dict[str, Any]:
+        return {"rollouts": self.samplings} if self.samplings.cycle > 1 else {}
+
     def __call__(
         self, model: nn.Module, micro_batches: list[MicroBatch], plan: ShardingPlan, backward, world: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
-        """Step.__call__ on the step's rollouts of its micro-batches of prompts."""
-        self.plan = plan
+        """Step.__call__ on the rollouts this step trains on: of its micro-batches of prompts, sampled now (a step
+        that samples), or of an earlier step's (Samplings)."""
+        self.plan, self.gap = plan, None
         if self.step == 0:  # a step never begun (the planner's, on fake tensors): its batches are completions
-            rollouts, self.rollouts.stats = planned_rollouts(model, micro_batches, plan, self.cfg), {}
+            rollouts, stats = planned_rollouts(model, micro_batches, plan, self.cfg), {}
         else:
             records = [self.files["train"].columns(batch.windows.tolist()) for batch in micro_batches]
-            rollouts = self.rollouts(model, micro_batches, plan, self.step, records, len(micro_batches) * world)
+            rollouts, stats = self.samplings.at(self.step, model, micro_batches, plan, records, world)
         self.current = {id(r.batch.inputs): r for r in rollouts}
-        self.gap = torch.zeros((), device=micro_batches[0].inputs.device)
         loss, numbers = accumulate(self, model, [r.batch for r in rollouts], plan, backward, world)
-        dist.all_reduce(self.gap, op=dist.ReduceOp.MAX)
-        gap = {"sampling/sampling_logp_difference/max": self.gap}
-        return loss, {**trl_means(numbers, self.cfg), **gap, **self.rollouts.stats}
+        if self.gap is not None:  # the sampler against this step's forward, the weights it sampled with
+            dist.all_reduce(self.gap, op=dist.ReduceOp.MAX)
+            stats = {**stats, "sampling/sampling_logp_difference/max": self.gap}
+        return loss, {**trl_means(numbers, self.cfg), **stats}
 
     def units(self, micro_batches: list[MicroBatch], world: int) -> torch.Tensor | float:
-        """What the loss type averages over: the global batch's micro-batches, its sampled completions (those
-        mask_truncated_completions keeps out too, as TRL counts them) or its trained tokens."""
-        what, device = self.policy.units, micro_batches[0].inputs.device
-        if what == "micro_batches":
-            return float(len(micro_batches) * world)
-        if what == "completions":
-            local = sum(self.current[id(b.inputs)].sampled for b in micro_batches)
-        else:
-            local = sum(len(b.trained) for b in micro_batches)
-        return sum_over_ranks(torch.tensor(float(local), device=device))
+        return loss_units(self, micro_batches, world)
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(the micro-batch's loss summed as the loss type says; the sums of POLICY_METRICS and its completions)."""
@@ -211,13 +306,14 @@ class GRPOStep(GRPO, Step):
         if self.reference is not None:  # its log-probs at the sampling temperature, as the policy's
             at = TokenLogProbs(batch.targets, batch.trained, self.cfg.temperature, self.chunks)
             ref = self.reference.logps(batch, at)
+        sampled = rollout.sampled_logps if rollout.old_logps is None else None  # else measured at sampling
         objective = PolicyObjective(
-            self.policy, batch.targets, batch.trained, batch.sequences, n, rollout.advantages, None, ref,
-            self.chunks, rollout.sampled_logps,
+            self.policy, batch.targets, batch.trained, batch.sequences, n, rollout.advantages, rollout.old_logps, ref,
+            self.chunks, sampled, rollout.weights,
         )  # fmt: skip
         sums = model(batch.inputs, batch.documents, loss=objective)
         if objective.gap is not None:
-            self.gap = torch.maximum(self.gap, objective.gap)
+            self.gap = objective.gap if self.gap is None else torch.maximum(self.gap, objective.gap)
         completions = torch.tensor([float(n)], device=sums.device)
         return sums[:1], torch.cat([sums[1:].detach(), completions])
 
@@ -226,4 +322,4 @@ class GRPOStep(GRPO, Step):
         """The rewards of one greedy completion of each validation prompt, over every rank's: val_reward and each
         function's mean, and the completions' mean length."""
         records = [self.files["val"].columns(batch.windows.tolist()) for batch in micro_batches]
-        return evaluate(self.rollouts, model, micro_batches, self.plan, records)
+        return evaluate(self.samplings.rollouts, model, micro_batches, self.plan, records)

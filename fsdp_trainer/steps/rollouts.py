@@ -1,13 +1,14 @@
 """Online RL's rollouts: the completions the model being trained samples from a step's prompts, their rewards and
-advantages, packed into micro-batches to train on.
+advantages, kept by group for the steps that train on them (rollout_buffer.py).
 
 A micro-batch of prompts data holds a prompt a window (prepared with --format prompts), each with its record (the
 prompt as the user wrote it, text or messages, and the other columns the reward functions read). Every rank samples
-num_generations completions of each of its prompts with its model's weights gathered once for all of a step's
-sampling (held_gathered), each prompt read once into the KV cache and shared by its completions
-(generation.sample_groups). Completion i of a prompt draws from a generator seeded by (train.seed, step, the prompt's
-window in its file, i): its tokens do not depend on the rank, micro-batch or neighbours it was given, so 2 ranks
-sample what 1 process does and a resumed run samples what the uninterrupted one did.
+num_generations completions of each of its prompts with its model's weights gathered once for all of a sampling (the
+prompts of grpo.steps_per_generation steps; held_gathered), each prompt read once into the KV cache and shared by its
+completions (generation.sample_groups). Completion i of a prompt draws from a generator seeded by (train.seed, the
+step that samples, the prompt's window in its file, i): its tokens do not depend on the rank, micro-batch or
+neighbours it was given, so 2 ranks sample what 1 process does and a resumed run samples what the uninterrupted one
+did.
 
 The reward functions run on each rank's own completions; the rewards (a number per completion and function) are then
 gathered to every rank in the order one process would hold them, so the advantages (whole groups on one rank; with
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,24 +31,9 @@ from fsdp_trainer.distributed.parallelize import ShardingPlan, held_gathered
 from fsdp_trainer.generation import sample_groups
 from fsdp_trainer.loss import group_advantages, nanstd, weighted_rewards
 from fsdp_trainer.rewards import Reward, score
-from fsdp_trainer.steps.examples import packed
 from fsdp_trainer.steps.on_policy import stop_ids as answer_ends
+from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
-
-
-@dataclass
-class Rollout:
-    """A micro-batch of prompts' completions, packed to train on, and what the loss needs of them beside the tokens."""
-
-    batch: MicroBatch
-    """The completions (those that train: mask_truncated_completions drops the cut ones) packed into windows, each
-    after its prompt, block-causal; `sequences` numbers them in order."""
-    advantages: torch.Tensor
-    """Each packed completion's advantage."""
-    sampled_logps: torch.Tensor | None
-    """The log-probability the sampler gave each trained token (MicroBatch.trained's order)."""
-    sampled: int
-    """The completions sampled, those mask_truncated_completions keeps out of `batch` too."""
 
 
 def rewards_of(cfg: GRPOConfig) -> list[Reward]:
@@ -69,7 +54,6 @@ class Rollouts:
         self.cfg, self.seed, self.tokenizer_path = cfg, seed, tokenizer_path
         self.rewards = rewards_of(cfg)
         self.weights = torch.tensor([r.weight for r in cfg.rewards], dtype=torch.float32)
-        self.stats: dict[str, float] = {}
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -117,24 +101,30 @@ class Rollouts:
         step: int,
         records: list[list[dict]],
         micro_steps: int,
-    ) -> list[Rollout]:
-        """The rank's micro-batches of prompts as rollouts to train on; `self.stats` the step's reward and completion
-        metrics (the global batch's, the same on every rank). `micro_steps`: the micro-batches of every rank."""
+    ) -> RolloutBuffer:
+        """The rank's micro-batches of prompts sampled and scored: a buffer of its groups, numbered as the module says,
+        with their advantages, and the sampling's reward and completion metrics (the global batch's, the same on every
+        rank). `micro_steps`: the micro-batches of every rank."""
         sampled = self.sample(model, batches, plan, step, self.cfg.temperature)
         device = batches[0].inputs.device
         local_rewards = torch.from_numpy(scored(self, sampled, records)).float().to(device)
         rewards = gathered(local_rewards, len(batches), micro_steps).cpu()
-        cfg = self.cfg
+        cfg, world = self.cfg, micro_steps // len(batches)
         advantages, total, std_zero = group_advantages(rewards, self.weights, cfg.num_generations, cfg.scale_rewards)
         local = local_rows(advantages, len(batches), micro_steps)
-        out, lengths, cut = [], [], []
-        window = training_window(batches[0].inputs.shape[1], cfg.num_generations, model.cfg.max_seq_len)
-        for batch, (prompts, completions, logps) in zip(batches, sampled, strict=True):
-            rollout, local = pack(self, batch, window, prompts, completions, logps, local, lengths, cut)
-            out.append(rollout)
-        self.stats = reward_stats(self.rewards, rewards, total, std_zero)
-        self.stats.update(completion_stats(lengths, cut, len(batches), micro_steps, device))
-        return out
+        rank, n, groups, lengths, cut = (dist.get_rank() if world > 1 else 0), cfg.num_generations, {}, [], []
+        for q, (batch, (prompts, completions, logps)) in enumerate(zip(batches, sampled, strict=True)):
+            length = batch.inputs.shape[1]
+            for i, prompt in enumerate(prompts):
+                limit = min(cfg.max_completion_length, length - len(prompt))
+                ids, first = completions[i * n : (i + 1) * n], (q * world + rank) * len(prompts) + i
+                cuts = [self.truncated(c, limit) for c in ids]
+                groups[first] = as_group(prompt, ids, logps[i * n : (i + 1) * n], local[:n], cuts)
+                local, lengths, cut = local[n:], lengths + [len(c) for c in ids], cut + cuts
+        stats = reward_stats(self.rewards, rewards, total, std_zero)
+        stats.update(completion_stats(lengths, cut, len(batches), micro_steps, device))
+        per_step = micro_steps * len(batches[0].inputs) // cfg.steps_per_generation  # it read that many steps'
+        return RolloutBuffer(cfg, step, per_step, groups, stats)
 
 
 def scored(rollouts: Rollouts, sampled: list, records: list[list[dict]]) -> np.ndarray:
@@ -221,30 +211,6 @@ def training_window(seq_len: int, num_generations: int, max_seq_len: int) -> int
     (block-causal) instead of one and the padding after it. A micro-batch of G x prompts windows of seq_len tokens
     at most, as the planner prices it; usually fewer tokens."""
     return seq_len * max(1, min(num_generations, max_seq_len // seq_len))
-
-
-def pack(
-    rollouts: Rollouts, batch, window, prompts, completions, logps, advantages, lengths, cut
-) -> tuple[Rollout, torch.Tensor]:
-    """A micro-batch's completions packed after their prompts into windows of `window` tokens, with their advantages
-    (the first of `advantages`; the rest returned); each completion's length and whether it was cut are appended to
-    those lists."""
-    cfg = rollouts.cfg
-    n, length, device = len(completions) // len(prompts), batch.inputs.shape[1], batch.inputs.device
-    limits = [min(cfg.max_completion_length, length - len(p)) for p in prompts]
-    examples, kept_advantages, kept_logps = [], [], []
-    for k, (ids, token_logps) in enumerate(zip(completions, logps, strict=True)):
-        lengths.append(len(ids))
-        cut.append(rollouts.truncated(ids, limits[k // n]))
-        if cut[-1] and cfg.mask_truncated_completions:
-            continue
-        examples.append((prompts[k // n], ids))
-        kept_advantages.append(advantages[k])
-        kept_logps += token_logps
-    kept = torch.stack(kept_advantages).to(device) if kept_advantages else torch.zeros(0, device=device)
-    sampled = torch.tensor(kept_logps, dtype=torch.float32, device=device)
-    rollout = Rollout(packed(examples, window, device), kept, sampled, len(completions))
-    return rollout, advantages[len(completions) :]
 
 
 @torch.no_grad()
