@@ -236,6 +236,41 @@ def test_the_samplers_correction_weighs_each_token_as_trls(grpo_setup, loss_type
     _exact_on_the_same_log_probs(trainer, inputs, policy, objective)
 
 
+def test_dynamic_sampling_keeps_the_first_groups_that_differ_then_fills_with_alike_ones():
+    """rollouts.selected: of every group sampled, in order, the first whose rewards differ, renumbered from 0; when
+    too few differ, the first alike ones fill the rest; advantages (batch-scaled here) and the reward metrics are
+    those of the groups kept."""
+    from fsdp_trainer.config import GRPOConfig, RewardFunction
+    from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group
+    from fsdp_trainer.steps.rollouts import Rollouts, selected
+
+    cfg = GRPOConfig([RewardFunction("tests.test_grpo:digit_reward", weight=2.0)], num_generations=2)
+    cfg.scale_rewards = "batch"
+    rollouts = Rollouts(cfg, 0, "no tokenizer is read")
+    scores = {0: (0, 0), 1: (0, 1), 2: (1, 1), 3: (2, 0), 4: (1, 0)}
+
+    def sampled() -> RolloutBuffer:
+        groups = {
+            g: as_group([7, g], [[g], [g, 1]], [[-1.0], [-1.0, -2.0]], torch.tensor([[a], [b]]), torch.zeros(2), [0, 1])
+            for g, (a, b) in scores.items()
+        }
+        return RolloutBuffer(cfg, 1, 2, groups, {})
+
+    kept = selected(rollouts, sampled(), 2)
+    assert [group["prompt"].tolist() for group in kept.groups.values()] == [[7, 1], [7, 3]]
+    assert list(kept.groups) == [0, 1]
+    rewards = torch.tensor([[0.0], [1.0], [2.0], [0.0]])
+    expected, _, _ = group_advantages(rewards, torch.tensor([2.0]), 2, "batch")
+    torch.testing.assert_close(torch.cat([g["advantages"] for g in kept.groups.values()]), expected)
+    assert kept.stats["reward"] == pytest.approx(1.5) and kept.stats["frac_reward_zero_std"] == 0
+    assert kept.stats["sampling/prompts_sampled"] == 5 and kept.stats["completions/clipped_ratio"] == 0.5
+
+    cfg.scale_rewards = "group"  # (frac_reward_zero_std is of the std the advantages are scaled by, as TRL's)
+    short = selected(rollouts, sampled(), 4)  # three differ: the first alike group fills the fourth place
+    assert [group["prompt"][1].item() for group in short.groups.values()] == [1, 3, 4, 0]
+    assert short.stats["frac_reward_zero_std"] == 0.25
+
+
 def test_reward_functions_fail_in_one_line_naming_them():
     prompts, completions, ids = ["p", "p"], ["a", "b"], [[1], [2]]
     with pytest.raises(RewardError, match=r"^reward nowhere_module:f: importing nowhere_module failed \("):

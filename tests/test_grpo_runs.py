@@ -14,7 +14,7 @@ from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.format import START, open_tokens
 from fsdp_trainer.tokenizer import load_tokenizer
 from tests.conftest import prepare_records
-from tests.helpers import read_metrics, rewind, run_args, train_cli
+from tests.helpers import TINY_BATCH, read_metrics, rewind, run_args, train_cli
 
 SEQ_LEN = 48
 
@@ -141,6 +141,36 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path, 
     for step in (4, 5, 6):
         for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
             assert resumed[step][key] == steps[step][key], (step, key)
+
+
+def rare(completions, completion_ids, **_):
+    """1 for a completion whose first token's id is a multiple of 8, else 0: most groups of 4 random completions
+    score alike (all 0), some do not."""
+    return [float(ids[0] % 8 == 0) for ids in completion_ids]
+
+
+def test_dynamic_sampling_trains_on_groups_that_differ_and_two_ranks_equal_one_process(prompts, tmp_path):
+    """DAPO's dynamic sampling: the groups whose rewards are all equal are dropped and further prompts sampled
+    until the step's groups all differ (frac_reward_zero_std 0, more prompts sampled than a step's); 2 ranks equal 1
+    process, and a resume at step 2 reads on from where the refills left the data (bitwise)."""
+    recipe, every = prompts / "grpo.yaml", {"every": 2, "keep_last": 0}
+    settings = grpo(rewards=[{"function": "tests.test_grpo_runs:rare"}], dynamic_sampling=True)
+    two, one = tmp_path / "two", tmp_path / "one"
+    train_cli(run_args(recipe, two, 3, grpo=settings, checkpoint=every), nproc=2)
+    train_cli(run_args(recipe, one, 3, grpo=settings, data={"grad_accum_steps": 2}))
+    steps = {r["step"]: r for r in read_metrics(two) if "reward" in r}
+    for r in (r for r in read_metrics(one) if "reward" in r):
+        a = steps[r["step"]]
+        assert r["frac_reward_zero_std"] == a["frac_reward_zero_std"] == 0, r
+        for key in ("reward", "reward_std", "sampling/prompts_sampled", "completions/mean_length"):
+            assert r[key] == a[key], (r["step"], key)
+        assert r["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-9)
+    per_step = 2 * TINY_BATCH["micro_batch_size"]
+    assert all(r["sampling/prompts_sampled"] > per_step for r in steps.values())  # refilled every step
+    rewind(two, 2)
+    train_cli(run_args(recipe, two, 3, grpo=settings, checkpoint=every), nproc=2)
+    [resumed] = [r for r in read_metrics(two) if "reward" in r]
+    assert resumed["step"] == 3 and resumed["loss"] == steps[3]["loss"] and resumed["reward"] == steps[3]["reward"]
 
 
 @pytest.mark.parametrize("base", ["bf16", "nf4"])

@@ -242,6 +242,14 @@ class GRPOConfig:
     num_iterations: int = 1
     """Passes over each sampling's completions (mu of the GRPO paper, PPO's reuse): its steps_per_generation steps are
     trained num_iterations times before the next sampling; the ratios are against the log-probs at sampling."""
+    dynamic_sampling: bool = False
+    """Drop the groups whose rewards are all equal (their advantages are 0: they teach nothing) and refill the
+    sampling from the prompts of further global batches until it has as many groups whose rewards differ as it trains
+    on; the surplus is dropped (DAPO's dynamic sampling, Yu et al. 2025). A step then reads more prompts than its
+    global batch."""
+    dynamic_sampling_batches: int = 8
+    """dynamic_sampling: the most global batches of prompts a sampling reads beyond its own; if they leave it short,
+    groups whose rewards are all equal fill the rest (frac_reward_zero_std above 0 says how many)."""
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """Weigh each token's loss by how much more likely the trainer's forward finds it than the sampler did (TRL's
     vllm_importance_sampling_mode): the ratio per token or per completion (the exp of its summed log-ratio), clipped
@@ -255,18 +263,23 @@ class GRPOConfig:
     """The ratios' upper bound (TRL's 3.0; null: none)."""
 
     def __post_init__(self) -> None:
-        require(self.num_generations >= 2, f"grpo.num_generations={self.num_generations}: a group needs at least 2")
-        n = self.max_completion_length
-        require(n >= 1, f"grpo.max_completion_length={n} must be >= 1")
-        require(self.temperature > 0, f"grpo.temperature={self.temperature} must be > 0 (sampling, not greedy)")
-        require(0 < self.top_p <= 1, f"grpo.top_p={self.top_p} must be in (0, 1]")
-        require(self.top_k >= 0, f"grpo.top_k={self.top_k} must be >= 0 (0: no top-k)")
-        require(self.epsilon > 0, f"grpo.epsilon={self.epsilon} must be > 0")
-        require(self.beta >= 0, f"grpo.beta={self.beta} must be >= 0")
-        for name in ("steps_per_generation", "num_iterations"):
-            require(getattr(self, name) >= 1, f"grpo.{name}={getattr(self, name)} must be >= 1")
-        for k, reward in enumerate(self.rewards):
-            require(
-                reward.function.count(":") == 1 and all(reward.function.split(":")),
-                f"grpo.rewards[{k}].function={reward.function!r} is not an import path: write it as module:function",
-            )
+        check_grpo(self)
+
+
+def check_grpo(cfg: GRPOConfig) -> None:
+    """The grpo section's keys, each in the line a user reads (config.sections.require)."""
+    require(cfg.num_generations >= 2, f"grpo.num_generations={cfg.num_generations}: a group needs at least 2")
+    n = cfg.max_completion_length
+    require(n >= 1, f"grpo.max_completion_length={n} must be >= 1")
+    require(cfg.temperature > 0, f"grpo.temperature={cfg.temperature} must be > 0 (sampling, not greedy)")
+    require(0 < cfg.top_p <= 1, f"grpo.top_p={cfg.top_p} must be in (0, 1]")
+    require(cfg.top_k >= 0, f"grpo.top_k={cfg.top_k} must be >= 0 (0: no top-k)")
+    require(cfg.epsilon > 0, f"grpo.epsilon={cfg.epsilon} must be > 0")
+    require(cfg.beta >= 0, f"grpo.beta={cfg.beta} must be >= 0")
+    for name in ("steps_per_generation", "num_iterations", "dynamic_sampling_batches"):
+        require(getattr(cfg, name) >= 1, f"grpo.{name}={getattr(cfg, name)} must be >= 1")
+    for k, reward in enumerate(cfg.rewards):
+        require(
+            reward.function.count(":") == 1 and all(reward.function.split(":")),
+            f"grpo.rewards[{k}].function={reward.function!r} is not an import path: write it as module:function",
+        )

@@ -32,7 +32,7 @@ from fsdp_trainer.steps.base import Kind, Step, accumulate
 from fsdp_trainer.steps.on_policy import rehearse
 from fsdp_trainer.steps.reference import Reference
 from fsdp_trainer.steps.rollout_buffer import Rollout, RolloutBuffer, load_buffer, sampler_gap, save_buffer
-from fsdp_trainer.steps.rollouts import Rollouts, evaluate, rewards_of, training_window
+from fsdp_trainer.steps.rollouts import Rollouts, alike, evaluate, rewards_of, selected, training_window
 
 
 def probe(recipe: Any) -> None:
@@ -191,12 +191,12 @@ class Samplings:
         # The log-probs at sampling are those of a forward of the policy then, when a later step trains on them or the
         # sampler's are to be corrected; else the policy's own, detached, in the step's forward.
         self.keeps_old = self.cycle > 1 or cfg.sampler_correction != "none"
-        self.step = 0
+        self.step, self.files, self.loader = 0, {}, None
 
     def read(self, loader: Any, step: int) -> list[MicroBatch]:
         """At a step that samples, the prompts of grpo.steps_per_generation steps; none at the steps that train on
-        what an earlier one sampled."""
-        self.step = step
+        what an earlier one sampled. (dynamic_sampling reads more from `loader` as it samples.)"""
+        self.step, self.loader = step, loader
         if self.buffer is not None and self.buffer.covers(step):
             return []
         return [batch for _ in range(self.cfg.steps_per_generation) for batch in loader.next_batch()]
@@ -209,24 +209,34 @@ class Samplings:
     def load_state_dict(self, state: dict[str, bytes]) -> None:
         self.buffer = load_buffer(self.cfg, state["buffer"], self.per_step)
 
-    def at(self, step: int, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, records: list, world: int):
-        """(this rank's rollouts at `step`, the metrics of their sampling), sampling `batches` (their `records`)
-        first if the step read any."""
+    def at(self, step: int, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, world: int):
+        """(this rank's rollouts at `step`, the metrics of their sampling), sampling `batches` first if the step read
+        any."""
         if batches:
-            self.sample(model, batches, plan, records, world)
+            self.sample(model, batches, plan, world)
         return self.trained_at(step, model, world), self.buffer.stats
 
-    def sample(self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, records: list, world: int):
-        """The completions of the prompts read, scored; the policy's log-probs of them now where kept; the buffer
-        gathered whole where a later step trains on it."""
-        self.buffer = buffer = self.rollouts(model, batches, plan, self.step, records, len(batches) * world)
+    def sample(self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, world: int) -> None:
+        """The completions of the prompts read, scored (dynamic_sampling: refilled); the policy's log-probs of them
+        now where kept; the buffer gathered whole where a later step trains on it."""
+        self.buffer = buffer = self.sampled(model, batches, plan, world)
+        if self.cfg.dynamic_sampling:
+            self.buffer = buffer = refilled(self, model, buffer, plan, world)
+        rank, k = dist.get_rank() if world > 1 else 0, self.cfg.steps_per_generation
+        shares = [buffer.share(self.step + j, rank, world, self.micro_batch_size) for j in range(k)]
+        owned = [g for share in shares for chunk in share for g in chunk]
         if self.keeps_old:
-            for j in range(self.cfg.steps_per_generation):
+            for j in range(k):
                 self.keep_old(model, self.step + j, world)
             reshard(model)
             buffer.stats.update(sampler_gap(buffer, self.cfg, self.device))
         if self.cycle > 1:
-            buffer.gather()
+            buffer.gather(owned)
+
+    def sampled(self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, world: int, first: int = 0):
+        """The rank's completions of `batches` of prompts, scored, numbered from `first` on."""
+        records = [self.files["train"].columns(batch.windows.tolist()) for batch in batches]
+        return self.rollouts(model, batches, plan, self.step, records, len(batches) * world, first)
 
     @torch.no_grad()
     def keep_old(self, model: nn.Module, step: int, world: int) -> None:
@@ -242,6 +252,23 @@ class Samplings:
         window = training_window(self.seq_len, self.cfg.num_generations, model.cfg.max_seq_len)
         share = self.buffer.share(step, rank, world, self.micro_batch_size)
         return self.buffer.rollouts(share, window, self.device)
+
+
+def refilled(
+    samplings: Samplings, model: nn.Module, buffer: RolloutBuffer, plan: ShardingPlan, world: int
+) -> RolloutBuffer:
+    """DAPO's dynamic sampling: the prompts of further global batches sampled until the groups whose rewards
+    differ fill the sampling (or dynamic_sampling_batches more were read), then cut to it (rollouts.selected);
+    every rank holds every group."""
+    wanted = samplings.per_step * samplings.cfg.steps_per_generation
+    buffer.gather(list(buffer.groups))
+    for _ in range(samplings.cfg.dynamic_sampling_batches):
+        if alike(buffer, samplings.rollouts.weights).count(False) >= wanted:
+            break
+        more = samplings.sampled(model, samplings.loader.next_batch(), plan, world, first=len(buffer.groups))
+        more.gather(list(more.groups))
+        buffer.groups.update(more.groups)
+    return selected(samplings.rollouts, buffer, wanted)
 
 
 class GRPOStep(GRPO, Step):
@@ -267,7 +294,7 @@ class GRPOStep(GRPO, Step):
         return cls(recipe.grpo, samplings, reference, SHARDING[recipe.parallel.sharding], chunks)
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
-        self.files = files  # the prompts' records are read from them
+        self.files = self.samplings.files = files  # the prompts' records are read from them
 
     def begin(self, step: int) -> None:
         self.step = step
@@ -287,8 +314,7 @@ class GRPOStep(GRPO, Step):
         if self.step == 0:  # a step never begun (the planner's, on fake tensors): its batches are completions
             rollouts, stats = planned_rollouts(model, micro_batches, plan, self.cfg), {}
         else:
-            records = [self.files["train"].columns(batch.windows.tolist()) for batch in micro_batches]
-            rollouts, stats = self.samplings.at(self.step, model, micro_batches, plan, records, world)
+            rollouts, stats = self.samplings.at(self.step, model, micro_batches, plan, world)
         self.current = {id(r.batch.inputs): r for r in rollouts}
         loss, numbers = accumulate(self, model, [r.batch for r in rollouts], plan, backward, world)
         if self.gap is not None:  # the sampler against this step's forward, the weights it sampled with

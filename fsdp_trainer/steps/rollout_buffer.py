@@ -45,13 +45,14 @@ class Rollout:
     """The packed completions, as (group, completion index)."""
 
 
-def as_group(prompt, completions: list[list[int]], logps: list[list[float]], advantages, cut: list[bool]) -> dict:
-    """A prompt and its completions as the buffer keeps them (plain tensors and lists, so that a checkpoint reads it
-    back with torch.load(weights_only=True))."""
+def as_group(prompt, completions: list[list[int]], logps: list[list[float]], rewards, advantages, cut) -> dict:
+    """A prompt and its completions as the buffer keeps them, with their rewards (completions, functions) and
+    advantages: plain tensors and lists, so that a checkpoint reads it back with torch.load(weights_only=True)."""
     return {
         "prompt": torch.as_tensor(prompt, dtype=torch.int64).cpu(),
         "completions": [torch.tensor(ids, dtype=torch.int64) for ids in completions],
         "sampled": [torch.tensor(lp, dtype=torch.float32) for lp in logps],
+        "rewards": rewards.float().cpu(),
         "advantages": advantages.float().cpu(),
         "cut": list(cut),
         "old": None,
@@ -101,13 +102,16 @@ class RolloutBuffer:
             group["old"][i] = logps[at : at + n].detach().float().cpu().clone()
             at += n
 
-    def gather(self) -> None:
-        """Every rank's groups on every rank (one all_gather_object)."""
+    def gather(self, owned: list[int]) -> None:
+        """Each rank's `owned` groups (as it holds them: those it sampled, or trains with their log-probs at sampling)
+        on every rank (one all_gather_object)."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.groups)
-        self.groups = {g: part[g] for part in parts for g in sorted(part)}
+        dist.all_gather_object(parts, {g: self.groups[g] for g in owned})
+        for part in parts:
+            self.groups.update(part)
+        self.groups = dict(sorted(self.groups.items()))
 
 
 def pack(cfg: GRPOConfig, groups: list[tuple[int, dict]], window: int, device: torch.device) -> Rollout:

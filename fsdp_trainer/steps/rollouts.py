@@ -101,30 +101,65 @@ class Rollouts:
         step: int,
         records: list[list[dict]],
         micro_steps: int,
+        first: int = 0,
     ) -> RolloutBuffer:
-        """The rank's micro-batches of prompts sampled and scored: a buffer of its groups, numbered as the module says,
-        with their advantages, and the sampling's reward and completion metrics (the global batch's, the same on every
-        rank). `micro_steps`: the micro-batches of every rank."""
+        """The rank's micro-batches of prompts sampled and scored: a buffer of its groups, numbered as the module says
+        from `first` on, with their advantages, and the sampling's reward and completion metrics (the global batch's,
+        the same on every rank). `micro_steps`: the micro-batches of every rank."""
         sampled = self.sample(model, batches, plan, step, self.cfg.temperature)
         device = batches[0].inputs.device
         local_rewards = torch.from_numpy(scored(self, sampled, records)).float().to(device)
         rewards = gathered(local_rewards, len(batches), micro_steps).cpu()
         cfg, world = self.cfg, micro_steps // len(batches)
         advantages, total, std_zero = group_advantages(rewards, self.weights, cfg.num_generations, cfg.scale_rewards)
-        local = local_rows(advantages, len(batches), micro_steps)
-        rank, n, groups, lengths, cut = (dist.get_rank() if world > 1 else 0), cfg.num_generations, {}, [], []
+        local, local_rewards = local_rows(advantages, len(batches), micro_steps), local_rewards.cpu()
+        rank, n, groups = (dist.get_rank() if world > 1 else 0), cfg.num_generations, {}
         for q, (batch, (prompts, completions, logps)) in enumerate(zip(batches, sampled, strict=True)):
-            length = batch.inputs.shape[1]
             for i, prompt in enumerate(prompts):
-                limit = min(cfg.max_completion_length, length - len(prompt))
-                ids, first = completions[i * n : (i + 1) * n], (q * world + rank) * len(prompts) + i
-                cuts = [self.truncated(c, limit) for c in ids]
-                groups[first] = as_group(prompt, ids, logps[i * n : (i + 1) * n], local[:n], cuts)
-                local, lengths, cut = local[n:], lengths + [len(c) for c in ids], cut + cuts
+                limit = min(cfg.max_completion_length, batch.inputs.shape[1] - len(prompt))
+                ids, row = completions[i * n : (i + 1) * n], (q * len(prompts) + i) * n  # its first local row
+                cuts, rows = [self.truncated(c, limit) for c in ids], slice(row, row + n)
+                group = as_group(prompt, ids, logps[i * n : (i + 1) * n], local_rewards[rows], local[rows], cuts)
+                groups[first + (q * world + rank) * len(prompts) + i] = group
         stats = reward_stats(self.rewards, rewards, total, std_zero)
-        stats.update(completion_stats(lengths, cut, len(batches), micro_steps, device))
+        every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
+        stats.update(completion_stats(gathered(torch.tensor(every, device=device), len(batches), micro_steps).cpu()))
         per_step = micro_steps * len(batches[0].inputs) // cfg.steps_per_generation  # it read that many steps'
         return RolloutBuffer(cfg, step, per_step, groups, stats)
+
+
+def selected(rollouts: Rollouts, buffer: RolloutBuffer, wanted: int) -> RolloutBuffer:
+    """A buffer holding every sampled group (of several batches of prompts) cut to `wanted` groups (DAPO's dynamic
+    sampling): the first whose rewards differ, in order, then if too few the first whose rewards are all equal;
+    renumbered in that order, their advantages and the reward and completion metrics taken over them."""
+    n, order, same = rollouts.cfg.num_generations, sorted(buffer.groups), alike(buffer, rollouts.weights)
+    differ = [g for g, a in zip(order, same, strict=True) if not a]
+    chosen = (differ + [g for g, a in zip(order, same, strict=True) if a])[:wanted]
+    groups = {k: buffer.groups[g] for k, g in enumerate(chosen)}
+    rewards = torch.cat([group["rewards"] for group in groups.values()])
+    advantages, total, std_zero = group_advantages(rewards, rollouts.weights, n, rollouts.cfg.scale_rewards)
+    for k, group in groups.items():
+        group["advantages"] = advantages[k * n : (k + 1) * n]
+    stats = reward_stats(rollouts.rewards, rewards, total, std_zero)
+    every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
+    stats.update(completion_stats(torch.tensor(every)))
+    stats["sampling/prompts_sampled"] = float(len(order))
+    return RolloutBuffer(rollouts.cfg, buffer.step, buffer.per_step, groups, stats)
+
+
+def lengths_and_cuts(group: dict) -> list[tuple[torch.Tensor, bool]]:
+    """A group's completions, each with whether it was cut at the length limit."""
+    return list(zip(group["completions"], group["cut"], strict=True))
+
+
+def alike(buffer: RolloutBuffer, weights: torch.Tensor) -> list[bool]:
+    """Whether each group's weighted rewards are all equal (in the groups' order): its advantages are all 0."""
+    order = sorted(buffer.groups)
+    if not order:
+        return []
+    rewards = torch.cat([buffer.groups[g]["rewards"] for g in order])
+    n = len(buffer.groups[order[0]]["completions"])
+    return group_advantages(rewards, weights, n, "group")[2].view(-1, n)[:, 0].tolist()
 
 
 def scored(rollouts: Rollouts, sampled: list, records: list[list[dict]]) -> np.ndarray:
@@ -189,13 +224,9 @@ def reward_stats(
     return stats
 
 
-def completion_stats(
-    lengths: list[int], cut: list[bool], micro_batches: int, micro_steps: int, device: torch.device
-) -> dict[str, float]:
-    """The global batch's completion lengths (mean, min, max) and the share cut at the length limit
-    (TRL's completions/...), from this rank's (gathered)."""
-    local = torch.tensor([[float(n), float(c)] for n, c in zip(lengths, cut, strict=True)], device=device)
-    every = gathered(local, micro_batches, micro_steps).cpu()
+def completion_stats(every: torch.Tensor) -> dict[str, float]:
+    """The completion lengths (mean, min, max) and the share cut at the length limit (TRL's completions/...), from
+    every completion's (length, cut) (n, 2)."""
     n = every[:, 0]
     return {
         "completions/mean_length": float(n.mean()),
@@ -223,8 +254,8 @@ def evaluate(rollouts: Rollouts, model: nn.Module, batches: list[MicroBatch], pl
     rewards = gathered(local, len(batches), micro_steps).cpu()
     total = weighted_rewards(rewards, rollouts.weights)
     stats = reward_stats(rollouts.rewards, rewards, total, torch.zeros(len(total), dtype=torch.bool))
-    lengths = [len(ids) for _, completions, _ in sampled for ids in completions]
-    cut = [False] * len(lengths)
-    mean_length = completion_stats(lengths, cut, len(batches), micro_steps, device)["completions/mean_length"]
+    lengths = torch.tensor([[float(len(ids)), 0.0] for _, completions, _ in sampled for ids in completions])
+    mean_length = completion_stats(gathered(lengths.to(device), len(batches), micro_steps).cpu())
+    mean_length = mean_length["completions/mean_length"]
     keep = ("reward", *(f"rewards/{r.name}/mean" for r in rollouts.rewards))
     return {**{k: stats[k] for k in keep}, "completions/mean_length": mean_length}
