@@ -171,6 +171,29 @@ def matching_characters(completions: list, answer: list[str], **_) -> list[float
     return out
 
 
+def math_equal(completions: list, answer: list[str], **_) -> list[float | None]:
+    """1 where a completion's final answer (its last `\\boxed{...}` or `#### ...`) equals the record's `answer` as
+    mathematics (1/2, 0.5 and \\frac{1}{2} alike), else 0; None for a record whose answer does not parse (an answer
+    of bare LaTeX, \\sqrt{2}, is read as math). math-verify parses and compares them, as TRL's accuracy_reward does
+    (the optional extra `pip install -e ".[math]"`)."""
+    try:
+        from math_verify import LatexExtractionConfig, parse, verify
+    except ImportError:
+        raise ImportError("fsdp_trainer.rewards:math_equal needs math-verify: pip install -e '.[math]'") from None
+    boxed = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    out: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        expected = expected_answer(gold)
+        gold_parsed = (parse(expected) or parse(f"${expected}$")) if expected is not None else []  # bare LaTeX too
+        if not gold_parsed:
+            out.append(None)
+            continue
+        given = final_answer(text_of(completion))
+        given_parsed = parse(f"\\boxed{{{given}}}", extraction_config=boxed) if given is not None else []
+        out.append(float(bool(given_parsed) and verify(gold_parsed, given_parsed)))
+    return out
+
+
 def answer_format(completions: list, **_) -> list[float]:
     """1 where a completion states a final answer as `exact_answer` reads one (`#### n` or `\\boxed{...}`), else 0: the
     format reward that teaches the form before the answers are right."""
