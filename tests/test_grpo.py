@@ -309,6 +309,23 @@ def test_builtin_rewards():
     assert score([bound], ["p"], ["c"], [[1] * 90], {}).tolist() == [[-0.5]]
 
 
+def test_math_equal_agrees_with_trls_accuracy_reward():
+    """fsdp_trainer.rewards:math_equal against TRL's accuracy_reward (both math-verify) on boxed answers, equal in
+    value and written otherwise; GSM8K's `#### n` and a gold answer of bare LaTeX read too, which TRL's do not."""
+    from trl.rewards import accuracy_reward
+
+    from fsdp_trainer.rewards import math_equal
+
+    gold = ["0.5", r"\frac{1}{3}", "72", "2", r"\sqrt{2}", "3"]
+    texts = [r"so \boxed{\frac{1}{2}}", r"\boxed{0.3333}", r"\boxed{72}", r"\boxed{3}", r"\boxed{2^{1/2}}", "no answer"]
+    messages = [[{"role": "assistant", "content": text}] for text in texts]
+    ours = math_equal(messages, gold)
+    assert ours[:4] == accuracy_reward(messages, gold)[:4] == [1.0, 0.0, 1.0, 0.0]
+    # a gold answer of bare LaTeX: TRL's skips it (None), ours reads it as math
+    assert accuracy_reward(messages, gold)[4:] == [None, 0.0] and ours[4:] == [1.0, 0.0]
+    assert math_equal(["#### 0.50", "#### 1/2", "#### 7"], ["1/2", "Steps... #### 0.5", ""]) == [1.0, 1.0, None]
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.5, 4, 1.0), (1.0, None, 0.8)])
 def test_the_sampler_draws_each_token_with_its_probability_and_each_row_alone(temperature, top_k, top_p):
     """generation.draw over 20,000 rows of the same logits: each token's share is its probability after the

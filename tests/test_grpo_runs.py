@@ -9,11 +9,12 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.data.format import START, open_tokens
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.conftest import prepare_records
+from tests.conftest import PAIRS_SEQ_LEN, prepare_records
 from tests.helpers import TINY_BATCH, read_metrics, rewind, run_args, train_cli
 
 SEQ_LEN = 48
@@ -94,19 +95,60 @@ def grpo(**overrides) -> dict:
     return {"rewards": REWARDS, "num_generations": 4, "max_completion_length": 12, **overrides}
 
 
+@pytest.fixture(scope="module")
+def reward_run(tiny_data, pairs, tmp_path_factory):
+    """A reward model of the tiny shape after 2 steps on the bundled pairs: its run directory."""
+    recipe = json.loads(tiny_data.read_text())
+    recipe["model"].update(num_labels=1, max_seq_len=PAIRS_SEQ_LEN)
+    recipe["data"].update(train_path=str(pairs / "train.bin"), val_path=None, seq_len=PAIRS_SEQ_LEN)
+    root = tmp_path_factory.mktemp("reward_model")
+    (root / "reward.yaml").write_text(json.dumps(recipe))
+    train_cli(run_args(root / "reward.yaml", root / "run", 2, checkpoint={"every": 2}))
+    return root / "run"
+
+
+def test_a_reward_model_scores_a_completion_as_tools_score_does(reward_run):
+    """grpo.reward_model's score of a prompt (text or messages) and a completion's text: the conversation rendered
+    with the reward model's chat template and read at its last token, as tools/score.py (generation.score) reads
+    it, packed several to a window."""
+    from fsdp_trainer.checkpoint.storage import checkpoint_tokenizer, resolve_checkpoint
+    from fsdp_trainer.convert import load_model
+    from fsdp_trainer.generation import score
+    from fsdp_trainer.steps.reward_model import RewardModel
+
+    model, _ = load_model(reward_run)
+    step = resolve_checkpoint(reward_run)
+    scorer = RewardModel(model, checkpoint_tokenizer(step, None))
+    prompts = ["3 + 4 =", [{"role": "user", "content": "What is 2 + 2?"}], "9 + 9 ="]
+    texts = [" 7", "4, of course.", ""]
+    ours = scorer(prompts, texts)
+    conversations = [
+        [{"role": "user", "content": prompts[0]}, {"role": "assistant", "content": texts[0]}],
+        [*prompts[1], {"role": "assistant", "content": texts[1]}],
+        [{"role": "user", "content": prompts[2]}, {"role": "assistant", "content": texts[2]}],
+    ]
+    ids = [torch.from_numpy(scorer.encoder.encode_messages(c)[0]) for c in conversations]
+    expected = score(model, ids).numpy()
+    assert np.abs(ours - expected).max() < 1e-5 * np.abs(expected).max(), (ours, expected)
+    assert len(set(np.round(ours, 4))) == 3  # three conversations, three scores
+
+
 CYCLES = {"on_policy": {}, "reused": {"steps_per_generation": 2, "num_iterations": 2}}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cycle", CYCLES)
-def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path, cycle):
+def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, reward_run, tmp_path, cycle):
     """GRPO (loss grpo, KL to a frozen reference, rewards scaled by the batch's std): 2 ranks FULL_SHARD equal 1
     process x accumulation 2 over 6 steps, rollouts included (the same completions: their lengths and rewards); the
     sampler and the trainer agree on the sampled tokens' log-probs to float noise; a resume from step 3 is bitwise.
     `reused`: a sampling feeds 2 steps, twice over (steps 1-4 train on step 1's completions, step 5 samples again);
-    the resume from step 3 is in the middle of that and carries them, also to a run on 1 process."""
+    the resume from step 3 is in the middle of that and carries them, also to a run on 1 process. `on_policy` also
+    scores with a reward model (sharded and frozen, reloaded on resume)."""
     recipe, reused = prompts / "grpo.yaml", cycle == "reused"
     settings = grpo(loss_type="grpo", beta=0.05, scale_rewards="batch", **CYCLES[cycle])
+    if not reused:
+        settings.update(reward_model=str(reward_run), reward_model_weight=0.3)
     every = {"every": 3, "keep_last": 0}
     two, one = tmp_path / "two", tmp_path / "one"
     train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
@@ -116,11 +158,14 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, tmp_path, 
     for r in (r for r in read_metrics(one) if "reward" in r):
         a = steps[r["step"]]
         for key in ("reward", "rewards/digit_reward/mean", "completions/mean_length", "frac_reward_zero_std"):
-            assert r[key] == a[key], (r["step"], key)
-        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert r[key] == pytest.approx(a[key], rel=1e-6 if "reward_model" in settings else 0), (r["step"], key)
+        for key in ("loss", "grad_norm", "kl", "entropy", *(["rewards/reward_model/mean"] if not reused else [])):
             assert r[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), (r["step"], key)
         assert a["sampling/sampling_logp_difference/max"] < 1e-4
     assert any(r["kl"] > 0 for r in steps.values()) and any(r["reward_std"] > 0 for r in steps.values())
+    if not reused:  # the reward model's weights are the reward run's, recorded with every checkpoint
+        record = json.loads((two / "checkpoints" / "step_00000003" / "reward_model.json").read_text())
+        assert record["path"] == str(reward_run / "checkpoints" / "step_00000002")
     if reused:  # one sampling's metrics for its 4 steps; the ratios move off 1 once the policy has
         assert steps[1]["reward"] == steps[4]["reward"] != steps[5]["reward"]
         assert steps[2]["completions/mean_length"] == steps[3]["completions/mean_length"]
@@ -233,6 +278,7 @@ BAD = [
     ),
     ({"rewards": REWARDS, "num_generations": 1}, "grpo.num_generations=1: a group needs at least 2"),
     ({"rewards": REWARDS, "num_iterations": 0}, "grpo.num_iterations=0 must be >= 1"),
+    ({"rewards": [], "reward_model": "/nowhere/run"}, "grpo.reward_model: checkpoint /nowhere/run does not exist"),
 ]
 
 

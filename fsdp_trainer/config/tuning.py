@@ -198,7 +198,13 @@ class GRPOConfig:
     surrogate of the completions' tokens (loss.PolicyLoss). Off unless reward functions are named."""
 
     rewards: list[RewardFunction] = field(default_factory=list)
-    """The reward functions, summed with their weights; none: not an online-RL run."""
+    """The reward functions, summed with their weights; none (and no reward_model): not an online-RL run."""
+    reward_model: str | None = None
+    """A reward model of ours (a checkpoint or run directory of a reward recipe, model.num_labels 1) scoring each
+    completion as one more reward, `reward_model`: held frozen and sharded beside the policy, reading the prompt and
+    the completion's text rendered with its own tokenizer and chat template (tools/score.py's score)."""
+    reward_model_weight: float = 1.0
+    """Its weight in the sum of the rewards."""
     num_generations: int = 8
     """Completions sampled per prompt (G), whose rewards are each other's baseline."""
     max_completion_length: int = 256

@@ -31,6 +31,7 @@ from fsdp_trainer.rewards import RewardError, score
 from fsdp_trainer.steps.base import Kind, Step, accumulate
 from fsdp_trainer.steps.on_policy import rehearse
 from fsdp_trainer.steps.reference import Reference
+from fsdp_trainer.steps.reward_model import RewardModel, check_reward_model, reward_model_params
 from fsdp_trainer.steps.rollout_buffer import Rollout, RolloutBuffer, load_buffer, sampler_gap, save_buffer
 from fsdp_trainer.steps.rollouts import Rollouts, alike, evaluate, rewards_of, selected, training_window
 
@@ -75,7 +76,7 @@ class GRPO(Kind):
     """What the house asks of online RL before its step is built: the kind, its data, its checks and its price."""
 
     name = "grpo"
-    chosen_by = "name reward functions in grpo.rewards"
+    chosen_by = "name reward functions in grpo.rewards (or a reward model in grpo.reward_model)"
     trains_on = "prompts"
     prepared_with = "tools/prepare_data.py --format prompts"
     metrics = (*POLICY_METRICS, "completions")  # sums; __call__ turns them into TRL's means
@@ -83,7 +84,8 @@ class GRPO(Kind):
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:
-        return getattr(recipe, "grpo", None) is not None and bool(recipe.grpo.rewards)
+        cfg = getattr(recipe, "grpo", None)
+        return cfg is not None and (bool(cfg.rewards) or cfg.reward_model is not None)
 
     @classmethod
     def check(cls, recipe: Any) -> None:
@@ -93,18 +95,22 @@ class GRPO(Kind):
                 "data.train_path to one file of prompts"
             )
         probe(recipe)
+        if recipe.grpo.reward_model is not None:
+            check_reward_model(recipe.grpo.reward_model)
 
     @classmethod
     def frozen_params(cls, recipe: Any, n_params: int, adapted: bool) -> int:
-        return 0 if recipe.grpo.beta == 0 or adapted else n_params
+        """The reference where beta > 0 (none with adapters: the policy with them off), and the reward model."""
+        return (0 if recipe.grpo.beta == 0 or adapted else n_params) + reward_model_params(recipe)
 
     @classmethod
     def forward_params(cls, recipe: Any, n_params: int) -> int:
-        """The reference's forward where beta > 0; the policy's without gradient at sampling, where the log-probs then
-        are kept (once a sampling, so in 1 / num_iterations of the steps)."""
+        """The reference's forward where beta > 0; once a sampling (in 1 / num_iterations of the steps), the policy's
+        without gradient where its log-probs then are kept, and the reward model's."""
         cfg = recipe.grpo
         keeps_old = cfg.steps_per_generation * cfg.num_iterations > 1 or cfg.sampler_correction != "none"
-        return (n_params if cfg.beta > 0 else 0) + (n_params // cfg.num_iterations if keeps_old else 0)
+        scored = (n_params if keeps_old else 0) + reward_model_params(recipe)  # once a sampling
+        return (n_params if cfg.beta > 0 else 0) + scored // cfg.num_iterations
 
     @classmethod
     def trained_rows(cls, recipe: Any) -> int:
@@ -281,17 +287,19 @@ class GRPOStep(GRPO, Step):
         super().__init__()
         self.cfg, self.samplings, self.reference, self.plan, self.chunks = cfg, samplings, reference, plan, chunks
         self.policy = policy_loss(cfg)
-        if reference is not None:
-            self.starts += reference.starts()
+        self.starts += reference.starts() if reference is not None else []
         self.step, self.files, self.current, self.gap = 0, {}, {}, None
 
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> GRPOStep:
-        rollouts = Rollouts(recipe.grpo, recipe.train.seed, recipe.data.tokenizer_path)
+        scorer = RewardModel.build(recipe, env) if recipe.grpo.reward_model is not None else None
+        rollouts = Rollouts(recipe.grpo, recipe.train.seed, recipe.data.tokenizer_path, scorer)
         chunks = recipe.train.loss_chunks
         samplings = Samplings(recipe.grpo, rollouts, recipe.data, env.world_size, env.device, chunks)
         reference = Reference.build(recipe, env, policy) if recipe.grpo.beta > 0 else None
-        return cls(recipe.grpo, samplings, reference, SHARDING[recipe.parallel.sharding], chunks)
+        step = cls(recipe.grpo, samplings, reference, SHARDING[recipe.parallel.sharding], chunks)
+        step.starts += [scorer.start()] if scorer else []
+        return step
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
         self.files = self.samplings.files = files  # the prompts' records are read from them

@@ -32,6 +32,7 @@ from fsdp_trainer.generation import sample_groups
 from fsdp_trainer.loss import group_advantages, nanstd, weighted_rewards
 from fsdp_trainer.rewards import Reward, score
 from fsdp_trainer.steps.on_policy import stop_ids as answer_ends
+from fsdp_trainer.steps.reward_model import RewardModel
 from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
@@ -50,10 +51,11 @@ def prompts_of(batch: MicroBatch) -> list[np.ndarray]:
 class Rollouts:
     """A step's sampling, scoring and advantages (`__call__`), for the rank's micro-batches of prompts."""
 
-    def __init__(self, cfg: GRPOConfig, seed: int, tokenizer_path: str):
-        self.cfg, self.seed, self.tokenizer_path = cfg, seed, tokenizer_path
+    def __init__(self, cfg: GRPOConfig, seed: int, tokenizer_path: str, reward_model: RewardModel | None = None):
+        self.cfg, self.seed, self.tokenizer_path, self.reward_model = cfg, seed, tokenizer_path, reward_model
         self.rewards = rewards_of(cfg)
-        self.weights = torch.tensor([r.weight for r in cfg.rewards], dtype=torch.float32)
+        self.scorers = [*self.rewards, *([reward_model] if reward_model is not None else [])]  # a reward column each
+        self.weights = torch.tensor([r.weight for r in self.scorers], dtype=torch.float32)
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -121,7 +123,7 @@ class Rollouts:
                 cuts, rows = [self.truncated(c, limit) for c in ids], slice(row, row + n)
                 group = as_group(prompt, ids, logps[i * n : (i + 1) * n], local_rewards[rows], local[rows], cuts)
                 groups[first + (q * world + rank) * len(prompts) + i] = group
-        stats = reward_stats(self.rewards, rewards, total, std_zero)
+        stats = reward_stats(self.scorers, rewards, total, std_zero)
         every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
         stats.update(completion_stats(gathered(torch.tensor(every, device=device), len(batches), micro_steps).cpu()))
         per_step = micro_steps * len(batches[0].inputs) // cfg.steps_per_generation  # it read that many steps'
@@ -140,7 +142,7 @@ def selected(rollouts: Rollouts, buffer: RolloutBuffer, wanted: int) -> RolloutB
     advantages, total, std_zero = group_advantages(rewards, rollouts.weights, n, rollouts.cfg.scale_rewards)
     for k, group in groups.items():
         group["advantages"] = advantages[k * n : (k + 1) * n]
-    stats = reward_stats(rollouts.rewards, rewards, total, std_zero)
+    stats = reward_stats(rollouts.scorers, rewards, total, std_zero)
     every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
     stats.update(completion_stats(torch.tensor(every)))
     stats["sampling/prompts_sampled"] = float(len(order))
@@ -163,20 +165,25 @@ def alike(buffer: RolloutBuffer, weights: torch.Tensor) -> list[bool]:
 
 
 def scored(rollouts: Rollouts, sampled: list, records: list[list[dict]]) -> np.ndarray:
-    """Every reward function's reward of each of this rank's completions (completions, functions), NaN where
-    one skipped it; RewardError naming a function that failed."""
+    """Every reward's score of each of this rank's completions (completions, rewards: the functions', then the reward
+    model's), NaN where a function skipped it; RewardError naming a function that failed."""
     rows = []
     for (prompts, completions, _), batch_records in zip(sampled, records, strict=True):
         n = len(completions) // len(prompts)
         records_each = [record for record in batch_records for _ in range(n)]
-        texts = [rollouts.text(ids) for ids in completions]
+        texts = raw = [rollouts.text(ids) for ids in completions]
         prompt_values = [record["prompt"] for record in records_each]
         if records_each and isinstance(prompt_values[0], list):  # conversations: TRL's completion messages
             texts = [[{"role": "assistant", "content": text}] for text in texts]
         keys = [key for key in records_each[0] if key != "prompt"] if records_each else []
         columns = {key: [record.get(key) for record in records_each] for key in keys}
-        rows.append(score(rollouts.rewards, prompt_values, texts, completions, columns))
-    return np.concatenate(rows) if rows else np.zeros((0, len(rollouts.rewards)))
+        row = np.zeros((len(completions), 0))
+        if rollouts.rewards:
+            row = score(rollouts.rewards, prompt_values, texts, completions, columns)
+        if rollouts.reward_model is not None:
+            row = np.concatenate([row, rollouts.reward_model(prompt_values, raw)[:, None]], axis=1)
+        rows.append(row)
+    return np.concatenate(rows) if rows else np.zeros((0, len(rollouts.scorers)))
 
 
 def generators(seed: int, step: int, windows: list[int], n: int, device: torch.device) -> list[torch.Generator]:
@@ -253,9 +260,9 @@ def evaluate(rollouts: Rollouts, model: nn.Module, batches: list[MicroBatch], pl
     local = torch.from_numpy(scored(rollouts, sampled, records)).float().to(device)
     rewards = gathered(local, len(batches), micro_steps).cpu()
     total = weighted_rewards(rewards, rollouts.weights)
-    stats = reward_stats(rollouts.rewards, rewards, total, torch.zeros(len(total), dtype=torch.bool))
+    stats = reward_stats(rollouts.scorers, rewards, total, torch.zeros(len(total), dtype=torch.bool))
     lengths = torch.tensor([[float(len(ids)), 0.0] for _, completions, _ in sampled for ids in completions])
     mean_length = completion_stats(gathered(lengths.to(device), len(batches), micro_steps).cpu())
     mean_length = mean_length["completions/mean_length"]
-    keep = ("reward", *(f"rewards/{r.name}/mean" for r in rollouts.rewards))
+    keep = ("reward", *(f"rewards/{r.name}/mean" for r in rollouts.scorers))
     return {**{k: stats[k] for k in keep}, "completions/mean_length": mean_length}
