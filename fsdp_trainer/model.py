@@ -230,35 +230,58 @@ class Decoder(nn.Module):
 
 
 def block_causal(
-    documents: torch.Tensor, flex: bool = False, window: int | None = None
+    documents: torch.Tensor, flex: bool = False, window: int | None = None, shared: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | BlockMask | TiledMask]:
     """For windows packed with several examples: `documents` (B, T) numbers the example of each position (equal for
     the consecutive positions of one example). Returns each position's place in its own example (B, T), which the
     rotary angles use, and the attention mask: a position sees the earlier positions of its own example and nothing
     else, so each example gets the logits it would get alone; with a sliding `window` (Mistral), only the last
     `window` of them, itself included. A boolean (B, 1, T, T), or with `flex` the same as a flex_attention BlockMask
-    (blocks of 128 x 128 positions, those it empties skipped); on a CPU, a TiledMask."""
+    (blocks of 128 x 128 positions, those it empties skipped); on a CPU, a TiledMask.
+    With `shared` (B, T), the example each position continues (its own, or an earlier one: several continuations of
+    one prompt packed as a tree, the prompt once): a position also sees that example whole, and its place counts on
+    from that example's end, so each continuation gets the logits it would get after its own copy of the prompt."""
     B, T = documents.shape
     index = torch.arange(T, device=documents.device)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    tree = shared is not None
+    if not tree:
+        shared = documents
+    else:  # a continuation's place after its prompt's length; a window measured in places, not in the row's order
+        # A row's examples are numbered from 0 up to T + 1 at most (a tree's packing: steps/examples.py).
+        lengths = torch.zeros(B, T + 2, dtype=positions.dtype, device=documents.device)
+        lengths.scatter_add_(1, documents, torch.ones_like(positions))
+        positions = positions + torch.where(shared != documents, lengths.gather(1, shared), 0)
     if flex:
 
         def same_example_causal(b, h, q, k):
-            visible = (documents[b, q] == documents[b, k]) & (q >= k)
-            return visible & (q - k < window) if window else visible
+            visible = ((documents[b, q] == documents[b, k]) | (shared[b, q] == documents[b, k])) & (q >= k)
+            if window:
+                return visible & ((positions[b, q] - positions[b, k] if tree else q - k) < window)
+            return visible
 
         return positions, create_block_mask(same_example_causal, B, None, T, T, device=documents.device)
-    same_document = documents[:, :, None] == documents[:, None, :]
-    mask = (same_document & causal(T, window, documents.device))[:, None]
+    sees = documents[:, :, None] == documents[:, None, :]
+    if not tree:
+        mask = (sees & causal(T, window, documents.device))[:, None]
+    else:
+        mask = (sees | (shared[:, :, None] == documents[:, None, :])) & causal(T, None, documents.device)
+        if window:
+            mask &= positions[:, :, None] - positions[:, None, :] < window
+        mask = mask[:, None]
     if documents.device.type != "cpu" or is_fake(documents) or T <= ATTENTION_TILE:
         return positions, mask  # a GPU's boundaries would cost a sync to read (it runs flex_attention compiled)
+    firsts = index - positions  # each position's example's start
+    if tree:  # a continuation's: its prompt's
+        starts = torch.full((B, T + 2), T, dtype=index.dtype, device=documents.device)
+        firsts = starts.scatter_reduce_(1, documents, index.expand(B, T), "amin").gather(1, shared)
     tiles = []
-    for firsts in (index - positions).tolist():  # a row's: each position's example's start
+    for row_firsts in firsts.tolist():
         row = []
         for a in range(0, T, ATTENTION_TILE):
-            first = max(firsts[a], a - window + 1) if window else firsts[a]
+            first = max(row_firsts[a], a - window + 1) if window and not tree else row_firsts[a]
             row.append((a, min(a + ATTENTION_TILE, T), first))
         tiles.append(tuple(row))
     return positions, TiledMask(mask, tuple(tiles))
@@ -341,16 +364,18 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
         loss: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
         cache: KVCache | None = None,
+        shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size); or, given a `loss` (an objective of loss.py), what it computes from the final
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
-        position 0 (see block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
+        position 0, and with `shared` (B, T) several continuations of one prompt after a single copy of it (see
+        block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         if self.cfg.family == "gemma3":  # scaled by sqrt(dim), the scale rounded to the embeddings' dtype (as HF)
             x = x * self.embed_scale.to(x.dtype)
         kinds = {i in self.local_layers for i in range(self.cfg.n_layers)}  # local (a sliding window), global, or both
-        inputs = {local: attention_inputs(self, tokens, documents, cache, local, x.dtype) for local in kinds}
+        inputs = {local: attention_inputs(self, tokens, documents, cache, local, x.dtype, shared) for local in kinds}
         for i, block in enumerate(self.model.layers.values()):
             x = block(x, *inputs[i in self.local_layers], None if cache is None else cache.layer(i))
         if cache is not None:
@@ -412,6 +437,7 @@ def attention_inputs(
     cache: KVCache | None,
     local: bool,
     dtype: torch.dtype,
+    shared: torch.Tensor | None = None,
 ):
     """(cos, sin, mask) for the global or the `local` blocks of `model`: each position's rotary angles and what it
     attends to (see Transformer.forward); a mask of every position, as the additive one (see additive) attention in
@@ -437,7 +463,7 @@ def attention_inputs(
         if window and window < T:
             mask = additive(sliding_causal(T, window, tokens.device, model.flex_attention), dtype)
         return rope_cos[:T], rope_sin[:T], mask
-    positions, mask = block_causal(documents, model.flex_attention, window)
+    positions, mask = block_causal(documents, model.flex_attention, window, shared)
     return rope_cos[positions][:, None], rope_sin[positions][:, None], additive(mask, dtype)  # (B, 1, T, head_dim)
 
 

@@ -271,6 +271,48 @@ def test_dynamic_sampling_keeps_the_first_groups_that_differ_then_fills_with_ali
     assert short.stats["frac_reward_zero_std"] == 0.25
 
 
+@pytest.mark.parametrize(
+    ("family", "length"), [("qwen3", 40), ("qwen3", 300), ("mistral", 40), ("gemma3", 300)]
+)  # fmt: skip
+def test_a_prompt_packed_once_for_its_completions_gives_each_the_logits_of_its_own_copy(family, length):
+    """grpo.share_prompts: groups packed as trees (packed_tree: a prompt once, each completion after it, seeing it
+    through `shared`) give every completion token the log-probability and entropy, and the model the gradient, that
+    a copy of the prompt before each completion gives (packed); in windows of 40 (a group split over rows) and of
+    300 (the CPU's tiled attention), with sliding windows shorter than a completion's context (Mistral, Gemma 3)."""
+    from fsdp_trainer.config import ModelConfig
+    from fsdp_trainer.loss import token_logps
+    from fsdp_trainer.steps.examples import packed_tree
+    from tests.helpers import TINY_MODEL
+
+    window = {"mistral": {"sliding_window": 6}, "gemma3": {"sliding_window": 6, "sliding_window_pattern": 2}}
+    cfg = ModelConfig(**{**TINY_MODEL, "family": family, "max_seq_len": 512, **window.get(family, {})})
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.init_weights(seed=1)
+    rng = np.random.default_rng(0)
+    lengths = [(5, [3, 7, 1]), (1, [4]), (9, [6, 2, 5, 3]), (12, [8, 8])]
+    groups = [
+        (rng.integers(3, 500, p), [rng.integers(3, 500, a) for a in answers]) for p, answers in lengths
+    ]  # fmt: skip
+    flat = [(prompt, answer) for prompt, answers in groups for answer in answers]
+
+    def forward(batch):
+        model.zero_grad()
+        objective = lambda hidden, output: token_logps(hidden, output, batch.targets, batch.trained, 0.7)  # noqa: E731
+        logps, entropy = model(batch.inputs, batch.documents, loss=objective, shared=batch.shared)
+        logps.sum().backward()
+        return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    tree = packed_tree(groups, length, torch.device("cpu"))
+    ours, copies = forward(tree), forward(packed(flat, length, torch.device("cpu")))
+    torch.testing.assert_close(ours[0], copies[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[1], copies[1], rtol=1e-5, atol=1e-5)
+    for name, grad in ours[2].items():
+        assert (grad - copies[2][name]).norm() <= 1e-5 * copies[2][name].norm(), name
+    flat_sequences = packed(flat, length, torch.device("cpu")).sequences
+    assert sorted(tree.sequences[tree.sequences >= 0].tolist()) == sorted(flat_sequences[flat_sequences >= 0].tolist())
+
+
 def test_reward_functions_fail_in_one_line_naming_them():
     prompts, completions, ids = ["p", "p"], ["a", "b"], [[1], [2]]
     with pytest.raises(RewardError, match=r"^reward nowhere_module:f: importing nowhere_module failed \("):

@@ -240,29 +240,29 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     """A completion cut at max_completion_length (no end-of-turn token) trains on nothing (DAPO); it still counts in
     its group's rewards and in the loss's averages."""
+    share_prompts: bool = True
+    """Train each prompt once for its completions: a group packed as a tree, each completion after the prompt and
+    seeing it (model.block_causal's `shared`), not after a copy of it each: the same log-probs, fewer tokens."""
     steps_per_generation: int = 1
     """Optimizer steps each sampling feeds: a step that samples reads the prompts of this many steps at once and each
     of those steps trains on its share of the completions (TRL's steps_per_generation divided by its
     gradient_accumulation_steps); above 1, every step after the first is off-policy and its ratios are taken against
     the log-probs the policy gave the completions when they were sampled."""
     num_iterations: int = 1
-    """Passes over each sampling's completions (mu of the GRPO paper, PPO's reuse): its steps_per_generation steps are
-    trained num_iterations times before the next sampling; the ratios are against the log-probs at sampling."""
+    """Passes over each sampling's completions (the GRPO paper's mu): its steps_per_generation steps are trained
+    num_iterations times over, the ratios against the log-probs at sampling."""
     dynamic_sampling: bool = False
-    """Drop the groups whose rewards are all equal (their advantages are 0: they teach nothing) and refill the
-    sampling from the prompts of further global batches until it has as many groups whose rewards differ as it trains
-    on; the surplus is dropped (DAPO's dynamic sampling, Yu et al. 2025). A step then reads more prompts than its
-    global batch."""
+    """Drop the groups whose rewards are all equal (advantages 0: they teach nothing) and sample the prompts of further
+    global batches until the groups whose rewards differ fill the sampling; the surplus is dropped (DAPO's dynamic
+    sampling, Yu et al. 2025)."""
     dynamic_sampling_batches: int = 8
-    """dynamic_sampling: the most global batches of prompts a sampling reads beyond its own; if they leave it short,
-    groups whose rewards are all equal fill the rest (frac_reward_zero_std above 0 says how many)."""
+    """dynamic_sampling: the most extra global batches a sampling reads; then alike groups fill what is left."""
     sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """Weigh each token's loss by how much more likely the trainer's forward finds it than the sampler did (TRL's
-    vllm_importance_sampling_mode): the ratio per token or per completion (the exp of its summed log-ratio), clipped
-    to [sampler_correction_min, sampler_correction_max] (truncate) or zeroed outside it (mask). The sampler is this
-    model, so in fp32 the ratio is 1 to float noise; in bf16 the KV-cache decode and the whole-window forward round
-    differently (up to ~0.2 in a token's log-prob): `token_truncate` corrects that. Costs one forward without
-    gradient of the completions when they are sampled."""
+    """Weigh each token's loss by exp(the trainer's log-prob - the sampler's), per token or per completion (summed),
+    clipped to [sampler_correction_min, sampler_correction_max] (truncate) or zeroed outside it (mask): TRL's
+    vllm_importance_sampling_mode. In fp32 the ratio is 1 to float noise; in bf16 the KV-cache decode and the
+    whole-window forward round differently (up to ~0.2 a token): token_truncate corrects it, for one forward without
+    gradient of the completions at sampling."""
     sampler_correction_min: float | None = None
     """The ratios' lower bound (null: none)."""
     sampler_correction_max: float | None = 3.0

@@ -50,6 +50,9 @@ class MicroBatch(NamedTuple):
     trained: torch.Tensor | None = None
     """(N,) packed data: the positions (row-major over B x T) whose target is trained, found on the host from the
     flags: the output layer and the loss run on them alone (a prompt's logits are never made)."""
+    shared: torch.Tensor | None = None
+    """(B, T) several answers to one prompt packed after one copy of it: the example each position continues
+    (model.block_causal; steps/examples.py's packed_tree)."""
 
 
 def trained_positions(targets: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -70,3 +70,50 @@ def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: in
         documents[r, at:] = len(row) + 1  # the padding after the last example is an example of its own
     tensors = (torch.from_numpy(x).to(device) for x in (inputs, targets, documents, sequences))
     return MicroBatch(*tensors, trained=trained_positions(targets, device))
+
+
+def packed_tree(groups: list[tuple[np.ndarray, list[np.ndarray]]], length: int, device: torch.device) -> MicroBatch:
+    """Prompts each with several answers, packed in order into windows of `length` tokens as trees: a prompt's
+    tokens but its last once, then each answer after a copy of that last token (which predicts the answer's first),
+    seeing the prompt through `shared` (model.block_causal): the logits `packed` gives each (prompt, answer) alone,
+    for the prompt's tokens once instead of once an answer. Answers are numbered in `sequences` in order; a group too
+    long for one window goes on in the next after its prompt again."""
+    rows: list[list[tuple[np.ndarray, list[tuple[int, np.ndarray]]]]] = [[]]
+    used, number = 0, 0
+    for prompt, answers in groups:
+        opened = False  # whether this prompt is the current row's last
+        for answer in answers:
+            branch = 1 + len(answer)
+            if not opened or used + branch > length:
+                if used + len(prompt) - 1 + branch > length:
+                    rows.append([])
+                    used = 0
+                rows[-1].append((prompt, []))
+                used, opened = used + len(prompt) - 1, True
+            rows[-1][-1][1].append((number, np.asarray(answer, dtype=np.int64)))
+            used, number = used + branch, number + 1
+    inputs = np.zeros((len(rows), length), dtype=np.int64)
+    targets = np.full((len(rows), length), IGNORE, dtype=np.int64)
+    documents = np.zeros((len(rows), length), dtype=np.int64)
+    shared = np.zeros((len(rows), length), dtype=np.int64)
+    sequences = np.full((len(rows), length), -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at, document = 0, 0
+        for prompt, branches in row:
+            document += 1
+            head = document
+            inputs[r, at : at + len(prompt) - 1] = prompt[:-1]
+            documents[r, at : at + len(prompt) - 1] = shared[r, at : at + len(prompt) - 1] = head
+            at += len(prompt) - 1
+            for number, answer in branches:
+                document += 1
+                tokens = np.concatenate([prompt[-1:], answer])
+                inputs[r, at : at + len(tokens)] = tokens
+                targets[r, at : at + len(answer)] = answer  # the prompt's last token predicts the answer's first
+                sequences[r, at : at + len(answer)] = number
+                documents[r, at : at + len(tokens)] = document
+                shared[r, at : at + len(tokens)] = head if len(prompt) > 1 else document
+                at += len(tokens)
+        documents[r, at:] = shared[r, at:] = document + 1  # the padding is an example of its own
+    tensors = [torch.from_numpy(x).to(device) for x in (inputs, targets, documents, sequences, shared)]
+    return MicroBatch(*tensors[:4], trained=trained_positions(targets, device), shared=tensors[4])

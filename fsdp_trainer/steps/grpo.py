@@ -250,7 +250,7 @@ class Samplings:
         for rollout in self.trained_at(step, model, world):
             batch = rollout.batch
             objective = TokenLogProbs(batch.targets, batch.trained, self.cfg.temperature, self.chunks)
-            self.buffer.keep_old(rollout, model(batch.inputs, batch.documents, loss=objective))
+            self.buffer.keep_old(rollout, model(batch.inputs, batch.documents, loss=objective, shared=batch.shared))
 
     def trained_at(self, step: int, model: nn.Module, world: int) -> list[Rollout]:
         """This rank's rollouts of the buffer at `step`."""
@@ -345,7 +345,7 @@ class GRPOStep(GRPO, Step):
             self.policy, batch.targets, batch.trained, batch.sequences, n, rollout.advantages, rollout.old_logps, ref,
             self.chunks, sampled, rollout.weights,
         )  # fmt: skip
-        sums = model(batch.inputs, batch.documents, loss=objective)
+        sums = model(batch.inputs, batch.documents, loss=objective, shared=batch.shared)
         if objective.gap is not None:
             self.gap = objective.gap if self.gap is None else torch.maximum(self.gap, objective.gap)
         completions = torch.tensor([float(n)], device=sums.device)

@@ -37,7 +37,7 @@ class Reference:
         alternating)."""
         model = self.frozen if self.frozen is not None else self.policy
         with adapters_disabled(self.policy) if self.frozen is None else nullcontext():
-            logps = model(batch.inputs, batch.documents, loss=objective)
+            logps = model(batch.inputs, batch.documents, loss=objective, shared=batch.shared)
         if self.frozen is not None:
             reshard(self.frozen)
         return logps

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fsdp_trainer.config import GRPOConfig
 from fsdp_trainer.data.loader import MicroBatch
-from fsdp_trainer.steps.examples import packed
+from fsdp_trainer.steps.examples import packed, packed_tree
 
 
 @dataclass
@@ -115,21 +115,26 @@ class RolloutBuffer:
 
 
 def pack(cfg: GRPOConfig, groups: list[tuple[int, dict]], window: int, device: torch.device) -> Rollout:
-    """Groups' completions packed after their prompts into windows of `window` tokens (mask_truncated_completions:
-    the cut ones left out), with their advantages, the sampler's log-probs of their tokens, the policy's at sampling
-    where kept (`old`), and grpo.sampler_correction's weights from the two."""
-    examples, advantages, sampled, old, kept, count = [], [], [], [], [], 0
+    """Groups' completions packed after their prompts into windows of `window` tokens (share_prompts: a prompt once
+    for its completions, packed_tree; mask_truncated_completions: the cut ones left out), with their advantages,
+    the sampler's log-probs of their tokens, the policy's at sampling where kept (`old`), and
+    grpo.sampler_correction's weights from the two."""
+    trees, advantages, sampled, old, kept, count = [], [], [], [], [], 0
     for g, group in groups:
         count += len(group["completions"])
+        trees.append((group["prompt"].numpy(), []))
         for i, ids in enumerate(group["completions"]):
             if group["cut"][i] and cfg.mask_truncated_completions:
                 continue
-            examples.append((group["prompt"].numpy(), ids.numpy()))
+            trees[-1][1].append(ids.numpy())
             advantages.append(group["advantages"][i])
             sampled.append(group["sampled"][i])
             old.append(group["old"][i] if group["old"] is not None else None)
             kept.append((g, i))
-    batch = packed(examples, window, device)
+    if cfg.share_prompts:
+        batch = packed_tree(trees, window, device)
+    else:
+        batch = packed([(prompt, ids) for prompt, answers in trees for ids in answers], window, device)
     kept_advantages = torch.stack(advantages).to(device) if advantages else torch.zeros(0, device=device)
     sampled_logps = torch.cat(sampled).to(device) if sampled else torch.zeros(0, device=device)
     old_logps = weights = None
