@@ -133,6 +133,16 @@ def test_a_reward_model_scores_a_completion_as_tools_score_does(reward_run):
     assert len(set(np.round(ours, 4))) == 3  # three conversations, three scores
 
 
+def two_ranks_and_one(recipe, root, steps: int, settings: dict, every: dict) -> tuple:
+    """A GRPO run on 2 ranks (checkpointed as `every` says) and on 1 process with accumulation 2: (the first's
+    directory, its records of the steps by step, the second's records of the steps)."""
+    two, one = root / "two", root / "one"
+    train_cli(run_args(recipe, two, steps, grpo=settings, checkpoint=every), nproc=2)
+    train_cli(run_args(recipe, one, steps, grpo=settings, data={"grad_accum_steps": 2}))
+    logged = [[r for r in read_metrics(run) if "reward" in r] for run in (two, one)]
+    return two, {r["step"]: r for r in logged[0]}, logged[1]
+
+
 CYCLES = {"on_policy": {}, "reused": {"steps_per_generation": 2, "num_iterations": 2}}
 
 
@@ -150,12 +160,9 @@ def test_two_ranks_equal_one_process_and_a_resume_is_bitwise(prompts, reward_run
     if not reused:
         settings.update(reward_model=str(reward_run), reward_model_weight=0.3)
     every = {"every": 3, "keep_last": 0}
-    two, one = tmp_path / "two", tmp_path / "one"
-    train_cli(run_args(recipe, two, 6, grpo=settings, checkpoint=every), nproc=2)
-    train_cli(run_args(recipe, one, 6, grpo=settings, data={"grad_accum_steps": 2}))
-    steps = {r["step"]: r for r in read_metrics(two) if "reward" in r}
+    two, steps, one = two_ranks_and_one(recipe, tmp_path, 6, settings, every)
     assert sorted(steps) == [1, 2, 3, 4, 5, 6]
-    for r in (r for r in read_metrics(one) if "reward" in r):
+    for r in one:
         a = steps[r["step"]]
         for key in ("reward", "rewards/digit_reward/mean", "completions/mean_length", "frac_reward_zero_std"):
             assert r[key] == pytest.approx(a[key], rel=1e-6 if "reward_model" in settings else 0), (r["step"], key)
@@ -200,11 +207,8 @@ def test_dynamic_sampling_trains_on_groups_that_differ_and_two_ranks_equal_one_p
     process, and a resume at step 2 reads on from where the refills left the data (bitwise)."""
     recipe, every = prompts / "grpo.yaml", {"every": 2, "keep_last": 0}
     settings = grpo(rewards=[{"function": "tests.test_grpo_runs:rare"}], dynamic_sampling=True)
-    two, one = tmp_path / "two", tmp_path / "one"
-    train_cli(run_args(recipe, two, 3, grpo=settings, checkpoint=every), nproc=2)
-    train_cli(run_args(recipe, one, 3, grpo=settings, data={"grad_accum_steps": 2}))
-    steps = {r["step"]: r for r in read_metrics(two) if "reward" in r}
-    for r in (r for r in read_metrics(one) if "reward" in r):
+    two, steps, one = two_ranks_and_one(recipe, tmp_path, 3, settings, every)
+    for r in one:
         a = steps[r["step"]]
         assert r["frac_reward_zero_std"] == a["frac_reward_zero_std"] == 0, r
         for key in ("reward", "reward_std", "sampling/prompts_sampled", "completions/mean_length"):
