@@ -11,7 +11,7 @@ OUT ?= runs/debug
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean wheels
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ test: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed
 	$(PY) -m pip install -q ruff && $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# For a GPU machine that has torch but no internet: the wheels of every other dependency, for its Python and
+# platform, to copy over and install with `pip install --no-index --find-links wheels -e .` (README, "Many GPUs").
+WHEELS_PYTHON ?= 3.11
+WHEELS_PLATFORM ?= manylinux2014_x86_64
+wheels:
+	$(PYTHON) -m pip download -q -d wheels --only-binary=:all: --python-version $(WHEELS_PYTHON) \
+		--platform $(WHEELS_PLATFORM) --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		"numpy>=1.24" "safetensors>=0.4" "sentencepiece>=0.2" "jsonargparse[signatures]>=4.35" "pyyaml>=6" \
+		"tokenizers>=0.19" "protobuf>=3.20" "tqdm>=4.60" "pyarrow>=14" "jinja2>=3.1" "setuptools>=64" wheel
+	@echo "wheels/ holds $$(ls wheels | wc -l) wheels for Python $(WHEELS_PYTHON) on $(WHEELS_PLATFORM)"
 
 clean:
 	rm -rf $(VENV) data runs

@@ -30,7 +30,15 @@ from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
 from fsdp_trainer.planner.fake import measured_peak_gb
 from fsdp_trainer.planner.memory import Estimate, estimate
-from fsdp_trainer.planner.speed import GPUS, StepTime, matmul_efficiency, matmul_tokens, peak_flops, step_time
+from fsdp_trainer.planner.speed import (
+    GPUS,
+    StepTime,
+    gpu_named,
+    matmul_efficiency,
+    matmul_tokens,
+    peak_flops,
+    step_time,
+)
 from fsdp_trainer.steps import training_kind
 
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
@@ -252,7 +260,8 @@ def _parser():
         "--gpu",
         type=Literal[tuple(GPUS)] | None,
         help="predict each row's step time, tokens/s per GPU and MFU on this GPU (planner/speed.py), recommend "
-        "the fastest that fits; sets --device cuda and --device_mem_gb to its memory unless given",
+        "the fastest that fits; sets --device cuda and --device_mem_gb to its memory unless given; default: this "
+        "machine's GPU where it is one of these",
     )
     parser.add_argument(
         "--train_tokens", type=float | None, help="with --gpu: the time and GPU-hours to train this many tokens"
@@ -354,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     recipe, args = parse_args(_parser(), argv)
     _checked_args(args)
     device = "cuda" if args.gpu else args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.gpu is None and device == "cuda" and torch.cuda.is_available():  # this machine's GPU, if known
+        args.gpu = gpu_named(torch.cuda.get_device_name(0))
     recipe.parallel.mixed_precision, why = precision_on(recipe.parallel.mixed_precision, device)
     mem, host_mem = _memories(args, device)
     try:

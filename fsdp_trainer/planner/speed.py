@@ -72,6 +72,12 @@ GPUS: dict[str, Gpu] = {
 }
 
 
+def gpu_named(device_name: str) -> str | None:
+    """GPUS's name for a CUDA device's (torch.cuda.get_device_name: "NVIDIA H100 80GB HBM3" -> H100), None for one
+    not in it."""
+    return next((key for key in GPUS if key in device_name), None)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The step-time model's constants, fitted together to published runs (benchmarks/fit_speed.py)."""

@@ -1,0 +1,44 @@
+"""benchmarks/gpu_check.py at toy size on the CPU, as CI runs it on every change: every check but the CUDA kernels
+themselves (the debug recipe killed after a checkpoint and resumed, the SFT and LoRA / QLoRA rows beside the
+planner's, flex_attention against the dense mask, CPU offload, the sampler's rate) passes, and both reports are
+written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_check_runs_at_toy_size_on_a_cpu_and_writes_both_reports(tmp_path):
+    script = REPO / "benchmarks" / "gpu_check.py"
+    command = [sys.executable, str(script), "--device", "cpu", "--tiny", "--out", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    checks = report["checks"]
+    assert list(checks) == ["environment", "debug_recipe", "sft_speed", "flex_equals_dense", "lora_speed",
+                            "cpu_offload", "rollouts"]  # fmt: skip
+    assert all(check["status"] == "passed" for check in checks.values()), checks
+    found = {name: check["found"] for name, check in checks.items()}
+    assert found["environment"]["torch"].startswith("2.") and found["environment"]["flex_attention"] is True
+    debug = found["debug_recipe"]
+    assert debug["resume_bitwise"] and debug["killed_after_step"] == 6 and debug["last_loss"] < debug["first_loss"]
+    for row in ("sft_eager_none", "sft_eager_selective"):
+        assert found["sft_speed"][row]["tokens_per_s"] > 0 and found["sft_speed"][row]["planned_gb"] > 0
+    assert found["sft_speed"]["compile"] == "skipped on a CPU"
+    assert all(found["flex_equals_dense"][family]["relative_gap"] < 1e-4 for family in ("qwen3", "mistral"))
+    assert set(found["lora_speed"]) == {"lora", "qlora"} and found["lora_speed"]["qlora"]["tokens_per_s"] > 0
+    assert found["rollouts"]["tokens"] == 8 * 8 * 16
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert all(f"| {name} | passed |" in table for name in checks)
+
+
+def test_the_planner_knows_a_cuda_device_by_its_name():
+    from fsdp_trainer.planner.speed import gpu_named
+
+    assert gpu_named("NVIDIA H100 80GB HBM3") == "H100" and gpu_named("NVIDIA H200") == "H200"
+    assert gpu_named("NVIDIA A100-SXM4-80GB") == "A100" and gpu_named("Tesla T4") is None
