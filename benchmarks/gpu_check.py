@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -342,6 +343,7 @@ CHECKS = {
 
 
 def _child(name: str, args, results) -> None:
+    os.setpgrp()  # a group of its own, which a timeout kills whole (the trainer and tools it started too)
     torch.manual_seed(0)
     try:
         results.put({"status": "passed", "found": CHECKS[name][0](Context(args))})
@@ -357,11 +359,12 @@ def run_check(name: str, args) -> dict:
     child = context.Process(target=_child, args=(name, args, results))
     start = time.perf_counter()
     child.start()
-    child.join(CHECKS[name][1])
+    limit = CHECKS[name][1] * args.time_scale
+    child.join(limit)
     if child.is_alive():
-        child.kill()
+        os.killpg(child.pid, signal.SIGKILL)
         child.join()
-        return {"status": "timeout", "error": f"no result within {CHECKS[name][1]} s", "seconds": CHECKS[name][1]}
+        return {"status": "timeout", "error": f"no result within {limit:.0f} s (--time_scale)", "seconds": limit}
     try:
         result = results.get(timeout=5)
     except Exception:
@@ -387,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="every check at toy size (seconds on a CPU)")
     parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="these checks alone")
+    parser.add_argument("--time_scale", type=float, default=1.0, help="every check's time limit times this")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: this machine has no CUDA device torch can use; --device cpu --tiny runs "
