@@ -359,17 +359,24 @@ def run_check(name: str, args) -> dict:
     child = context.Process(target=_child, args=(name, args, results))
     start = time.perf_counter()
     child.start()
-    limit = CHECKS[name][1] * args.time_scale
+    limit = dict(args.limit).get(name, CHECKS[name][1] * args.time_scale)
     child.join(limit)
     if child.is_alive():
         os.killpg(child.pid, signal.SIGKILL)
         child.join()
-        return {"status": "timeout", "error": f"no result within {limit:.0f} s (--time_scale)", "seconds": limit}
+        return {"status": "timeout", "error": f"no result within {limit:g} s (--time_scale, --limit)", "seconds": limit}
     try:
         result = results.get(timeout=5)
     except Exception:
         result = {"status": "failed", "error": f"the check's process exited {child.exitcode} without a result"}
     return {**result, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _named_limit(text: str) -> tuple[str, float]:
+    name, _, seconds = text.partition("=")
+    if name not in CHECKS or not seconds:
+        raise argparse.ArgumentTypeError(f"{text!r}: write CHECK=SECONDS, CHECK one of {', '.join(CHECKS)}")
+    return name, float(seconds)
 
 
 def markdown(report: dict) -> str:
@@ -391,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="every check at toy size (seconds on a CPU)")
     parser.add_argument("--only", nargs="*", choices=list(CHECKS), help="these checks alone")
     parser.add_argument("--time_scale", type=float, default=1.0, help="every check's time limit times this")
+    parser.add_argument("--limit", type=_named_limit, action="append", default=[], metavar="CHECK=SECONDS",
+                        help="one check's time limit instead")  # fmt: skip
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda: this machine has no CUDA device torch can use; --device cpu --tiny runs "
