@@ -3,6 +3,7 @@ code, and the facts of the layout (step directories, `latest`, the recipe a chec
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
+from fsdp_trainer.config import load_sections
 from fsdp_trainer.files import (
     CONFIG_FILE,
     LATEST_FILE,
@@ -260,6 +262,13 @@ def checkpoint_recipe(path: Path) -> Path:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(f"{path} has no {RECIPE_FILE} and no run {CONFIG_FILE} two levels up")
+
+
+@functools.cache
+def saved_sections(path: Path) -> dict:
+    """A checkpoint's recipe sections (checkpoint_recipe's), parsed once a process: the planner asks a teacher's or a
+    reward model's size for every row."""
+    return load_sections(checkpoint_recipe(path))
 
 
 def checkpoint_tokenizer(path: Path, tokenizer_path: str | None) -> Path | None:

@@ -12,7 +12,6 @@ of the data's (on_policy.py).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_trainer.checkpoint.starts import Start
-from fsdp_trainer.checkpoint.storage import (
-    checkpoint_recipe,
-    checkpoint_tokenizer,
-    resolve_checkpoint,
-)
-from fsdp_trainer.config import DistillConfig, ModelConfig, compute_dtype, load_sections
+from fsdp_trainer.checkpoint.storage import checkpoint_tokenizer, resolve_checkpoint, saved_sections
+from fsdp_trainer.config import DistillConfig, ModelConfig, compute_dtype
 from fsdp_trainer.data.format import open_tokens
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.parallelize import ShardingPlan, reshard, uses_flex_attention
@@ -49,12 +44,6 @@ def teacher_sections(recipe: Any) -> tuple[Path, dict]:
     """(the teacher's step directory, the recipe sections it was saved with), read without its weights."""
     path = resolve_checkpoint(recipe.distill.teacher, "distill.teacher")
     return path, saved_sections(path)
-
-
-@functools.cache
-def saved_sections(path: Path) -> dict:
-    """A checkpoint's recipe sections, parsed once a process: the planner asks the teacher's size for every row."""
-    return load_sections(checkpoint_recipe(path))
 
 
 def teacher_config(recipe: Any) -> ModelConfig:

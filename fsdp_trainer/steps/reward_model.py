@@ -9,7 +9,6 @@ does for a reward model, so the reward model need not share the policy's tokeniz
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_trainer.checkpoint.starts import Start
-from fsdp_trainer.checkpoint.storage import checkpoint_recipe, checkpoint_tokenizer, resolve_checkpoint
-from fsdp_trainer.config import load_sections
+from fsdp_trainer.checkpoint.storage import checkpoint_tokenizer, resolve_checkpoint, saved_sections
 from fsdp_trainer.data.chat import ChatEncoder
 from fsdp_trainer.distributed.parallelize import reshard, uses_flex_attention
 from fsdp_trainer.distributed.runtime import DistEnv
@@ -33,11 +31,10 @@ REWARD_MODEL_FILE = "reward_model.json"
 """In an online-RL run's step directory: where its reward model's weights came from (checkpoint/starts.py)."""
 
 
-@functools.cache
 def reward_model_sections(path: str) -> tuple[Path, dict]:
     """(the reward model's step directory, the recipe sections it was saved with), read without its weights."""
     step = resolve_checkpoint(path, "grpo.reward_model")
-    return step, load_sections(checkpoint_recipe(step))
+    return step, saved_sections(step)
 
 
 def check_reward_model(path: str) -> None:
