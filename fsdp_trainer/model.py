@@ -247,9 +247,7 @@ def block_causal(
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     positions = index - torch.where(starts, index, 0).cummax(dim=1).values
     tree = shared is not None
-    if not tree:
-        shared = documents
-    else:  # a continuation's place after its prompt's length; a window measured in places, not in the row's order
+    if tree:  # a continuation's place after its prompt's length; a window measured in places, not in the row's order
         # A row's examples are numbered from 0 up to T + 1 at most (a tree's packing: steps/examples.py).
         lengths = torch.zeros(B, T + 2, dtype=positions.dtype, device=documents.device)
         lengths.scatter_add_(1, documents, torch.ones_like(positions))
@@ -257,7 +255,10 @@ def block_causal(
     if flex:
 
         def same_example_causal(b, h, q, k):
-            visible = ((documents[b, q] == documents[b, k]) | (shared[b, q] == documents[b, k])) & (q >= k)
+            visible = documents[b, q] == documents[b, k]
+            if tree:
+                visible = visible | (shared[b, q] == documents[b, k])
+            visible = visible & (q >= k)
             if window:
                 return visible & ((positions[b, q] - positions[b, k] if tree else q - k) < window)
             return visible
