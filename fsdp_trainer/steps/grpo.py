@@ -32,7 +32,15 @@ from fsdp_trainer.steps.base import Kind, Step, accumulate
 from fsdp_trainer.steps.on_policy import rehearse
 from fsdp_trainer.steps.reference import Reference
 from fsdp_trainer.steps.reward_model import RewardModel, check_reward_model, reward_model_params
-from fsdp_trainer.steps.rollout_buffer import Rollout, RolloutBuffer, load_buffer, sampler_gap, save_buffer
+from fsdp_trainer.steps.rollout_buffer import (
+    Rollout,
+    RolloutBuffer,
+    cycle,
+    keeps_sampling_logps,
+    load_buffer,
+    sampler_gap,
+    save_buffer,
+)
 from fsdp_trainer.steps.rollouts import Rollouts, alike, evaluate, rewards_of, selected, training_window
 
 
@@ -108,8 +116,7 @@ class GRPO(Kind):
         """The reference's forward where beta > 0; once a sampling (in 1 / num_iterations of the steps), the policy's
         without gradient where its log-probs then are kept, and the reward model's."""
         cfg = recipe.grpo
-        keeps_old = cfg.steps_per_generation * cfg.num_iterations > 1 or cfg.sampler_correction != "none"
-        scored = (n_params if keeps_old else 0) + reward_model_params(recipe)  # once a sampling
+        scored = (n_params if keeps_sampling_logps(cfg) else 0) + reward_model_params(recipe)  # once a sampling
         return (n_params if cfg.beta > 0 else 0) + scored // cfg.num_iterations
 
     @classmethod
@@ -193,10 +200,6 @@ class Samplings:
         self.micro_batch_size, self.seq_len = data.micro_batch_size, data.seq_len
         self.per_step = data.micro_batch_size * data.grad_accum_steps * world_size  # a global batch's prompts
         self.buffer: RolloutBuffer | None = None
-        self.cycle = cfg.steps_per_generation * cfg.num_iterations
-        # The log-probs at sampling are those of a forward of the policy then, when a later step trains on them or the
-        # sampler's are to be corrected; else the policy's own, detached, in the step's forward.
-        self.keeps_old = self.cycle > 1 or cfg.sampler_correction != "none"
         self.step, self.files, self.loader = 0, {}, None
 
     def read(self, loader: Any, step: int) -> list[MicroBatch]:
@@ -228,16 +231,16 @@ class Samplings:
         self.buffer = buffer = self.sampled(model, batches, plan, world)
         if self.cfg.dynamic_sampling:
             self.buffer = buffer = refilled(self, model, buffer, plan, world)
-        rank, k = dist.get_rank() if world > 1 else 0, self.cfg.steps_per_generation
-        shares = [buffer.share(self.step + j, rank, world, self.micro_batch_size) for j in range(k)]
-        owned = [g for share in shares for chunk in share for g in chunk]
-        if self.keeps_old:
+        k = self.cfg.steps_per_generation
+        if keeps_sampling_logps(self.cfg):
             for j in range(k):
                 self.keep_old(model, self.step + j, world)
             reshard(model)
             buffer.stats.update(sampler_gap(buffer, self.cfg, self.device))
-        if self.cycle > 1:
-            buffer.gather(owned)
+        if cycle(self.cfg) > 1:  # the groups this rank trains, with the log-probs it took of them, to every rank
+            rank = dist.get_rank() if world > 1 else 0
+            shares = [buffer.share(self.step + j, rank, world, self.micro_batch_size) for j in range(k)]
+            buffer.gather([g for share in shares for chunk in share for g in chunk])
 
     def sampled(self, model: nn.Module, batches: list[MicroBatch], plan: ShardingPlan, world: int, first: int = 0):
         """The rank's completions of `batches` of prompts, scored, numbered from `first` on."""
@@ -288,7 +291,7 @@ class GRPOStep(GRPO, Step):
         self.cfg, self.samplings, self.reference, self.plan, self.chunks = cfg, samplings, reference, plan, chunks
         self.policy = policy_loss(cfg)
         self.starts += reference.starts() if reference is not None else []
-        self.step, self.files, self.current, self.gap = 0, {}, {}, None
+        self.step, self.current, self.gap = 0, {}, None
 
     @classmethod
     def build(cls, recipe: Any, env: DistEnv, policy: nn.Module) -> GRPOStep:
@@ -302,7 +305,7 @@ class GRPOStep(GRPO, Step):
         return step
 
     def prepare(self, recipe: Any, env: DistEnv, files: dict[str, Any], records: dict[str, bytes]) -> None:
-        self.files = self.samplings.files = files  # the prompts' records are read from them
+        self.samplings.files = files  # the prompts' records are read from them
 
     def begin(self, step: int) -> None:
         self.step = step
@@ -311,7 +314,7 @@ class GRPOStep(GRPO, Step):
         return self.samplings.read(loader, self.step)
 
     def carried(self) -> dict[str, Any]:
-        return {"rollouts": self.samplings} if self.samplings.cycle > 1 else {}
+        return {"rollouts": self.samplings} if cycle(self.cfg) > 1 else {}
 
     def __call__(
         self, model: nn.Module, micro_batches: list[MicroBatch], plan: ShardingPlan, backward, world: int
@@ -355,5 +358,5 @@ class GRPOStep(GRPO, Step):
     def evaluate(self, model: nn.Module, micro_batches: list[MicroBatch]) -> dict[str, torch.Tensor | float]:
         """The rewards of one greedy completion of each validation prompt, over every rank's: val_reward and each
         function's mean, and the completions' mean length."""
-        records = [self.files["val"].columns(batch.windows.tolist()) for batch in micro_batches]
+        records = [self.samplings.files["val"].columns(batch.windows.tolist()) for batch in micro_batches]
         return evaluate(self.samplings.rollouts, model, micro_batches, self.plan, records)

@@ -45,6 +45,17 @@ class Rollout:
     """The packed completions, as (group, completion index)."""
 
 
+def cycle(cfg: GRPOConfig) -> int:
+    """The optimizer steps that train on one sampling."""
+    return cfg.steps_per_generation * cfg.num_iterations
+
+
+def keeps_sampling_logps(cfg: GRPOConfig) -> bool:
+    """Whether the policy's log-probs of the completions are taken (a forward without gradient) when they are sampled:
+    where a later step trains on them or the sampler's are corrected; else a step takes its own, detached."""
+    return cycle(cfg) > 1 or cfg.sampler_correction != "none"
+
+
 def as_group(prompt, completions: list[list[int]], logps: list[list[float]], rewards, advantages, cut) -> dict:
     """A prompt and its completions as the buffer keeps them, with their rewards (completions, functions) and
     advantages: plain tensors and lists, so that a checkpoint reads it back with torch.load(weights_only=True)."""
@@ -65,14 +76,9 @@ class RolloutBuffer:
     def __init__(self, cfg: GRPOConfig, step: int, per_step: int, groups: dict[int, dict], stats: dict[str, float]):
         self.cfg, self.step, self.per_step, self.groups, self.stats = cfg, step, per_step, groups, stats
 
-    @property
-    def cycle(self) -> int:
-        """The optimizer steps that train on one sampling."""
-        return self.cfg.steps_per_generation * self.cfg.num_iterations
-
     def covers(self, step: int) -> bool:
         """Whether optimizer step `step` trains on this sampling."""
-        return self.step <= step < self.step + self.cycle
+        return self.step <= step < self.step + cycle(self.cfg)
 
     def share(self, step: int, rank: int, world: int, micro_batch_size: int) -> list[list[int]]:
         """The groups rank `rank` trains at `step`, by micro-step."""
@@ -87,9 +93,9 @@ class RolloutBuffer:
 
     def trained_tokens(self) -> int:
         """The tokens the whole sampling trains on (every group's; the buffer must be whole)."""
-        drop = self.cfg.mask_truncated_completions
-        every = [(ids, cut) for g in self.groups.values() for ids, cut in zip(g["completions"], g["cut"], strict=True)]
-        return sum(len(ids) for ids, cut in every if not (drop and cut))
+        every = lengths_and_cuts(self.groups.values())
+        cut = every[:, 1].bool() if self.cfg.mask_truncated_completions else torch.zeros(len(every), dtype=torch.bool)
+        return int(every[~cut, 0].double().sum())  # exact: fp32 sums of many lengths would round
 
     def keep_old(self, rollout: Rollout, logps: torch.Tensor) -> None:
         """Record the policy's log-probs of a rollout's trained tokens (its `kept` completions' in order)."""
@@ -112,6 +118,13 @@ class RolloutBuffer:
         for part in parts:
             self.groups.update(part)
         self.groups = dict(sorted(self.groups.items()))
+
+
+def lengths_and_cuts(groups) -> torch.Tensor:
+    """Every completion of `groups` (as the buffer keeps them) as (its length, whether it was cut at the length limit)
+    (n, 2), float."""
+    every = [(float(len(ids)), float(cut)) for g in groups for ids, cut in zip(g["completions"], g["cut"], strict=True)]
+    return torch.tensor(every).reshape(-1, 2)
 
 
 def pack(cfg: GRPOConfig, groups: list[tuple[int, dict]], window: int, device: torch.device) -> Rollout:

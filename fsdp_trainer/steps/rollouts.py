@@ -33,7 +33,7 @@ from fsdp_trainer.loss import group_advantages, nanstd, weighted_rewards
 from fsdp_trainer.rewards import Reward, score
 from fsdp_trainer.steps.on_policy import stop_ids as answer_ends
 from fsdp_trainer.steps.reward_model import RewardModel
-from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group
+from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group, lengths_and_cuts
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -124,8 +124,8 @@ class Rollouts:
                 group = as_group(prompt, ids, logps[i * n : (i + 1) * n], local_rewards[rows], local[rows], cuts)
                 groups[first + (q * world + rank) * len(prompts) + i] = group
         stats = reward_stats(self.scorers, rewards, total, std_zero)
-        every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
-        stats.update(completion_stats(gathered(torch.tensor(every, device=device), len(batches), micro_steps).cpu()))
+        every = lengths_and_cuts(groups.values()).to(device)
+        stats.update(completion_stats(gathered(every, len(batches), micro_steps).cpu()))
         per_step = micro_steps * len(batches[0].inputs) // cfg.steps_per_generation  # it read that many steps'
         return RolloutBuffer(cfg, step, per_step, groups, stats)
 
@@ -143,15 +143,9 @@ def selected(rollouts: Rollouts, buffer: RolloutBuffer, wanted: int) -> RolloutB
     for k, group in groups.items():
         group["advantages"] = advantages[k * n : (k + 1) * n]
     stats = reward_stats(rollouts.scorers, rewards, total, std_zero)
-    every = [(float(len(ids)), float(cut)) for g in groups.values() for ids, cut in lengths_and_cuts(g)]
-    stats.update(completion_stats(torch.tensor(every)))
+    stats.update(completion_stats(lengths_and_cuts(groups.values())))
     stats["sampling/prompts_sampled"] = float(len(order))
     return RolloutBuffer(rollouts.cfg, buffer.step, buffer.per_step, groups, stats)
-
-
-def lengths_and_cuts(group: dict) -> list[tuple[torch.Tensor, bool]]:
-    """A group's completions, each with whether it was cut at the length limit."""
-    return list(zip(group["completions"], group["cut"], strict=True))
 
 
 def alike(buffer: RolloutBuffer, weights: torch.Tensor) -> list[bool]:
