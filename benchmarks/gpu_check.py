@@ -78,20 +78,24 @@ class Context:
         return flags
 
 
+def step_records(out: Path) -> list[dict]:
+    """A run directory's step records in step order, the last logged of each (a resumed run logs again the steps
+    after its checkpoint)."""
+    records = (json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines())
+    return list(dict(sorted({r["step"]: r for r in records if "loss" in r}.items())).values())
+
+
 def train(ctx: Context, name: str, flags: list[str], steps: int) -> dict:
     """One run of the trainer in this process (`python -m fsdp_trainer.train` on one device), to step `steps`: the
-    losses of the steps it ran (a resumed run's: those after its checkpoint), its speed over them but the first two
-    (compilation, warm-up), its peak memory, allocated and (CUDA) reserved."""
+    run's losses by step (step_records'), its speed over its steps but the first two (compilation, warm-up), its peak
+    memory, allocated and (CUDA) reserved."""
     from fsdp_trainer.train import main
 
     out = ctx.work / name
-    first = max((r["step"] for r in map(json.loads, (out / METRICS_FILE).read_text().splitlines()) if "loss" in r),
-                default=0) if (out / METRICS_FILE).exists() else 0  # fmt: skip
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     main([*flags, "--train.out_dir", str(out), "--train.steps", str(steps)])
-    records = [r for r in map(json.loads, (out / METRICS_FILE).read_text().splitlines()) if "loss" in r]
-    records = [r for r in records if r["step"] > first]  # a resumed run's own
+    records = step_records(out)
     timed = records[2:] or records
     measured = {
         "losses": [r["loss"] for r in records],
@@ -179,14 +183,11 @@ def debug_recipe(ctx: Context) -> dict:
         flags += ["--data.micro_batch_size", "2", "--optim.warmup_steps", "2"]
     straight = train(ctx, "debug_straight", flags, steps)
     killed_after_checkpoint(ctx, "debug_resumed", flags, steps, every)
-    train(ctx, "debug_resumed", flags, steps)  # from its checkpoint at `every`
-    # the resumed run's records come after the killed one's
-    logged = {r["step"]: r["loss"] for r in map(json.loads, (ctx.work / "debug_resumed" / METRICS_FILE).open())
-              if "loss" in r}  # fmt: skip
+    resumed = train(ctx, "debug_resumed", flags, steps)  # from its checkpoint at `every`
     first, last = straight["losses"][0], straight["losses"][-1]
     assert last < 0.8 * first, f"the loss did not fall: {first:.4f} at step 1, {last:.4f} at step {steps}"
     after = straight["losses"][every:]
-    gap = max(abs(a - logged[step]) for step, a in enumerate(after, start=every + 1))
+    gap = max(abs(a - b) for a, b in zip(after, resumed["losses"][every:], strict=True))
     assert gap <= 1e-3 * abs(after[-1]), f"resumed losses differ from the uninterrupted run's by up to {gap:.3g}"
     return {"first_loss": first, "last_loss": last, "steps": steps, "killed_after_step": every,
             "resume_max_loss_difference": gap, "resume_bitwise": gap == 0,
