@@ -41,6 +41,7 @@ from fsdp_trainer.checkpoint.weights import ModelState, check_shapes, saved_shap
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, load_sections
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import Mixture, TokenLoader, open_data
+from fsdp_trainer.distributed.context_parallel import check_context_parallel
 from fsdp_trainer.distributed.parallelize import (
     Parallelized,
     fill_local_shard,
@@ -108,10 +109,11 @@ def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> Toke
         data.seq_len,
         data.micro_batch_size,
         data.grad_accum_steps,
-        env.rank,
-        env.world_size,
+        env.data_rank,
+        env.data_world,
         seed=recipe.train.seed,
         device=env.device,
+        shard=env.context.shard if env.context else None,
     )
 
 
@@ -279,6 +281,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     files = open_data(recipe)
     check_data(recipe, files[0])
     training_kind(recipe).check(recipe)  # what the kind needs beside its data (a teacher that can teach the model)
+    check_context_parallel(recipe, training_kind(recipe))
     require_wandb(recipe)
     check_adapters(recipe.model, recipe.lora, recipe.parallel)
     if recipe.eval.tasks:

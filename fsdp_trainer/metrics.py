@@ -196,7 +196,7 @@ class Window:
     def __init__(self, recipe: Recipe, env: DistEnv, start_step: int, clock: Callable[[], float]):
         data = recipe.data
         self.clock, self.world_size = clock, env.world_size
-        self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.world_size * data.seq_len
+        self.tokens_per_step = data.micro_batch_size * data.grad_accum_steps * env.data_world * data.seq_len
         self.flops_per_token = flops_per_token(recipe.model, data.seq_len)
         self.peak = peak_flops(env.device, recipe.parallel.mixed_precision)  # resolved (auto is decided at start-up)
         self.step_timer = StepTimer(env.device, clock)
@@ -279,11 +279,12 @@ def run_banner(recipe: Recipe, env: DistEnv, model: torch.nn.Module) -> str:
     """The line a run opens with: the model and what of it trains, the ranks and how they shard, the global batch,
     where it writes."""
     data, parallel = recipe.data, recipe.parallel
-    rows = data.micro_batch_size * data.grad_accum_steps * env.world_size
+    rows = data.micro_batch_size * data.grad_accum_steps * env.data_world
     adapters = f"LoRA r{recipe.lora.rank}, " if recipe.lora.rank is not None else ""
+    context = f" (context parallel {env.context.degree})" if env.context else ""
     return (
         f"{recipe.model.family} model, {adapters}training {trained_params(model, recipe.model)} | "
-        f"{env.world_size} rank(s), "
+        f"{env.world_size} rank(s){context}, "
         f"{parallel.sharding}, {parallel.mixed_precision} | global batch {rows} x {data.seq_len} tokens | "
         f"{recipe.train.steps} steps -> {recipe.train.out_dir}"
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -105,6 +105,25 @@ ATTENTION_TILE = 128
 math (64-256 measured alike at 1,920 tokens)."""
 
 
+class ContextMask(NamedTuple):
+    """Attention under context parallelism (a rank holds runs of each window's positions): `gather` makes every
+    rank's keys and values of this rank's, and each run's queries (this rank's `first`..`end` - 1) attend to the
+    gathered `key_start`..`key_end` - 1 under their mask, additive (1 or B, 1, queries, keys) or a BlockMask."""
+
+    runs: tuple[tuple[int, int, int, int], ...]
+    masks: tuple[torch.Tensor | BlockMask, ...]
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
+class Context(Protocol):
+    """This rank's share of each window under context parallelism (distributed/context_parallel.py's ContextShard)."""
+
+    def attention_inputs(
+        self, rope_cos, rope_sin, window: int | None, flex: bool, dtype
+    ) -> tuple[Any, Any, ContextMask]:
+        """(cos, sin, ContextMask) of this rank's positions, from the rotary tables and the layer's `window`."""
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads; Qwen3 and Gemma 3 add an RMSNorm on each query and key head.
     Given a `mask`, a query attends only to the keys it marks (packed examples: block-causal; a sliding window): a
@@ -149,7 +168,17 @@ class Attention(nn.Module):
             k, v = remember(k, v)
         # enable_gqa lets each key/value head serve n_heads // n_kv_heads query heads without copying it.
         gqa = self.n_kv_heads != self.n_heads
-        if isinstance(mask, BlockMask):
+        if isinstance(mask, ContextMask):  # this rank's share of the queries, every rank's keys (one gather)
+            k, v = mask.gather(torch.stack([k, v])).unbind(0)
+            parts = []
+            for (a, b, c, e), m in zip(mask.runs, mask.masks, strict=True):
+                qr, kr, vr = q[:, :, a:b], k[:, :, c:e], v[:, :, c:e]
+                if isinstance(m, BlockMask):
+                    parts.append(flex_attention(qr, kr, vr, block_mask=m, scale=self.scale, enable_gqa=gqa))
+                else:
+                    parts.append(F.scaled_dot_product_attention(qr, kr, vr, m, scale=self.scale, enable_gqa=gqa))
+            y = torch.cat(parts, dim=2)
+        elif isinstance(mask, BlockMask):
             y = flex_attention(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=gqa)
         elif isinstance(mask, TiledMask) and not torch.compiler.is_compiling():  # compiled, its ints would recompile
             rows = []
@@ -243,9 +272,7 @@ def block_causal(
     from that example's end, so each continuation gets the logits it would get after its own copy of the prompt."""
     B, T = documents.shape
     index = torch.arange(T, device=documents.device)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    positions = example_positions(documents)
     tree = shared is not None
     if tree:  # a continuation's place after its prompt's length; a window measured in places, not in the row's order
         # A row's examples are numbered from 0 up to T + 1 at most (a tree's packing: steps/examples.py).
@@ -286,6 +313,14 @@ def block_causal(
             row.append((a, min(a + ATTENTION_TILE, T), first))
         tiles.append(tuple(row))
     return positions, TiledMask(mask, tuple(tiles))
+
+
+def example_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Each position's place in its own example (B, T), for packed `documents` (see block_causal)."""
+    index = torch.arange(documents.shape[1], device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def causal(T: int, window: int | None, device: torch.device, start: int = 0) -> torch.Tensor:
@@ -343,8 +378,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, flex_attention: bool = False):
         super().__init__()
-        self.cfg = cfg
-        self.model = Decoder(cfg)
+        self.cfg, self.model = cfg, Decoder(cfg)
         if cfg.num_labels is None:
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             if cfg.tie_embeddings:
@@ -352,8 +386,7 @@ class Transformer(nn.Module):
         else:
             self.score = nn.Linear(cfg.dim, cfg.num_labels, bias=False)
         self.flex_attention = flex_attention
-        """Packed examples through flex_attention instead of a boolean mask: fast only compiled (on GPUs, when the
-        blocks are compiled)."""
+        """Masks (packed examples, windows) through flex_attention: fast only compiled (GPUs, blocks compiled)."""
         self.local_layers = local_layers(cfg)
         # Derived from the config, so not part of the state dict; init_weights() recomputes them after a meta build.
         for name, buffer in derived_buffers(cfg).items():
@@ -366,17 +399,19 @@ class Transformer(nn.Module):
         loss: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None,
         cache: KVCache | None = None,
         shared: torch.Tensor | None = None,
+        context: Context | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab_size); or, given a `loss` (an objective of loss.py), what it computes from the final
         hidden states (B, T, dim) and the output layer, which spares the full logits when it slices them.
         With `documents` (B, T), windows packed with several examples attend block-causally, each example from
         position 0, and with `shared` (B, T) several continuations of one prompt after a single copy of it (see
-        block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs."""
+        block_causal). With a `cache`, `tokens` continue the positions it holds, and it keeps theirs; with a
+        `context`, they are this rank's share of each window (context parallelism)."""
         x = self.model.embed_tokens(tokens)  # (B, T, dim)
         if self.cfg.family == "gemma3":  # scaled by sqrt(dim), the scale rounded to the embeddings' dtype (as HF)
             x = x * self.embed_scale.to(x.dtype)
         kinds = {i in self.local_layers for i in range(self.cfg.n_layers)}  # local (a sliding window), global, or both
-        inputs = {local: attention_inputs(self, tokens, documents, cache, local, x.dtype, shared) for local in kinds}
+        inputs = {k: attention_inputs(self, tokens, documents, cache, k, x.dtype, shared, context) for k in kinds}
         for i, block in enumerate(self.model.layers.values()):
             x = block(x, *inputs[i in self.local_layers], None if cache is None else cache.layer(i))
         if cache is not None:
@@ -439,6 +474,7 @@ def attention_inputs(
     local: bool,
     dtype: torch.dtype,
     shared: torch.Tensor | None = None,
+    context: Context | None = None,
 ):
     """(cos, sin, mask) for the global or the `local` blocks of `model`: each position's rotary angles and what it
     attends to (see Transformer.forward); a mask of every position, as the additive one (see additive) attention in
@@ -446,6 +482,8 @@ def attention_inputs(
     T, window = tokens.shape[1], model.cfg.sliding_window if local else None
     prefix = "rope_local" if local and model.cfg.family == "gemma3" else "rope"  # Gemma 3's local layers: their own
     rope_cos, rope_sin = getattr(model, f"{prefix}_cos"), getattr(model, f"{prefix}_sin")
+    if context is not None:
+        return context.attention_inputs(rope_cos, rope_sin, window, model.flex_attention, dtype)
     if cache is not None:
         start = cache.length
         mask = causal(T, window, tokens.device, start)[None, None]  # is_causal would align the queries left

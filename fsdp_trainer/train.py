@@ -197,10 +197,12 @@ def evaluate(model: torch.nn.Module, step: Step, val_file: Tokens, recipe: Recip
     same every time; no more than it holds whole): over its targets, its supervised tokens or its pairs, as the training
     kind counts them."""
     data = recipe.data
+    shard = env.context.shard if env.context else None
+    rows = data.micro_batch_size
     loader = TokenLoader(
-        val_file, data.seq_len, data.micro_batch_size, 1, env.rank, env.world_size, shuffle=False, device=env.device
+        val_file, data.seq_len, rows, 1, env.data_rank, env.data_world, shuffle=False, device=env.device, shard=shard
     )
-    n, _ = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.world_size, recipe.train.eval_steps)
+    n, _ = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.data_world, recipe.train.eval_steps)
     return step.evaluate(model, [loader.next_batch()[0] for _ in range(n)])
 
 
@@ -230,7 +232,7 @@ def train(recipe: Recipe, env: DistEnv, train_file: Tokens | Mixture, val_file: 
         logger.info("parallel.compile: the first step compiles the blocks and takes longer (minutes on a CPU)")
     data = recipe.data
     if val_file is not None and env.is_main:
-        _, note = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.world_size, cfg.eval_steps)
+        _, note = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.data_world, cfg.eval_steps)
         if note:
             logger.warning(note)
     if cfg.eval_on_start and state.step == 0:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_trainer.data.prepare import BUNDLED_CORPUS, BUNDLED_PREFERENCES
+from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
 from tests.helpers import TINY_BATCH, TINY_MODEL, tool
 
 
@@ -56,6 +56,22 @@ def prepare_records(recipe, out, fmt, inputs, seq_len, *extra, check=True):
 def prepare_pairs(recipe, out, inputs, *extra, check=True):
     """Preference pairs prepared (prepare_records) in windows of PAIRS_SEQ_LEN."""
     return prepare_records(recipe, out, "preference", inputs, PAIRS_SEQ_LEN, *extra, check=check)
+
+
+@pytest.fixture(scope="session")
+def chat_data(tiny_data, tmp_path_factory) -> Path:
+    """The bundled chat set's first 300 conversations, packed in windows of 128 tokens of the tiny tokenizer: a
+    recipe."""
+    root = tmp_path_factory.mktemp("chat")
+    with gzip.open(BUNDLED_CHAT, "rt") as f:
+        (root / "chat.jsonl").write_text("".join(f.readlines()[:300]))
+    recipe = json.loads(Path(tiny_data).read_text())
+    recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=128)
+    recipe["model"]["max_seq_len"] = 128
+    (root / "chat.yaml").write_text(json.dumps(recipe))
+    tool("prepare_data.py", "--recipe", root / "chat.yaml", "--format", "chat", "--input", root / "chat.jsonl",
+         "--val_fraction", "0.1")  # fmt: skip
+    return root / "chat.yaml"
 
 
 @pytest.fixture(scope="session")

@@ -322,30 +322,6 @@ def test_the_steps_that_sample_are_drawn_from_the_seed_and_step():
     assert due(0.3) == due(0.3) and due(0.3) != due(0.3, seed=1)
 
 
-@pytest.fixture(scope="module")
-def chat_data(tiny_data, tmp_path_factory):
-    """The bundled chat set's first 300 conversations, packed in windows of 128 tokens of the tiny tokenizer: a
-    recipe."""
-    import gzip
-    import subprocess
-    import sys
-
-    from fsdp_trainer.data.prepare import BUNDLED_CHAT
-    from tests.helpers import REPO
-
-    root = tmp_path_factory.mktemp("chat")
-    with gzip.open(BUNDLED_CHAT, "rt") as f:
-        (root / "chat.jsonl").write_text("".join(f.readlines()[:300]))
-    recipe = json.loads(Path(tiny_data).read_text())
-    recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=128)
-    recipe["model"]["max_seq_len"] = 128
-    (root / "chat.yaml").write_text(json.dumps(recipe))
-    cmd = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(root / "chat.yaml")]
-    cmd += ["--format", "chat", "--input", str(root / "chat.jsonl"), "--val_fraction", "0.1"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return root / "chat.yaml"
-
-
 @pytest.mark.slow
 def test_on_policy_distillation_two_ranks_equal_one_process_and_resume_bitwise(chat_data, teacher, tmp_path):
     """GKD on chat data (lmbda 0.5: the steps (seed, step) draws train on the student's own sampled answers, scored

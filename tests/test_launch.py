@@ -52,6 +52,10 @@ def test_torchrun_options_and_the_trainers_flags_are_told_apart():
             "error: checkpoint.resume: checkpoint /nonexistent/run does not exist",
         ),
         (["-m", "other.module"], "error: fsdp-train runs fsdp_trainer.train itself; drop -m"),
+        (
+            ["--parallel.context_parallel", "4"],
+            "error: parallel.context_parallel=4 needs the world size (2) to be a multiple of it",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_any_worker_starts(tiny_data, tmp_path, flags, message):

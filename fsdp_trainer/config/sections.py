@@ -265,8 +265,16 @@ class ParallelConfig:
     stay sharded, as ZeRO-2/3 hold them. SHARD_OP (ZeRO-1) and NO_SHARD (DDP) always accumulate whole gradients: they
     hold them whole anyway."""
 
+    context_parallel: int = 1
+    """Context parallelism: each window's positions split over this many ranks (a multiple of it launched), for
+    windows longer than one device's activations hold. The ranks of a group read the same windows and hold 2 of its
+    2 x context_parallel chunks each (one from the start, one from the end: even causal work); each block's keys and
+    values are gathered within the group. FSDP shards over every rank, these included: no parameter memory added.
+    data.seq_len a multiple of 2 x context_parallel; next-token runs (pretraining, SFT)."""
+
     def __post_init__(self) -> None:
         require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
+        require(self.context_parallel >= 1, f"parallel.context_parallel={self.context_parallel} must be >= 1")
         require(self.prefetch_blocks >= 1, f"parallel.prefetch_blocks={self.prefetch_blocks} must be >= 1")
         require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")
 

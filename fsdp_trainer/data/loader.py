@@ -16,8 +16,9 @@ numbers each token's example, for block-causal attention.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ class MicroBatch(NamedTuple):
     shared: torch.Tensor | None = None
     """(B, T) several answers to one prompt packed after one copy of it: the example each position continues
     (model.block_causal; steps/examples.py's packed_tree)."""
+    context: Any = None
+    """Context parallelism: the window's positions the rows above hold (distributed/context_parallel.py's cut)."""
 
 
 def trained_positions(targets: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -307,18 +310,18 @@ class TokenLoader:
         seed: int = 0,
         shuffle: bool = True,
         device: torch.device | str = "cpu",
+        shard: Callable[[MicroBatch], MicroBatch] | None = None,  # each read on the host, cut to this rank's share
     ):
-        self.file = token_file
+        self.file, self.shard, self.records = token_file, shard or (lambda batch: batch), token_file.records
         self.seq_len, self.micro_batch_size, self.grad_accum_steps = seq_len, micro_batch_size, grad_accum_steps
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.device = seed, shuffle, torch.device(device)
+        self.rank, self.world_size = rank, world_size  # among the ranks that read different windows
+        self.seed, self.shuffle, self.device = seed, shuffle, torch.device("cpu" if shard else device)
         self.mixture = token_file if isinstance(token_file, Mixture) else None
         if self.mixture is None:
             self.sources = [_Epochs(token_file, seq_len, [seed], shuffle)]
         else:  # each source its own epochs
             self.sources = [_Epochs(t, seq_len, [seed, i + 1], shuffle) for i, t in enumerate(self.mixture.sources)]
         self.packed = self.sources[0].packed  # open_data refuses a mixture of packed and plain sources
-        self.records = token_file.records
         self.global_batch_size = micro_batch_size * grad_accum_steps * world_size
         self.consumed = 0  # global samples handed out so far, by all ranks together
 
@@ -332,7 +335,7 @@ class TokenLoader:
         else:
             which, local = self.mixture.assign(global_ids)
             rows, margins = _read_mixture(self.sources, which, local, self.seq_len, self.packed)
-        return micro_batch(rows, self.packed, self.records, self.device, windows, margins)
+        return self.shard(micro_batch(rows, self.packed, self.records, self.device, windows, margins))
 
     def mixture_report(self) -> dict[str, dict[str, float]] | None:
         """Per source of a mixture: the tokens drawn so far and the epochs that makes (None without a mixture)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_trainer.config import AUTO, ParallelConfig, Precision
+from fsdp_trainer.distributed.context_parallel import ContextParallel, check_world, context_group
 from fsdp_trainer.distributed.parallelize import SHARDING
 
 logger = logging.getLogger("fsdp_trainer")
@@ -36,10 +37,22 @@ class DistEnv:
     mesh: DeviceMesh
     timeout: timedelta
     """How long a collective waits for a peer; every process group the run creates gets it."""
+    context: ContextParallel | None = None
+    """This rank's context-parallel group (parallel.context_parallel > 1), whose ranks read the same windows."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the global batch's windows this rank reads: a context-parallel group reads one."""
+        return self.rank // (self.context.degree if self.context else 1)
+
+    @property
+    def data_world(self) -> int:
+        """The ranks that read different windows (data-parallel ranks)."""
+        return self.world_size // (self.context.degree if self.context else 1)
 
 
 def setup_logging(rank: int) -> None:
@@ -94,6 +107,7 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
             f"parallel.sharding=HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the ranks per "
             f"node ({local_world_size}); launch the same --nproc_per_node on every node"
         )
+    check_world(cfg.context_parallel, world_size)
     if use_cuda and cfg.expandable_segments:
         _use_expandable_segments()
     elif cfg.expandable_segments:
@@ -128,7 +142,8 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         # a dead peer must fail them as fast as the main group. Private, but the only way after creation (torchtitan
         # does the same).
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
-    return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout)
+    context = context_group(cfg.context_parallel, world_size, device, timeout)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout, context)
 
 
 # From the least to the most capable: ranks that disagree (a node of V100s beside A100s) all take the lowest choice.

@@ -71,6 +71,9 @@ class Kind:
     """What a step reports beside its loss (means over the global batch), under these names."""
     shown: ClassVar[dict[str, str]] = {}
     """The metrics the log line carries beside the loss, with their labels."""
+    splits_windows: ClassVar[bool] = False
+    """Whether its step can train on a share of each window (context parallelism: distributed/context_parallel.py),
+    each micro-batch's `context` passed to the model."""
 
     @classmethod
     def wanted(cls, recipe: Any) -> bool:

@@ -105,6 +105,7 @@ class Distillation(Kind):
 
     name = "distillation"
     chosen_by = "set distill.teacher to a checkpoint"
+    splits_windows = False  # not the next-token step's: the teacher and its sampler take windows whole
     metrics = ("kd_loss", "ce_loss", "teacher_ce_loss")  # the last the teacher's own, on the same targets: the floor
     shown = {"kd_loss": "kd"}
 

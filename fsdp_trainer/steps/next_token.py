@@ -24,6 +24,7 @@ class NextTokenStep(Step):
     chosen_by = "ask for no other kind"
     trains_on = "tokens"
     prepared_with = "tools/prepare_data.py (--format text or chat)"
+    splits_windows = True
 
     def __init__(self, chunks: int = 1):
         super().__init__()
@@ -49,7 +50,7 @@ class NextTokenStep(Step):
 
     def sums(self, model: nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         objective = NextTokenLoss(batch.targets, self.chunks, batch.trained)  # over its targets
-        loss = model(batch.inputs, batch.documents, loss=objective)
+        loss = model(batch.inputs, batch.documents, loss=objective, context=batch.context)
         return loss, loss.new_zeros(0)
 
     def extra(self, micro_batches: list[MicroBatch], units: torch.Tensor | float) -> dict[str, torch.Tensor | float]:

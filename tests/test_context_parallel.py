@@ -1,0 +1,164 @@
+"""Context parallelism (distributed/context_parallel.py): each window's positions split over the ranks of a group,
+attention over every rank's keys. Against the whole window on one process: logits, loss and every gradient."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_trainer.config import ModelConfig
+from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.context_parallel import context_group, held_runs
+from fsdp_trainer.loss import IGNORE, NextTokenLoss
+from fsdp_trainer.model import Transformer
+from tests.conftest import PAIRS_SEQ_LEN
+from tests.helpers import read_metrics, rewind, run_args, run_distributed, train_cli
+
+# (family, its switches): Llama 3 plain causal; Qwen3's QK-norm; Mistral's window and Gemma 3's local layers (their
+# own rotary base) shorter than the window, so a rank's tail chunk sees keys of the other rank's chunks and not all.
+CASES = {
+    "llama": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 5},
+    "gemma3": {"sliding_window": 5, "sliding_window_pattern": 2, "rope_local_theta": 100.0},
+}
+T = 16
+
+
+def _model(family: str, flex: bool) -> Transformer:
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                      max_seq_len=T, **CASES[family])  # fmt: skip
+    model = Transformer(cfg, flex_attention=flex)
+    model.init_weights(seed=3)
+    return model
+
+
+def _batch(packed: bool) -> MicroBatch:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (2, T + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    if not packed:
+        return MicroBatch(tokens[:, :-1], targets)
+    # row 0: examples of 3, 7 and 6 positions (one crossing the chunks' boundaries); row 1: one of 5 and one of 11
+    documents = torch.tensor([[0] * 3 + [1] * 7 + [2] * 6, [0] * 5 + [1] * 11])
+    targets[torch.rand(targets.shape, generator=g) < 0.3] = IGNORE  # prompts: no target
+    trained = torch.nonzero(targets.flatten() != IGNORE).flatten()
+    return MicroBatch(tokens[:, :-1], targets, documents, trained=trained)
+
+
+def _equals_the_whole_window(rank: int, world: int, family: str, packed: bool, flex: bool) -> None:
+    whole, split = _model(family, flex), _model(family, flex)
+    batch = _batch(packed)
+    group = context_group(world, world, torch.device("cpu"), timedelta(seconds=60))
+    mine = group.shard(batch)
+    index = torch.cat([torch.arange(a, b) for a, b in held_runs(rank, world, T)])
+    assert torch.equal(mine.inputs, batch.inputs[:, index]) and torch.equal(mine.targets, batch.targets[:, index])
+    with torch.no_grad():
+        logits = whole(batch.inputs, batch.documents)
+        torch.testing.assert_close(split(mine.inputs, mine.documents, context=mine.context), logits[:, index])
+    if flex:
+        return  # flex_attention has no backward on a CPU
+
+    expected = whole(batch.inputs, batch.documents, loss=NextTokenLoss(batch.targets, 1, batch.trained))
+    expected.backward()
+    share = split(mine.inputs, mine.documents, loss=NextTokenLoss(mine.targets, 1, mine.trained), context=mine.context)
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, ours), theirs in zip(split.named_parameters(), whole.parameters(), strict=True):
+        dist.all_reduce(ours.grad)  # each rank's share of the gradient (FSDP's reduce-scatter sums them)
+        gap = (ours.grad - theirs.grad).abs().max()
+        assert gap <= 1e-5 * theirs.grad.abs().max(), (name, gap)
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_two_ranks_of_a_window_compute_the_whole_windows_logits_loss_and_gradients(family):
+    """CP 2: each rank holds chunks r and 3 - r of 4; its logits are the whole window's at those positions, and the
+    loss and every gradient summed over the ranks are the whole window's (fp32, rel 1e-5); plain windows, and windows
+    packed with several examples (the whole window's example numbers decide each rank's mask and rotary places)."""
+    for packed in (False, True):
+        run_distributed(_equals_the_whole_window, family, packed, False)
+
+
+def test_flex_attention_over_the_ranks_keys_is_the_dense_masks():
+    """The path a GPU takes (flex_attention, a BlockMask a run): the same logits, packed and in a sliding window (its
+    backward runs on GPUs only)."""
+    run_distributed(_equals_the_whole_window, "mistral", True, True)
+
+
+def _records(out_dir) -> dict[int, dict]:
+    """Each step's metrics, its records merged."""
+    merged = {}
+    for record in read_metrics(out_dir):
+        merged.setdefault(record["step"], {}).update(record)
+    return merged
+
+
+def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tmp_path):
+    """fsdp-train with parallel.context_parallel 2: on 2 ranks (one group) and on 4 (2 data-parallel ranks x CP 2,
+    FSDP over all 4), the loss, the validation loss and the gradient norm of every step are those of 1 process with
+    the same global batch of 2 windows (accumulation 2), to float rounding; the run saved at CP 2 resumes on 1 process
+    as that one continues. tokens/s counts each window once."""
+    every, evals = {"every": 3, "keep_last": 0}, {"eval_every": 3, "eval_steps": 2}
+    cp = {"context_parallel": 2}
+    one, two, four = tmp_path / "one", tmp_path / "two", tmp_path / "four"
+    batch = {"micro_batch_size": 1, "grad_accum_steps": 2}
+    train_cli(run_args(tiny_data, one, 6, data=batch, train=evals))
+    train_cli(run_args(tiny_data, two, 6, data=batch, train=evals, parallel=cp, checkpoint=every), nproc=2)
+    halved = {**evals, "eval_steps": 1}  # a global micro-batch of 2 windows: the 1 process's 2 of 1
+    proc = train_cli(run_args(tiny_data, four, 6, data={"micro_batch_size": 1}, train=halved, parallel=cp), nproc=4)
+    assert "4 rank(s) (context parallel 2), FULL_SHARD, fp32 | global batch 2 x 32 tokens" in proc.stdout
+    expected = _records(one)
+    assert sum("val_loss" in r for r in expected.values()) == 2
+    for run in (two, four):
+        records = _records(run)
+        assert sorted(records) == sorted(expected)
+        for step, record in records.items():
+            for key in ("loss", "val_loss", "grad_norm"):
+                assert (key in record) == (key in expected[step]), (run.name, step, key)
+                if key in record:
+                    assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (run.name, step, key)
+    rewind(two, 3)
+    train_cli(run_args(tiny_data, two, 6, data=batch, train=evals))  # 1 process, no CP
+    for step, record in _records(two).items():
+        assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+
+
+def test_sft_on_packed_conversations_with_context_parallel_equals_one_process(chat_data, tmp_path):
+    """SFT on conversations packed in 128-token windows (several a window, their prompts not trained on): CP 2 on 2
+    ranks equals 1 process, loss and supervised tokens a step."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_cli(run_args(chat_data, one, 4))
+    train_cli(run_args(chat_data, two, 4, parallel={"context_parallel": 2}), nproc=2)
+    expected = _records(one)
+    for step, record in _records(two).items():
+        assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert record["supervised_tokens"] == expected[step]["supervised_tokens"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--data.seq_len", "30"],
+            "error: parallel.context_parallel=2 cuts each window into 4 equal chunks: "
+            "data.seq_len (30) must be a multiple of 4",
+        ),  # fmt: skip
+        ([], "error: parallel.context_parallel=2 needs the world size (1) to be a multiple of it"),
+        (["preference"], "error: parallel.context_parallel=2: the preference kind needs each window whole on a rank"),
+    ],
+)
+def test_what_context_parallelism_cannot_run_is_one_line_before_training(tiny_data, pairs, tmp_path, flags, message):
+    if flags == ["preference"]:  # DPO on pairs: each pair's answers are scored whole
+        data = {"train_path": pairs / "train.bin", "val_path": None, "seq_len": PAIRS_SEQ_LEN}
+        flags = run_args(tiny_data, tmp_path, model={"max_seq_len": PAIRS_SEQ_LEN}, data=data,
+                         preference={"loss": "sigmoid"})[4:]  # fmt: skip
+    proc = train_cli([*run_args(tiny_data, tmp_path), "--parallel.context_parallel", "2", *flags], check=False)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
