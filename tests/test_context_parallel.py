@@ -12,6 +12,7 @@ import torch.distributed as dist
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.context_parallel import context_group, held_runs
+from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import IGNORE, NextTokenLoss
 from fsdp_trainer.model import Transformer
 from tests.conftest import PAIRS_SEQ_LEN
@@ -49,8 +50,9 @@ def _batch(packed: bool) -> MicroBatch:
     return MicroBatch(tokens[:, :-1], targets, documents, trained=trained)
 
 
-def _equals_the_whole_window(rank: int, world: int, family: str, packed: bool, flex: bool) -> None:
+def _equals_the_whole_window(rank: int, world: int, family: str, packed: bool, flex: bool, ac: str = "none") -> None:
     whole, split = _model(family, flex), _model(family, flex)
+    apply_ac(split, ac)
     batch = _batch(packed)
     group = context_group(world, world, torch.device("cpu"), timedelta(seconds=60))
     mine = group.shard(batch)
@@ -82,6 +84,13 @@ def test_two_ranks_of_a_window_compute_the_whole_windows_logits_loss_and_gradien
     packed with several examples (the whole window's example numbers decide each rank's mask and rotary places)."""
     for packed in (False, True):
         run_distributed(_equals_the_whole_window, family, packed, False)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_checkpointed_blocks_gather_again_in_backward_to_the_same_gradients(ac):
+    """Under activation checkpointing each block's recomputation gathers the keys and values again (every rank in
+    the same order): the same loss and gradients as the whole window without it."""
+    run_distributed(_equals_the_whole_window, "qwen3", True, False, ac)
 
 
 def test_flex_attention_over_the_ranks_keys_is_the_dense_masks():
@@ -128,12 +137,14 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
 
 
-def test_sft_on_packed_conversations_with_context_parallel_equals_one_process(chat_data, tmp_path):
-    """SFT on conversations packed in 128-token windows (several a window, their prompts not trained on): CP 2 on 2
-    ranks equals 1 process, loss and supervised tokens a step."""
+def test_lora_sft_on_packed_conversations_with_context_parallel_equals_one_process(chat_data, tmp_path):
+    """SFT on conversations packed in 128-token windows (several a window, their prompts not trained on), with LoRA,
+    selective AC and the loss in 2 slices: CP 2 on 2 ranks equals 1 process, loss and supervised tokens a step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    train_cli(run_args(chat_data, one, 4))
-    train_cli(run_args(chat_data, two, 4, parallel={"context_parallel": 2}), nproc=2)
+    lora, train = {"rank": 4, "alpha": 8}, {"loss_chunks": 2}
+    train_cli(run_args(chat_data, one, 4, lora=lora, train=train, parallel={"activation_checkpointing": "selective"}))
+    parallel = {"context_parallel": 2, "activation_checkpointing": "selective"}
+    train_cli(run_args(chat_data, two, 4, lora=lora, train=train, parallel=parallel), nproc=2)
     expected = _records(one)
     for step, record in _records(two).items():
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
@@ -147,9 +158,13 @@ def test_sft_on_packed_conversations_with_context_parallel_equals_one_process(ch
             ["--data.seq_len", "30"],
             "error: parallel.context_parallel=2 cuts each window into 4 equal chunks: "
             "data.seq_len (30) must be a multiple of 4",
-        ),  # fmt: skip
+        ),
         ([], "error: parallel.context_parallel=2 needs the world size (1) to be a multiple of it"),
         (["preference"], "error: parallel.context_parallel=2: the preference kind needs each window whole on a rank"),
+        (
+            ["--model.family", "qwen3_moe", "--model.moe", "{experts: 4, top_k: 2, ffn_dim: 32}"],
+            "error: parallel.context_parallel=2: a mixture of experts' load-balancing loss",
+        ),
     ],
 )
 def test_what_context_parallelism_cannot_run_is_one_line_before_training(tiny_data, pairs, tmp_path, flags, message):

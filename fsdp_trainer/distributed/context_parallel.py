@@ -154,6 +154,11 @@ def check_context_parallel(recipe: Any, kind: Any) -> None:
             f"parallel.context_parallel={degree} cuts each window into {2 * degree} equal chunks: data.seq_len "
             f"({data.seq_len}) must be a multiple of {2 * degree}"
         )
+    if recipe.model.moe is not None:
+        raise ValueError(
+            f"parallel.context_parallel={degree}: a mixture of experts' load-balancing loss is over each window's "
+            "tokens together, which context parallelism would split; set parallel.context_parallel 1"
+        )
     if not kind.splits_windows:
         raise ValueError(
             f"parallel.context_parallel={degree}: the {kind.name} kind needs each window whole on a rank; context "
