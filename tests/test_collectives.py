@@ -10,6 +10,7 @@ only counts the c10d ops has no module tracking to break.
 from __future__ import annotations
 
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_trainer.config import ModelConfig, OptimConfig, ParallelConfig
+from fsdp_trainer.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, Recipe
 from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.context_parallel import context_group
 from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
+from fsdp_trainer.planner.activations import context_parallel_bytes
 from fsdp_trainer.planner.memory import comm_bytes_per_rank, gathered_per_step, regathered_in_backward
 from fsdp_trainer.train import train_step
 from tests.helpers import run_distributed
@@ -36,6 +39,8 @@ class CollectiveCounter(TorchDispatchMode):
     gathered output (all-gather), the reduced input (reduce-scatter) or the tensor (all-reduce)."""
 
     KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
+    FUNCTIONAL = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    """Functional collectives (context parallelism's keys and values), by their output's or input's elements."""
 
     def __init__(self):
         super().__init__()
@@ -48,6 +53,10 @@ class CollectiveCounter(TorchDispatchMode):
             group = next(a for a in args if isinstance(a, torch.ScriptObject))
             tensor = args[0][0] if kind == "all_reduce" else args[0 if kind == "all_gather" else 1]
             self.calls[(kind, dist.ProcessGroup.unbox(group).size(), tensor.numel())] += 1
+        elif func.namespace == "_c10d_functional" and name in self.FUNCTIONAL:  # not its waits, its wrappers
+            kind, size = self.FUNCTIONAL[name], args[-2]  # (tensor, [reduce op,] group size, group name)
+            elements = args[0].numel() * (size if kind == "all_gather" else 1)
+            self.calls[("functional_" + kind, size, elements)] += 1
         return func(*args, **(kwargs or {}))
 
     def total(self, kind: str, group: int | None = None) -> tuple[int, int]:
@@ -131,3 +140,33 @@ def test_each_sharding_issues_the_collectives_its_table_row_promises():
 
 def test_hybrid_shard_gathers_within_a_node_and_all_reduces_across_nodes():
     run_distributed(_check_counts, world_size=4)
+
+
+def _check_context_parallel(rank, world):
+    """CP 2 on 2 ranks: each block's keys and values gathered once in forward (and again where AC recomputes the
+    block), their gradients reduce-scattered once in backward, the whole window's each time; the planner's bytes."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    context = context_group(world, world, torch.device("cpu"), timedelta(seconds=60))
+    tokens = torch.randint(0, CFG.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(0))  # both ranks'
+    batches = [context.shard(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in tokens]
+    for ac in ("none", "full"):
+        with torch.device("meta"):
+            model = Transformer(CFG)
+        parallel = ParallelConfig(mixed_precision="fp32", activation_checkpointing=ac, context_parallel=world)
+        applied = parallelize(model, parallel, mesh)
+        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
+        optimizer = build_optimizer(model, OptimConfig())
+        train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        with CollectiveCounter() as counter:
+            train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        window = 2 * 2 * 16 * CFG.n_kv_heads * CFG.resolved_head_dim  # keys and values, 2 rows of 16 positions
+        gathers = 2 * BLOCKS * (2 if ac == "full" else 1)  # 2 micro-batches
+        assert counter.calls[("functional_all_gather", world, window)] == gathers, counter.calls
+        assert counter.calls[("functional_reduce_scatter", world, window)] == 2 * BLOCKS, counter.calls
+        recipe = Recipe(model=CFG, parallel=parallel, data=DataConfig(seq_len=16, micro_batch_size=2))
+        sent = 2 * context_parallel_bytes(recipe, 4, ac, "cpu")[3]  # per micro-step, fp32
+        assert sent == pytest.approx(4 * (gathers + 2 * BLOCKS) * window / 2)  # a ring sends half on 2 ranks
+
+
+def test_context_parallel_gathers_each_blocks_keys_and_values_as_planned():
+    run_distributed(_check_context_parallel)

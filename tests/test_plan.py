@@ -383,7 +383,7 @@ def check_rows(stdout: str) -> list[list[str]]:
     return [row.strip(" |").split(" | ") for row in rows]
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo"])
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -397,7 +397,8 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
     widths with two of its blocks: one that backward gathers again and the last, which stays gathered (each block is
     seconds of Python dispatch on fake tensors; more of them repeat the same terms). A GRPO step trains the G
     completions of each prompt (G x the micro-batch's windows) after what sampling them allocates (the model gathered
-    whole, a KV cache, a decode pass's logits: the step on fake tensors rehearses it, since nothing can be drawn)."""
+    whole, a KV cache, a decode pass's logits: the step on fake tensors rehearses it, since nothing can be drawn).
+    Context parallelism: each rank's share of the windows, with the keys and values its attention gathers."""
     extra = {
         "grpo": [
             "--grpo.rewards",
@@ -410,6 +411,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
             "64",
         ],  # fmt: skip
         "dpo": ["--preference.loss", "sigmoid", "--data.grad_accum_steps", "2"],
+        # context parallelism over 2 of the 4 ranks: half of each 1,024-token window a rank, the
+        # whole window's keys and values kept by each block's attention, the gathers' buffers in backward
+        "context": ["--parallel.context_parallel", "2", "--data.seq_len", "1024", "--model.max_seq_len", "1024"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
         "lora-1": ["--lora.rank", "16", "--data.micro_batch_size", "8", "--nproc", "1", "--nnodes", "1"],

@@ -8,6 +8,13 @@ import torch
 from fsdp_trainer.config import LoraConfig, ModelConfig, Recipe
 from fsdp_trainer.distributed.parallelize import WIDENING, uses_flex_attention
 from fsdp_trainer.moe import moe_layers
+from fsdp_trainer.steps import training_kind
+
+
+def rank_tokens(recipe: Recipe) -> int:
+    """The tokens a rank's micro-batch holds: the kind's rows of data.seq_len, 1 / N of each under context
+    parallelism (parallel.context_parallel N)."""
+    return training_kind(recipe).trained_rows(recipe) * recipe.data.seq_len // recipe.parallel.context_parallel
 
 
 def activation_bytes_per_token(
@@ -92,3 +99,28 @@ def moe_feed_forward(cfg: ModelConfig, a: int) -> tuple[float, float]:
     k, ffn, d, experts = cfg.moe.top_k, cfg.moe.ffn_dim, cfg.dim, cfg.moe.experts
     full = 4 * experts + 28 * k + 4 + a * (3 * k * d + 3 * k * ffn + k)
     return full, a * (experts + 2 * k * ffn + k * d)
+
+
+def context_parallel_bytes(
+    recipe: Recipe, compute_bytes: int, ac: str, device: str
+) -> tuple[float, float, float, float]:
+    """Under context parallelism (parallel.context_parallel N > 1: distributed/context_parallel.py), what a rank holds
+    and sends beyond its 1 / N of each window's tokens: (bytes a layer keeps more, bytes a block's backward holds more,
+    the masks' bytes, bytes sent per micro-step). Attention keeps the whole window's gathered keys and values in place
+    of its own (rows x T x 2kv x a, without AC: checkpointing gathers them again); a block's backward holds them and
+    their gradient; attended eagerly (a CPU, a GPU without compile), a run's T / 2N queries read an additive mask of the
+    keys they may see, made once a forward (a packed window's B of them: the plan counts one; flex_attention's block
+    masks, compiled on a GPU: a few bytes, none counted). Each layer's
+    gather sends (N - 1) / N of them, its backward's reduce-scatter as much, a recomputation gathers them again."""
+    n = recipe.parallel.context_parallel
+    if n == 1:
+        return 0.0, 0.0, 0.0, 0.0
+    cfg, seq_len = recipe.model, recipe.data.seq_len
+    rows = recipe.data.micro_batch_size
+    gathered = compute_bytes * rows * seq_len * 2 * cfg.n_kv_heads * cfg.resolved_head_dim
+    chunk, window = seq_len // (2 * n), cfg.sliding_window
+    keys = [min(end, window + chunk - 1) if window else end for end in (chunk, seq_len)]  # rank 0's runs, the most
+    dense = not uses_flex_attention(recipe.parallel, torch.device(device))
+    mask = compute_bytes * chunk * sum(keys) if dense else 0.0
+    sent = cfg.n_layers * (2 + (ac != "none")) * gathered * (n - 1) / n
+    return (gathered * (n - 1) / n if ac == "none" else 0.0), 2 * gathered, mask, sent

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +26,7 @@ from fsdp_trainer.adapters import meta_model
 from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
+from fsdp_trainer.distributed.context_parallel import context_group
 from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.steps import training_kind
@@ -60,7 +62,9 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     else:
         mesh = init_device_mesh("cpu", (replicas, group), mesh_dim_names=("dp_replicate", "dp_shard"))
     parallel.compile = False  # nothing to compile for fake tensors
-    env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), world_size=nproc * nnodes)
+    world = nproc * nnodes
+    context = context_group(parallel.context_parallel, world, torch.device("cpu"), timedelta(seconds=60))
+    env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), world_size=world, context=context)
     kind = training_kind(recipe)
     # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
@@ -75,6 +79,8 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         shape = (data.grad_accum_steps, kind.trained_rows(recipe), data.seq_len + 1)
         windows = torch.randint(0, recipe.model.vocab_size, shape)
         batches = [kind.fake_batch(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in windows]
+        if context is not None:  # this rank's share of each window
+            batches = [context.shard(batch) for batch in batches]
         step = kind.build(recipe, env, model)
         for start in step.starts:
             allocate(start.model, "cpu")

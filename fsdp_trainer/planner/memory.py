@@ -114,7 +114,13 @@ from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.generation import sampling_bytes
 from fsdp_trainer.model import Transformer, count_params
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
-from fsdp_trainer.planner.activations import activation_bytes_per_token, adapter_copies_per_block, attention_mask_bytes
+from fsdp_trainer.planner.activations import (
+    activation_bytes_per_token,
+    adapter_copies_per_block,
+    attention_mask_bytes,
+    context_parallel_bytes,
+    rank_tokens,
+)
 from fsdp_trainer.steps import training_kind
 
 RUNTIME_GB = {"cpu": 0.35, "cuda": 0.5}  # the runtime term (module docstring)
@@ -372,8 +378,7 @@ def estimate(
     a = compute_dtype(precision_on(recipe.parallel.mixed_precision, device)[0]).itemsize  # auto: as a run would
     n_block = count_params(cfg, one_block=True)
     n_root = count_params(cfg) - cfg.n_layers * n_block
-    kind = training_kind(recipe)
-    tokens, prefetch = kind.trained_rows(recipe) * data.seq_len, recipe.parallel.prefetch_blocks
+    tokens, prefetch, cp = rank_tokens(recipe), recipe.parallel.prefetch_blocks, recipe.parallel.context_parallel
     meta = read_only_meta_model(cfg, recipe.lora)  # frozen weights (adapters): no gradient, no optimizer state
     n_params = sum(p.numel() for p in meta.parameters())
     trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
@@ -401,18 +406,20 @@ def estimate(
     gathered_bytes = (a * (n_params - quantized) + NF4_BYTES * quantized) / n_params  # per parameter, on average
     gradient_buffers = gradient_buffer_bytes(meta, a, n_root, n_block, trainable / n_params, shard_group)
     saved, full = activation_bytes_per_token(cfg, a, ac, recipe.lora)
-    block_activations = tokens * saved + adapter_copies_per_block(cfg, a, ac, recipe.lora)
-    mask = attention_mask_bytes(recipe, a, device)  # one, for every windowed block
+    cp_kept, cp_backward, cp_mask, cp_sent = context_parallel_bytes(recipe, a, ac, device)
+    block_activations = tokens * saved + adapter_copies_per_block(cfg, a, ac, recipe.lora) + cp_kept
+    mask = cp_mask if cp > 1 else attention_mask_bytes(recipe, a, device)  # one, for every windowed block
     activations = cfg.n_layers * block_activations + mask
     logits = logits_bytes(meta, tokens, recipe.train.loss_chunks, a)
-    backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params) + dequantized
+    backward = block_backward_bytes(meta, tokens, full, ac != "none", a, n_block * trainable / n_params)
+    backward += dequantized + cp_backward
     regathered = regathered_in_backward(cfg)
     sent, internode = comm_bytes_per_rank(
         sharding, n_params, gathered_bytes, accum, nproc, nnodes, regathered, trainable, unsharded
     )
     accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
     forward, again, reference, sampled = kind_costs(recipe, n_params, trainable, gathered_bytes, shard_group, a)
-    sent += again
+    sent += again + accum * cp_sent  # a context-parallel group's gathers: within a node
     internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
     host = traffic = 0
     if on_host:

@@ -47,6 +47,7 @@ from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.generation import kv_cache_bytes
 from fsdp_trainer.metrics import PEAK_FLOPS, attention_flops_per_token, expert_flops_per_token, flops_per_token
 from fsdp_trainer.model import count_params
+from fsdp_trainer.planner.activations import rank_tokens
 from fsdp_trainer.steps import training_kind
 
 
@@ -156,7 +157,7 @@ def step_time(
     spec, cfg, data = spec or GPUS[gpu], recipe.model, recipe.data
     recomputed = recomputed_share(estimate.ac) if recomputed is None else recomputed
     peak = peak_flops(recipe, gpu)
-    tokens = training_kind(recipe).trained_rows(recipe) * data.seq_len * data.grad_accum_steps  # per GPU per step
+    tokens = rank_tokens(recipe) * data.grad_accum_steps  # per GPU per step
     attention = calibration.attention_a100 if gpu == "A100" else calibration.attention
     compute_s = tokens * seconds_per_token(
         recipe, estimate, peak, attention, spec.hbm_gb_s * 1e9, calibration, recomputed
@@ -241,7 +242,7 @@ def peak_flops(recipe: Recipe, gpu: str) -> float:
 def matmul_tokens(recipe: Recipe) -> tuple[int, float]:
     """The tokens that share a weight in a micro-batch's matmuls, which set their efficiency: the micro-batch's, and
     a routed expert's, top_k / experts of them on average (the micro-batch's in a dense model)."""
-    cfg, tokens = recipe.model, training_kind(recipe).trained_rows(recipe) * recipe.data.seq_len
+    cfg, tokens = recipe.model, rank_tokens(recipe)
     return tokens, tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
 
 
