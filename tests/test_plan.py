@@ -749,9 +749,10 @@ def test_a_gpu_plan_on_a_machine_without_one_names_the_gpu_and_one_device_gets_a
 
 
 def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_and_checks_them(capsys):
-    """`plan --max_seq_len`: per AC mode, the longest data.seq_len that fits at micro-batch 1 (a multiple of 256; one
-    step more would not fit) and the largest micro-batch at the recipe's seq_len; with --check, each longest one run
-    on fake tensors, which allocates no more than planned (to 5%)."""
+    """`plan --max_seq_len`: per context-parallel degree (1, 2 on 2 ranks) and AC mode, the longest data.seq_len that
+    fits at micro-batch 1 (a multiple of 256; one step more would not fit) and the largest micro-batch at the recipe's
+    seq_len; with --check, each longest one run on fake tensors, which allocates no more than planned (to 5%). CP 2
+    fits longer windows than CP 1 under each AC mode."""
     from fsdp_trainer.planner.plan import SEQ_LEN_STEP, fitting, main, shaped
 
     args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.max_seq_len", "65536"]
@@ -759,20 +760,23 @@ def test_max_seq_len_finds_the_longest_window_and_largest_micro_batch_that_fit_a
     assert not torch.distributed.is_initialized()  # the fake world is gone with its step: none left for other tests
     rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     recipe = parse_recipe(args)
-    assert [row[0] for row in rows[1:]] == ["none", "selective", "full"]
-    lengths = []
-    for ac, seq_len, _, _, batch, _, _, check in rows[1:]:
+    assert [row[:2] for row in rows[1:]] == [[cp, ac] for cp in "12" for ac in ("none", "selective", "full")]
+    lengths = {}
+    for cp, ac, seq_len, _, _, batch, _, _, check in rows[1:]:
         seq_len, batch = int(seq_len.replace(",", "")), int(batch)
-        lengths.append(seq_len)
+        lengths[cp, ac] = seq_len
 
-        def fits(length: int, micro_batch: int, ac=ac) -> bool:
-            return fitting(shaped(recipe, length, micro_batch), 2, 1, ac, "cuda", 1.5) is not None
+        def fits(length: int, micro_batch: int, ac=ac, cp=int(cp)) -> bool:
+            return fitting(shaped(recipe, length, micro_batch, cp), 2, 1, ac, "cuda", 1.5) is not None
 
         assert fits(seq_len, 1) and not fits(seq_len + SEQ_LEN_STEP, 1), ac
         assert fits(recipe.data.seq_len, batch) and not fits(recipe.data.seq_len, batch + 1), ac
         planned, measured = map(float, check.split(" / "))
         assert planned >= 0.95 * measured, (ac, planned, measured)
-    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]  # recomputing more leaves room for longer windows
+    for cp in "12":  # recomputing more leaves room for longer windows
+        by_ac = [lengths[cp, ac] for ac in ("none", "selective", "full")]
+        assert by_ac == sorted(by_ac) and by_ac[0] < by_ac[-1]
+    assert all(lengths["2", ac] > lengths["1", ac] for ac in ("none", "selective", "full"))
 
 
 def test_the_check_names_the_shardings_qloras_weights_do_not_split_over_and_measures_the_rest():

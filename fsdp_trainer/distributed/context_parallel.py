@@ -144,6 +144,12 @@ def check_world(degree: int, world_size: int) -> None:
         )
 
 
+def splits(recipe: Any, kind: Any) -> bool:
+    """Whether a recipe's windows may be split over a context-parallel group: its kind's step trains on a share of
+    each (`kind.splits_windows`), and no mixture of experts balances its load over a window's tokens together."""
+    return kind.splits_windows and recipe.model.moe is None
+
+
 def check_context_parallel(recipe: Any, kind: Any) -> None:
     """What context parallelism needs of a recipe, before any process starts: windows of 2 x degree whole chunks, and a
     training kind whose step can run on a share of each window (`kind.splits_windows`)."""
@@ -160,7 +166,7 @@ def check_context_parallel(recipe: Any, kind: Any) -> None:
             f"parallel.context_parallel={degree}: a mixture of experts' load-balancing loss is over each window's "
             "tokens together, which context parallelism would split; set parallel.context_parallel 1"
         )
-    if not kind.splits_windows:
+    if not splits(recipe, kind):
         raise ValueError(
             f"parallel.context_parallel={degree}: the {kind.name} kind needs each window whole on a rank; context "
             "parallelism trains next-token runs (pretraining, SFT). Set parallel.context_parallel 1"

@@ -24,6 +24,7 @@ import torch
 from fsdp_trainer.adapters import check_quantized_split, quantizes_base
 from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_args, recipe_parser
+from fsdp_trainer.distributed.context_parallel import splits
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
@@ -84,45 +85,56 @@ def largest(fits, low: int, high: int) -> int:
     return high
 
 
-def shaped(recipe: Recipe, seq_len: int, micro_batch_size: int) -> Recipe:
-    """A copy of `recipe` with micro-batches of micro_batch_size x seq_len tokens."""
+def shaped(recipe: Recipe, seq_len: int, micro_batch_size: int, context_parallel: int | None = None) -> Recipe:
+    """A copy of `recipe` with micro-batches of micro_batch_size x seq_len tokens (and a context-parallel degree)."""
     copied = copy.deepcopy(recipe)
     copied.data.seq_len, copied.data.micro_batch_size = seq_len, micro_batch_size
+    copied.parallel.context_parallel = context_parallel or recipe.parallel.context_parallel
     return copied
 
 
-def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float) -> list[tuple]:
-    """Per AC mode: (AC, the longest data.seq_len that fits at micro-batch 1, a multiple of SEQ_LEN_STEP up to
-    model.max_seq_len, and its row; the largest data.micro_batch_size that fits at the recipe's seq_len, and its
-    row), a length or size 0 and a row None where nothing fits."""
-    found, seq_len_now = [], recipe.data.seq_len
-    for ac in AC_MODES:
+def context_degrees(recipe: Recipe, nproc: int) -> list[int]:
+    """The context-parallel degrees --max_seq_len tries: 1, and where the recipe's windows may be split, each power of
+    2 that divides a node's ranks (a group within a node)."""
+    degrees = [1]
+    while splits(recipe, training_kind(recipe)) and nproc % (2 * degrees[-1]) == 0:
+        degrees.append(2 * degrees[-1])
+    return degrees
 
-        def row(seq_len: int, micro_batch_size: int, ac: str = ac) -> Estimate | None:
-            return fitting(shaped(recipe, seq_len, micro_batch_size), nproc, nnodes, ac, device, mem)
+
+def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float) -> list[tuple]:
+    """Per context-parallel degree and AC mode: (degree, AC, the longest data.seq_len that fits at micro-batch 1, a
+    multiple of SEQ_LEN_STEP up to model.max_seq_len, and its row; the largest data.micro_batch_size that fits at the
+    recipe's seq_len, and its row), a length or size 0 and a row None where nothing fits (or the seq_len does not
+    split into the degree's chunks)."""
+    found, seq_len_now = [], recipe.data.seq_len
+    for cp, ac in [(cp, ac) for cp in context_degrees(recipe, nproc) for ac in AC_MODES]:
+
+        def row(seq_len: int, micro_batch_size: int, ac: str = ac, cp: int = cp) -> Estimate | None:
+            return fitting(shaped(recipe, seq_len, micro_batch_size, cp), nproc, nnodes, ac, device, mem)
 
         steps = largest(lambda n: row(n * SEQ_LEN_STEP, 1) is not None, 1, recipe.model.max_seq_len // SEQ_LEN_STEP)
-        batch = largest(lambda n: row(seq_len_now, n) is not None, 1, 4096)
+        batch = largest(lambda n: row(seq_len_now, n) is not None, 1, 4096) if seq_len_now % (2 * cp) == 0 else 0
         seq_len = max(steps, 0) * SEQ_LEN_STEP
         seq_row = row(seq_len, 1) if seq_len else None
-        found.append((ac, seq_len, seq_row, max(batch, 0), row(seq_len_now, batch) if batch > 0 else None))
+        found.append((cp, ac, seq_len, seq_row, max(batch, 0), row(seq_len_now, batch) if batch > 0 else None))
     return found
 
 
 def longest_table(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: float, check: bool) -> str:
     """longest_fits as a table; with `check`, each longest sequence's row run on fake tensors beside its estimate."""
-    columns = ["AC", "longest data.seq_len (micro-batch 1)", "sharding", "GB / rank",
+    columns = ["context parallel", "AC", "longest data.seq_len (micro-batch 1)", "sharding", "GB / rank",
                f"largest micro-batch at seq_len {recipe.data.seq_len}", "sharding", "GB / rank"]  # fmt: skip
     if check:
         columns.append("longest: planned / measured on fake tensors (GB, no runtime)")
     rows = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for ac, seq_len, seq_row, batch, batch_row in longest_fits(recipe, nproc, nnodes, device, mem):
+    for cp, ac, seq_len, seq_row, batch, batch_row in longest_fits(recipe, nproc, nnodes, device, mem):
         limit = " (model.max_seq_len)" if seq_len + SEQ_LEN_STEP > recipe.model.max_seq_len else ""
-        cells = [ac, f"{seq_len:,}{limit}", *_row_cells(seq_row), str(batch), *_row_cells(batch_row)]
+        cells = [str(cp), ac, f"{seq_len:,}{limit}", *_row_cells(seq_row), str(batch), *_row_cells(batch_row)]
         if check:
             cells.append("-")
             if seq_row is not None:
-                longest = shaped(recipe, seq_len, 1)
+                longest = shaped(recipe, seq_len, 1, cp)
                 longest.parallel.sharding, longest.parallel.activation_checkpointing = seq_row.sharding, ac
                 planned = seq_row.total_gb - seq_row.runtime_gb
                 cells[-1] = f"{planned:.2f} / {measured_peak_gb(longest, nproc, nnodes):.2f}"
