@@ -17,6 +17,7 @@ EXPECTED_PARAMS = {
     "125m.yaml": 123_685_632,  # 32000*768 + 12*(2_359_296 + 5_898_240 + 1536) + 768
     "1b.yaml": 1_235_814_400,
     "8b.yaml": 8_030_261_248,
+    "long_context_llama3_1_8b.yaml": 8_030_261_248,
     "qwen3_0.6b.yaml": 596_049_920,
     "llama3_2_1b_finetune.yaml": 1_235_814_400,
     "qwen3_0.6b_finetune.yaml": 596_049_920,
