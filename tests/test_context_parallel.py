@@ -109,17 +109,17 @@ def _records(out_dir) -> dict[int, dict]:
 
 def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tmp_path):
     """fsdp-train with parallel.context_parallel 2: on 2 ranks (one group) and on 4 (2 data-parallel ranks x CP 2,
-    FSDP over all 4), the loss, the validation loss and the gradient norm of every step are those of 1 process with
-    the same global batch of 2 windows (accumulation 2), to float rounding; the run saved at CP 2 resumes on 1 process
-    as that one continues. tokens/s counts each window once."""
-    every, evals = {"every": 3, "keep_last": 0}, {"eval_every": 3, "eval_steps": 2}
+    FSDP over all 4), the loss, the validation loss and the gradient norm of each of 10 steps are those of 1 process
+    with the same global batch of 2 windows (accumulation 2), to float rounding; the run saved at CP 2 resumes on 1
+    process as that one continues. The banner counts each window once."""
+    every, evals = {"every": 5, "keep_last": 0}, {"eval_every": 5, "eval_steps": 2}
     cp = {"context_parallel": 2}
     one, two, four = tmp_path / "one", tmp_path / "two", tmp_path / "four"
     batch = {"micro_batch_size": 1, "grad_accum_steps": 2}
-    train_cli(run_args(tiny_data, one, 6, data=batch, train=evals))
-    train_cli(run_args(tiny_data, two, 6, data=batch, train=evals, parallel=cp, checkpoint=every), nproc=2)
+    train_cli(run_args(tiny_data, one, 10, data=batch, train=evals))
+    train_cli(run_args(tiny_data, two, 10, data=batch, train=evals, parallel=cp, checkpoint=every), nproc=2)
     halved = {**evals, "eval_steps": 1}  # a global micro-batch of 2 windows: the 1 process's 2 of 1
-    proc = train_cli(run_args(tiny_data, four, 6, data={"micro_batch_size": 1}, train=halved, parallel=cp), nproc=4)
+    proc = train_cli(run_args(tiny_data, four, 10, data={"micro_batch_size": 1}, train=halved, parallel=cp), nproc=4)
     assert "4 rank(s) (context parallel 2), FULL_SHARD, fp32 | global batch 2 x 32 tokens" in proc.stdout
     expected = _records(one)
     assert sum("val_loss" in r for r in expected.values()) == 2
@@ -131,8 +131,8 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
                 assert (key in record) == (key in expected[step]), (run.name, step, key)
                 if key in record:
                     assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (run.name, step, key)
-    rewind(two, 3)
-    train_cli(run_args(tiny_data, two, 6, data=batch, train=evals))  # 1 process, no CP
+    rewind(two, 5)
+    train_cli(run_args(tiny_data, two, 10, data=batch, train=evals))  # 1 process, no CP
     for step, record in _records(two).items():
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
 
