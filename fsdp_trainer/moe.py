@@ -17,6 +17,8 @@ for the step to add with moe.aux_loss_coef.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -83,6 +85,9 @@ class MixtureOfExperts(nn.Module):
         self.routing: tuple[torch.Tensor, torch.Tensor, int] | None = None
         """The last forward's token copies per expert, router probabilities summed per expert (with their graph) and
         tokens, kept where autograd records: for the load-balancing loss (aux_loss)."""
+        self.dispatch: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """Expert parallelism (distributed/expert_parallel.py): `experts` holds this rank's experts, and dispatch(
+        experts, copies sorted by expert, copies per expert) computes each copy where its expert is, in that order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -99,7 +104,9 @@ class MixtureOfExperts(nn.Module):
             self.routing = per_expert, probabilities.sum(dim=0), len(probabilities)
         offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
         token = order // self.top_k
-        out = self.experts(x[token], offsets) * weights.to(x.dtype).reshape(-1)[order, None]
+        rows = x[token]
+        out = self.experts(rows, offsets) if self.dispatch is None else self.dispatch(self.experts, rows, per_expert)
+        out = out * weights.to(x.dtype).reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, out).reshape(shape)
 
 
