@@ -42,6 +42,7 @@ from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype, load_section
 from fsdp_trainer.data.format import Tokens
 from fsdp_trainer.data.loader import Mixture, TokenLoader, open_data
 from fsdp_trainer.distributed.context_parallel import check_context_parallel
+from fsdp_trainer.distributed.expert_parallel import check_expert_parallel
 from fsdp_trainer.distributed.parallelize import (
     Parallelized,
     fill_local_shard,
@@ -282,6 +283,7 @@ def check_run(recipe: Recipe) -> tuple[Tokens | Mixture, Tokens | None]:
     check_data(recipe, files[0])
     training_kind(recipe).check(recipe)  # what the kind needs beside its data (a teacher that can teach the model)
     check_context_parallel(recipe, training_kind(recipe))
+    check_expert_parallel(recipe)
     require_wandb(recipe)
     check_adapters(recipe.model, recipe.lora, recipe.parallel)
     if recipe.eval.tasks:

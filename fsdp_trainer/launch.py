@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         print("fsdp-train [torchrun's options: --nproc_per_node N --nnodes M ...] --recipe R [--section.key value]\n")
     recipe = parse_recipe(trainer_args)  # bad recipe: one line, exit 1; --help prints and exits 0
     from fsdp_trainer.build import check_run, run_summary  # torch is imported only once the recipe reads
-    from fsdp_trainer.distributed.context_parallel import check_world
+    from fsdp_trainer.distributed.runtime import check_groups
 
     with one_line_errors():  # missing or mismatched data, an unwritable out_dir: one line, nothing spawned
         check_run(recipe)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     low, _, high = str(args.nnodes).partition(":")
     if str(args.nproc_per_node).isdigit() and (high or low) == low:  # the world known before it starts
         with one_line_errors():
-            check_world(recipe.parallel.context_parallel, int(args.nproc_per_node) * int(low))
+            check_groups(recipe.parallel, int(args.nproc_per_node) * int(low))
     nodes = f" on each of {args.nnodes} nodes" if args.nnodes not in ("1", "1:1") else ""
     print(f"starting {args.nproc_per_node} worker(s){nodes}: {summary} -> {recipe.train.out_dir}", flush=True)
     if args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu") and int(args.nproc_per_node) > 1:

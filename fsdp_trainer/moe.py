@@ -39,8 +39,14 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """x (copies, dim) sorted by expert, expert e's rows ending at offsets[e] (int32) -> (copies, dim)."""
-        gate, up = grouped_linear(x, self.gate_up_proj, offsets).chunk(2, dim=-1)
-        return grouped_linear(gated(gate, up), self.down_proj, offsets)
+        gate, up = grouped_linear(x, held(self.gate_up_proj), offsets).chunk(2, dim=-1)
+        return grouped_linear(gated(gate, up), held(self.down_proj), offsets)
+
+
+def held(weight: torch.Tensor) -> torch.Tensor:
+    """An experts' weight as this rank holds it: under expert parallelism a DTensor of every expert whose local part
+    is this rank's experts (distributed/expert_parallel.py), that part; else the weight."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     the same factor. Returns a device tensor: reading it is the caller's (log-step) host sync.
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # all-reduces the partial squared sums of the shards
+    # By mesh: expert parallelism shards the experts over a mesh of their own (distributed/expert_parallel.py)
+    by_mesh: dict = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # all-reduces the shards' sums
+    norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm

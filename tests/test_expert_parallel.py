@@ -3,15 +3,19 @@ each token copy computed on the rank holding its expert. Against the whole model
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from fsdp_trainer.config import ModelConfig, MoEConfig
-from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel
+from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, routed_layers
-from tests.helpers import run_distributed
+from tests.helpers import read_metrics, rewind, run_args, run_distributed, train_cli
+from tests.test_moe import MOE
 
 CFG = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
                   moe=MoEConfig(experts=4, top_k=2, ffn_dim=16))  # fmt: skip
@@ -36,7 +40,7 @@ def _equals_the_whole_model(rank: int, world: int) -> None:
     whole, split = _model(), _model()
     expected = [_loss(whole, tokens) for tokens in batches]  # each rank's batch: its loss and load-balancing loss
     sum(loss + 0.1 * aux for loss, aux, _ in expected).backward()
-    apply_expert_parallel(split, dist.group.WORLD)
+    apply_expert_parallel(split, experts_mesh(world, world, "cpu"))
     loss, aux, first = _loss(split, batches[rank])
     assert (first == 0).sum() == (2 if rank == 0 else 0), first
     (loss + 0.1 * aux).backward()
@@ -45,12 +49,13 @@ def _equals_the_whole_model(rank: int, world: int) -> None:
     local = CFG.moe.experts // world
     for (name, ours), theirs in zip(split.named_parameters(), whole.parameters(), strict=True):
         if "experts" in name:  # this rank's experts' gradients: every rank's copies of them, sent back here
-            theirs_grad, grad = theirs.grad[rank * local : (rank + 1) * local], ours.grad
+            theirs_grad, grad = theirs.grad[rank * local : (rank + 1) * local], ours.grad.to_local()
         else:  # the rest: each rank's share, summed (as FSDP's reduce-scatter sums them)
             theirs_grad, grad = theirs.grad, ours.grad.clone()
             dist.all_reduce(grad)
         assert (grad - theirs_grad).abs().max() <= 1e-5 * theirs_grad.abs().max(), name
-    assert split.model.layers["0"].mlp.experts.gate_up_proj.shape[0] == local
+    held = split.model.layers["0"].mlp.experts.gate_up_proj
+    assert held.shape[0] == CFG.moe.experts and held.to_local().shape[0] == local  # the whole tensor, its part here
 
 
 def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients():
@@ -59,3 +64,60 @@ def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients():
     gradient summed over the ranks is the whole model's (fp32, 1e-5), with uneven routing: rank 0 sends no copy to
     two of the experts."""
     run_distributed(_equals_the_whole_model)
+
+
+def _steps(out_dir) -> dict[int, dict]:
+    merged = {}
+    for record in read_metrics(out_dir):
+        merged.setdefault(record["step"], {}).update(record)
+    return merged
+
+
+def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
+    """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over both): the
+    loss, load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process x accumulation 2 (the
+    experts reduced over fewer ranks, divided as the rest); its step-3 checkpoint
+    resumes on 1 process, and the 1 process's resumes under EP 2, each continuing as the other run does (DCP keeps the
+    experts' whole tensors whatever the split)."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
+    every, train = {"every": 3, "keep_last": 0}, {"eval_every": 3}
+    ep, one = tmp_path / "ep", tmp_path / "one"
+    train_cli(run_args(tiny_data, ep, 6, model=model, checkpoint=every, train=train,
+                       parallel={"expert_parallel": 2}), nproc=2)  # fmt: skip
+    train_cli(run_args(tiny_data, one, 6, model=model, checkpoint=every, data={"grad_accum_steps": 2},
+                       train={**train, "eval_steps": 4}))  # fmt: skip
+    expected, got = _steps(one), _steps(ep)
+    assert sum("aux_loss" in r for r in got.values()) == 6 and sum("val_loss" in r for r in got.values()) == 2
+    for step, record in got.items():
+        for key in {"loss", "aux_loss", "val_loss", "grad_norm"} & set(record):
+            assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+    for source, nproc, flags in (
+        (ep, 1, {"data": {"grad_accum_steps": 2}}),
+        (one, 2, {"parallel": {"expert_parallel": 2}}),
+    ):
+        across = tmp_path / f"from_{source.name}"
+        shutil.copytree(source, across)
+        rewind(across, 3)
+        train_cli(run_args(tiny_data, across, 6, model=model, checkpoint=every, **flags), nproc=nproc)
+        for step, record in _steps(across).items():
+            if "loss" in record:
+                assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), (across.name, step)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ([], "parallel.expert_parallel=2 splits a mixture of experts' experts; model.family=llama has none"),
+        (["moe", "--model.moe.experts", "5"], "model.moe.experts (5) must be a multiple of it"),
+        (["moe", "--parallel.sharding", "NO_SHARD"], "runs under FULL_SHARD, SHARD_GRAD_OP or SHARD_OP, not NO_SHARD"),
+        (["moe", "--lora.rank", "4", "--lora.targets", "[q_proj, experts]"], "adapters on the experts do not split"),
+        (["moe"], "parallel.expert_parallel=2 needs the world size (1) to be a multiple of it"),
+    ],
+)
+def test_what_expert_parallelism_cannot_run_is_one_line_before_training(tiny_data, tmp_path, flags, message):
+    moe = ["--model.family", "qwen3_moe", "--model.head_dim", "32", "--model.moe", str(MOE)]
+    flags = [*moe, *flags[1:]] if flags[:1] == ["moe"] else flags
+    proc = train_cli([*run_args(tiny_data, tmp_path), "--parallel.expert_parallel", "2", *flags], check=False)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr

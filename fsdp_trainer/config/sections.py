@@ -272,8 +272,15 @@ class ParallelConfig:
     values are gathered within the group. FSDP shards over every rank, these included: no parameter memory added.
     data.seq_len a multiple of 2 x context_parallel; next-token runs (pretraining, SFT)."""
 
+    expert_parallel: int = 1
+    """Expert parallelism, for a mixture of experts: each layer's experts split over groups of this many ranks (a
+    multiple of it launched; moe.experts a multiple of it), each token copy sent to its expert's rank and back by
+    all-to-all; each rank's experts sharded by FSDP over the ranks holding the same ones, the rest of the model over
+    all. Checkpoints keep the layout without it. FULL_SHARD, SHARD_GRAD_OP or SHARD_OP; adapters not on the experts."""
+
     def __post_init__(self) -> None:
         require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")
+        require(self.expert_parallel >= 1, f"parallel.expert_parallel={self.expert_parallel} must be >= 1")
         require(self.context_parallel >= 1, f"parallel.context_parallel={self.context_parallel} must be >= 1")
         require(self.prefetch_blocks >= 1, f"parallel.prefetch_blocks={self.prefetch_blocks} must be >= 1")
         require(self.timeout_s > 0, f"parallel.timeout_s={self.timeout_s} must be positive")

@@ -135,15 +135,6 @@ def context_group(degree: int, world_size: int, device: torch.device, timeout: t
     return ContextParallel(group, degree, mesh.get_local_rank("cp"), device)
 
 
-def check_world(degree: int, world_size: int) -> None:
-    """ValueError unless the world splits into whole groups (before any collective)."""
-    if world_size % degree:
-        raise ValueError(
-            f"parallel.context_parallel={degree} needs the world size ({world_size}) to be a multiple of it; launch a "
-            "multiple of it as processes"
-        )
-
-
 def splits(recipe: Any, kind: Any) -> bool:
     """Whether a recipe's windows may be split over a context-parallel group: its kind's step trains on a share of
     each (`kind.splits_windows`), and no mixture of experts balances its load over a window's tokens together."""

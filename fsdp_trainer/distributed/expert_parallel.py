@@ -10,10 +10,14 @@ differentiable).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from fsdp_trainer.moe import routed_layers
 
@@ -39,15 +43,52 @@ class ExpertDispatch:
         return funcol.all_to_all_single_autograd(computed, sent, got, self.group)
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Keep this rank's experts of each of `model`'s mixture of experts layers (rank r of the group: experts
-    r x E / degree ... (r + 1) x E / degree - 1) and dispatch its token copies over the group."""
-    rank, dispatch = dist.get_rank(group), ExpertDispatch(group)
+def experts_mesh(degree: int, world_size: int, device_type: str) -> DeviceMesh | None:
+    """The (dp_mod_ep, ep) mesh of the world (None at degree 1): groups of `degree` consecutive ranks split the
+    experts (ep), and FSDP shards each rank's experts over the ranks holding the same ones (dp_mod_ep, torchtitan's
+    dp_shard_mod_ep), so the experts' memory stays ZeRO-3's. Made once per process group (every rank makes it, its
+    groups made collectively) and shared by every model of the run: the policy and the frozen ones beside it."""
+    if degree == 1:
+        return None
+    key = (degree, world_size, device_type, id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESHES:
+        _MESHES.clear()  # a process group's meshes die with it (the planner's fake worlds)
+        _MESHES[key] = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=("dp_mod_ep", "ep"))
+    return _MESHES[key]
+
+
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make each of `model`'s experts' weights a DTensor of every expert sharded over the mesh's `ep` dimension (rank
+    r of a group of N: experts r x E / N ... (r + 1) x E / N - 1, its local part), and dispatch its token copies over
+    that group. Checkpoints see the whole (experts, ...) tensors, as without expert parallelism. Before FSDP (which
+    then shards each rank's experts over `dp_mod_ep`); on a meta model, or on real weights every rank holds whole."""
+    dispatch = ExpertDispatch(mesh["ep"].get_group())
     for layer in routed_layers(model):
         if layer.n_experts % dispatch.degree:
             raise ValueError(f"{layer.n_experts} experts do not split over {dispatch.degree} ranks")
-        local = layer.n_experts // dispatch.degree
         for name, param in list(layer.experts.named_parameters(recurse=False)):
-            mine = param.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(layer.experts, name, nn.Parameter(mine, requires_grad=param.requires_grad))
+            split = distribute_tensor(param.detach(), mesh["ep"], [Shard(0)], src_data_rank=None)
+            setattr(layer.experts, name, nn.Parameter(split, requires_grad=param.requires_grad))
         layer.dispatch = dispatch
+
+
+def check_expert_parallel(recipe: Any) -> None:
+    """What expert parallelism needs of a recipe, before any process starts: ValueError naming the field."""
+    degree, moe, parallel = recipe.parallel.expert_parallel, recipe.model.moe, recipe.parallel
+    if degree == 1:
+        return
+    what = f"parallel.expert_parallel={degree}"
+    if moe is None:
+        raise ValueError(f"{what} splits a mixture of experts' experts; model.family={recipe.model.family} has none")
+    if moe.experts % degree:
+        raise ValueError(f"{what}: model.moe.experts ({moe.experts}) must be a multiple of it")
+    if parallel.sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP"):
+        raise ValueError(f"{what} runs under FULL_SHARD, SHARD_GRAD_OP or SHARD_OP, not {parallel.sharding} yet")
+    if recipe.lora.rank is not None and "experts" in recipe.lora.targets:
+        raise ValueError(f"{what}: adapters on the experts do not split over ranks yet; drop experts from lora.targets")
+    for flag in ("compile", "cpu_offload"):
+        if getattr(parallel, flag):
+            raise ValueError(f"{what} does not run with parallel.{flag} yet; set one of them off")

@@ -20,7 +20,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fsdp_trainer.config import ParallelConfig, compiles_experts, compute_dtype
+from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
 from fsdp_trainer.model import Transformer
+from fsdp_trainer.moe import routed_layers
 
 
 @dataclass(frozen=True)
@@ -148,10 +150,13 @@ def apply_fsdp(
     mixed_precision: str,
     prefetch_blocks: int = 1,
     cpu_offload: bool = False,
+    experts: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
     prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward);
-    with cpu_offload, the shards, their gradients and so the optimizer state stay in host memory."""
+    with cpu_offload, the shards, their gradients and so the optimizer state stay in host memory. Under expert
+    parallelism (`experts`, expert_parallel.experts_mesh), each mixture's experts first, over the ranks holding the
+    same ones."""
     plan = SHARDING[sharding]
     # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
     # gradient reduction stay fp32 whatever it is.
@@ -170,6 +175,10 @@ def apply_fsdp(
     blocks = list(model.model.layers.values())
     if not blocks:
         raise ValueError("apply_fsdp found no Transformer block to wrap")
+    for layer in routed_layers(model) if experts is not None else []:
+        shard(layer.experts, mesh=experts["dp_mod_ep"], reshard_after_forward=plan.reshard_after_forward)
+        # Reduced over fewer ranks than the rest, divided as the rest is: by the world (the step's scale expects it)
+        layer.experts.set_gradient_divide_factor(float(experts.size()))
     for i, block in enumerate(blocks):
         shard(block, reshard_after_forward=reshards_after_forward(plan, i, len(blocks)))
     shard(model, reshard_after_forward=False)
@@ -224,10 +233,13 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> Pa
     AC must wrap the block before FSDP does, so FSDP's hooks sit outside the recomputed region, and compile goes in
     between so it sees the checkpointed block whole (pytorch#148831).
     """
+    experts = experts_mesh(cfg.expert_parallel, mesh.size(), mesh.device_type)
+    if experts is not None:  # each rank's experts, and the dispatch of token copies to them
+        apply_expert_parallel(model, experts)
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(model, cfg.mixed_precision)
-    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload)
+    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload, experts)
     return Parallelized(sharding_plan(cfg.sharding, cfg.accumulate_unsharded), cfg.cpu_offload)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_trainer.config import AUTO, ParallelConfig, Precision
-from fsdp_trainer.distributed.context_parallel import ContextParallel, check_world, context_group
+from fsdp_trainer.distributed.context_parallel import ContextParallel, context_group
 from fsdp_trainer.distributed.parallelize import SHARDING
 
 logger = logging.getLogger("fsdp_trainer")
@@ -107,7 +107,7 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
             f"parallel.sharding=HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the ranks per "
             f"node ({local_world_size}); launch the same --nproc_per_node on every node"
         )
-    check_world(cfg.context_parallel, world_size)
+    check_groups(cfg, world_size)
     if use_cuda and cfg.expandable_segments:
         _use_expandable_segments()
     elif cfg.expandable_segments:
@@ -223,6 +223,17 @@ def resolve_precision(requested: str, env: DistEnv) -> Precision:
             f"set parallel.mixed_precision auto (here {native})"
         )
     return requested
+
+
+def check_groups(cfg: ParallelConfig, world_size: int) -> None:
+    """ValueError unless the world splits into whole context- and expert-parallel groups (before any collective)."""
+    for name in ("context_parallel", "expert_parallel"):
+        degree = getattr(cfg, name)
+        if world_size % degree:
+            raise ValueError(
+                f"parallel.{name}={degree} needs the world size ({world_size}) to be a multiple of it; launch a "
+                "multiple of it as processes"
+            )
 
 
 def process_group_backend(cfg: ParallelConfig, cuda_available: bool) -> str:

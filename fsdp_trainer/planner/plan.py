@@ -389,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
         f"({why}), micro-batch {data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} "
         f"{device} device(s) of {mem:.1f} GB"
     )
+    if recipe.parallel.expert_parallel > 1:
+        print(
+            f"note: parallel.expert_parallel={recipe.parallel.expert_parallel} is not priced yet: the rows are the "
+            "run without it (the same state per rank; every expert gathered, no all-to-all)"
+        )
     if args.max_seq_len:
         print(longest_table(recipe, args.nproc, args.nnodes, device, mem, args.check))
         return
