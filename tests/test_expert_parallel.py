@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_trainer.checkpoint.weights import saved_shapes
 from fsdp_trainer.config import ModelConfig, MoEConfig
 from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
 from fsdp_trainer.loss import NextTokenLoss
@@ -74,31 +75,36 @@ def _steps(out_dir) -> dict[int, dict]:
 
 
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
-    """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over both): the
-    loss, load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process x accumulation 2 (the
-    experts reduced over fewer ranks, divided as the rest); its step-3 checkpoint
-    resumes on 1 process, and the 1 process's resumes under EP 2, each continuing as the other run does (DCP keeps the
+    """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over all): on 2
+    ranks, and on 4 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them), the loss,
+    load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process with the same micro-batches
+    accumulated (the experts' gradients reduced over fewer ranks, divided as the rest); the 2 ranks' step-3 checkpoint
+    resumes on 1 process, and the 1 process's under EP 2, each continuing as the other run does (DCP keeps the
     experts' whole tensors whatever the split)."""
     model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
-    every, train = {"every": 3, "keep_last": 0}, {"eval_every": 3}
-    ep, one = tmp_path / "ep", tmp_path / "one"
-    train_cli(run_args(tiny_data, ep, 6, model=model, checkpoint=every, train=train,
-                       parallel={"expert_parallel": 2}), nproc=2)  # fmt: skip
-    train_cli(run_args(tiny_data, one, 6, model=model, checkpoint=every, data={"grad_accum_steps": 2},
-                       train={**train, "eval_steps": 4}))  # fmt: skip
-    expected, got = _steps(one), _steps(ep)
-    assert sum("aux_loss" in r for r in got.values()) == 6 and sum("val_loss" in r for r in got.values()) == 2
-    for step, record in got.items():
-        for key in {"loss", "aux_loss", "val_loss", "grad_norm"} & set(record):
-            assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
-    for source, nproc, flags in (
-        (ep, 1, {"data": {"grad_accum_steps": 2}}),
-        (one, 2, {"parallel": {"expert_parallel": 2}}),
-    ):
-        across = tmp_path / f"from_{source.name}"
-        shutil.copytree(source, across)
+    every, train, ep2 = {"every": 3, "keep_last": 0}, {"eval_every": 3}, {"expert_parallel": 2}
+    runs = {  # name: (processes, sections); the load-balancing loss is each micro-batch's, so the same micro-batches
+        "ep": (2, {"parallel": ep2, "checkpoint": every}),
+        "one": (1, {"data": {"grad_accum_steps": 2}, "train": {**train, "eval_steps": 4}, "checkpoint": every}),
+        "four": (4, {"parallel": ep2, "data": {"micro_batch_size": 1}}),
+        "by_one": (1, {"data": {"micro_batch_size": 1, "grad_accum_steps": 4}, "train": {**train, "eval_steps": 8}}),
+    }
+    for name, (nproc, sections) in runs.items():
+        train_cli(run_args(tiny_data, tmp_path / name, 6, model=model, **{"train": train, **sections}), nproc=nproc)
+    for got, expected in (("ep", "one"), ("four", "by_one")):
+        got, expected = _steps(tmp_path / got), _steps(tmp_path / expected)
+        assert sum("aux_loss" in r for r in got.values()) == 6 and sum("val_loss" in r for r in got.values()) == 2
+        for step, record in got.items():
+            for key in {"loss", "aux_loss", "val_loss", "grad_norm"} & set(record):
+                assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+    shapes = [saved_shapes(tmp_path / run / "checkpoints" / "step_00000003") for run in ("ep", "one")]
+    assert shapes[0] == shapes[1] and shapes[0]["model.layers.0.mlp.experts.gate_up_proj"] == (6, 96, 64)
+    expected = _steps(tmp_path / "one")
+    for source, nproc, sections in (("ep", 1, {"data": {"grad_accum_steps": 2}}), ("one", 2, {"parallel": ep2})):
+        across = tmp_path / f"from_{source}"
+        shutil.copytree(tmp_path / source, across)
         rewind(across, 3)
-        train_cli(run_args(tiny_data, across, 6, model=model, checkpoint=every, **flags), nproc=nproc)
+        train_cli(run_args(tiny_data, across, 6, model=model, checkpoint=every, **sections), nproc=nproc)
         for step, record in _steps(across).items():
             if "loss" in record:
                 assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), (across.name, step)

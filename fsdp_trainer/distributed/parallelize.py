@@ -177,8 +177,12 @@ def apply_fsdp(
         raise ValueError("apply_fsdp found no Transformer block to wrap")
     for layer in routed_layers(model) if experts is not None else []:
         shard(layer.experts, mesh=experts["dp_mod_ep"], reshard_after_forward=plan.reshard_after_forward)
-        # Reduced over fewer ranks than the rest, divided as the rest is: by the world (the step's scale expects it)
+        # Reduced over fewer ranks than the rest, divided as the rest is: by the world (the step's scale expects it).
+        # Gloo has no pre-multiplied sum: a sum, then the division (not over one rank, which torch 2.13 then divides
+        # twice).
         layer.experts.set_gradient_divide_factor(float(experts.size()))
+        gloo = experts.device_type == "cpu" and experts["dp_mod_ep"].size() > 1
+        layer.experts.set_force_sum_reduction_for_comms(gloo)
     for i, block in enumerate(blocks):
         shard(block, reshard_after_forward=reshards_after_forward(plan, i, len(blocks)))
     shard(model, reshard_after_forward=False)
