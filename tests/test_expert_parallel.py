@@ -12,6 +12,7 @@ import torch.distributed as dist
 from fsdp_trainer.checkpoint.weights import saved_shapes
 from fsdp_trainer.config import ModelConfig, MoEConfig
 from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
+from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, routed_layers
@@ -35,13 +36,14 @@ def _loss(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     return loss, aux_loss(model), first
 
 
-def _equals_the_whole_model(rank: int, world: int) -> None:
+def _equals_the_whole_model(rank: int, world: int, ac: str = "none") -> None:
     # Rank 0's batch repeats one token: its first layer routes every copy to the same 2 experts, none to the others.
     batches = [torch.full((2, 13), 5), torch.randint(0, CFG.vocab_size, (2, 13), generator=torch.Generator())]
     whole, split = _model(), _model()
     expected = [_loss(whole, tokens) for tokens in batches]  # each rank's batch: its loss and load-balancing loss
     sum(loss + 0.1 * aux for loss, aux, _ in expected).backward()
     apply_expert_parallel(split, experts_mesh(world, world, "cpu"))
+    apply_ac(split, ac)
     loss, aux, first = _loss(split, batches[rank])
     assert (first == 0).sum() == (2 if rank == 0 else 0), first
     (loss + 0.1 * aux).backward()
@@ -59,12 +61,13 @@ def _equals_the_whole_model(rank: int, world: int) -> None:
     assert held.shape[0] == CFG.moe.experts and held.to_local().shape[0] == local  # the whole tensor, its part here
 
 
-def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients():
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac):
     """EP 2: each rank holds 2 of the 4 experts and routes its own tokens; its loss and load-balancing loss are the
     whole model's on its batch, its experts' gradients the whole model's over both ranks' batches, and every other
     gradient summed over the ranks is the whole model's (fp32, 1e-5), with uneven routing: rank 0 sends no copy to
-    two of the experts."""
-    run_distributed(_equals_the_whole_model)
+    two of the experts. Under full AC each block's recomputation dispatches its copies again, to the same result."""
+    run_distributed(_equals_the_whole_model, ac)
 
 
 def _steps(out_dir) -> dict[int, dict]:
