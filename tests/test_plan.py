@@ -383,7 +383,7 @@ def check_rows(stdout: str) -> list[list[str]]:
     return [row.strip(" |").split(" | ") for row in rows]
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context"])
+@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context", "experts"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -414,6 +414,22 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         # context parallelism over 2 of the 4 ranks: half of each 32,768-token window a rank (9.7 GB measured
         # against 17.5 at CP 1), the whole window's keys and values kept by each block's attention, its runs' masks
         "context": ["--parallel.context_parallel", "2", "--data.seq_len", "32768", "--model.max_seq_len", "32768"],
+        # expert parallelism over 2 of the 4 ranks: each rank gathers its 4 of the 8 experts, over the 2 holding them;
+        # the shardings it runs under (not NO_SHARD nor HYBRID_SHARD)
+        "experts": [
+            "--model.family",
+            "qwen3_moe",
+            "--model.head_dim",
+            "32",
+            "--model.moe.experts",
+            "8",
+            "--model.moe.top_k",
+            "2",
+            "--model.moe.ffn_dim",
+            "256",
+            "--parallel.expert_parallel",
+            "2",
+        ],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
         "lora-1": ["--lora.rank", "16", "--data.micro_batch_size", "8", "--nproc", "1", "--nnodes", "1"],
@@ -441,7 +457,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
                     "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = {(sharding, ac): float(ratio) for sharding, ac, _, _, ratio in check_rows(proc.stdout)}
-    assert len(ratios) == {"lora-1": 3, "qlora": 12}.get(kind, 15)  # 5 shardings (HYBRID_SHARD: 2 nodes) x 3 AC modes
+    assert len(ratios) == {"lora-1": 3, "qlora": 12, "experts": 9}.get(kind, 15)  # 5 shardings (HYBRID: 2 nodes) x 3 AC
     assert all(0.95 <= ratio <= 1.1 for ratio in ratios.values()), ratios
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -34,6 +35,11 @@ class ExpertDispatch:
         local = len(per_expert) // n
         # Each rank learns how many copies of each of its experts every rank sends: (sources, local experts).
         received = funcol.all_to_all_single(per_expert, None, None, self.group).view(n, local)
+        if is_fake(rows):  # the planner's step on fake tensors (no counts to read): the copies spread evenly
+            even = [len(rows) // n] * (n - 1) + [len(rows) - (n - 1) * (len(rows) // n)]
+            offsets = torch.cumsum(received.sum(0), dim=0, dtype=torch.int32)
+            computed = experts(funcol.all_to_all_single_autograd(rows, even, even, self.group), offsets)
+            return funcol.all_to_all_single_autograd(computed, even, even, self.group)
         sent, got = per_expert.view(n, local).sum(1).tolist(), received.sum(1).tolist()  # the host sync
         arrived = funcol.all_to_all_single_autograd(rows, got, sent, self.group)  # by source, then expert
         expert = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(received.flatten())
@@ -53,7 +59,9 @@ def experts_mesh(degree: int, world_size: int, device_type: str) -> DeviceMesh |
     key = (degree, world_size, device_type, id(dist.distributed_c10d._get_default_group()))
     if key not in _MESHES:
         _MESHES.clear()  # a process group's meshes die with it (the planner's fake worlds)
-        _MESHES[key] = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=("dp_mod_ep", "ep"))
+        mesh = init_device_mesh(device_type, (world_size // degree, degree), mesh_dim_names=("dp_mod_ep", "ep"))
+        mesh["dp_mod_ep"], mesh["ep"]  # sliced once, here: torch keeps them (the planner's fake step cannot slice)
+        _MESHES[key] = mesh
     return _MESHES[key]
 
 
@@ -75,6 +83,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         layer.dispatch = dispatch
 
 
+SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP")
+"""The shardings expert parallelism runs under: the experts' FSDP is a 1-D shard group."""
+
+
 def check_expert_parallel(recipe: Any) -> None:
     """What expert parallelism needs of a recipe, before any process starts: ValueError naming the field."""
     degree, moe, parallel = recipe.parallel.expert_parallel, recipe.model.moe, recipe.parallel
@@ -85,8 +97,8 @@ def check_expert_parallel(recipe: Any) -> None:
         raise ValueError(f"{what} splits a mixture of experts' experts; model.family={recipe.model.family} has none")
     if moe.experts % degree:
         raise ValueError(f"{what}: model.moe.experts ({moe.experts}) must be a multiple of it")
-    if parallel.sharding not in ("FULL_SHARD", "SHARD_GRAD_OP", "SHARD_OP"):
-        raise ValueError(f"{what} runs under FULL_SHARD, SHARD_GRAD_OP or SHARD_OP, not {parallel.sharding} yet")
+    if parallel.sharding not in SHARDINGS:
+        raise ValueError(f"{what} runs under {', '.join(SHARDINGS)}, not {parallel.sharding} yet")
     if recipe.lora.rank is not None and "experts" in recipe.lora.targets:
         raise ValueError(f"{what}: adapters on the experts do not split over ranks yet; drop experts from lora.targets")
     for flag in ("compile", "cpu_offload"):

@@ -27,6 +27,7 @@ from fsdp_trainer.adapters.nf4 import fill_shard, quantized_weights
 from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.context_parallel import context_group
+from fsdp_trainer.distributed.expert_parallel import experts_mesh
 from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.steps import training_kind
@@ -64,14 +65,15 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     parallel.compile = False  # nothing to compile for fake tensors
     world = nproc * nnodes
     context = context_group(parallel.context_parallel, world, torch.device("cpu"), timedelta(seconds=60))
+    experts_mesh(parallel.expert_parallel, world, "cpu")  # made here, for parallelize: a mesh is no fake tensor
     env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), world_size=world, context=context)
     kind = training_kind(recipe)
     # Built on meta outside the fake mode: a meta tensor an op reads inside it is remembered by a weak reference, and
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
     dtype = compute_dtype(parallel.mixed_precision)
     model = meta_model(recipe.model, recipe.lora, frozen_dtype=dtype, quantize=True)
+    applied = parallelize(model, parallel, mesh)  # on meta, outside: a mesh FSDP makes is no fake tensor either
     with FakeTensorMode(allow_non_fake_inputs=True):
-        applied = parallelize(model, parallel, mesh)
         allocate(model, "cpu")
         for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
             fill_shard(weight, torch.zeros(weight.shape, dtype=dtype))

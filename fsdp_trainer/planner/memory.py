@@ -109,10 +109,12 @@ from fsdp_trainer.adapters.lora import LoRALinear
 from fsdp_trainer.adapters.nf4 import BYTES_PER_VALUE as NF4_BYTES
 from fsdp_trainer.adapters.nf4 import dequantization_peak_bytes
 from fsdp_trainer.config import ModelConfig, Recipe, compute_dtype
+from fsdp_trainer.distributed.expert_parallel import SHARDINGS as EP_SHARDINGS
 from fsdp_trainer.distributed.parallelize import SHARDING, ShardingPlan, sharding_plan
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.generation import sampling_bytes
 from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.moe import moe_layers
 from fsdp_trainer.optim import GRADIENT_BYTES, MASTER_WEIGHT_BYTES, optimizer_state_bytes, optimizer_step_bytes
 from fsdp_trainer.planner.activations import (
     activation_bytes_per_token,
@@ -246,6 +248,32 @@ def comm_bytes_per_rank(
     # over all ranks crosses it once a node: NCCL runs a ring a NIC, each rank leaving the node on one of them, so a
     # rank's NIC carries 1/nproc of what it sends.
     return sent, replicas_sent if plan.replicas == "per_node" else sent / nproc
+
+
+def expert_parallel_bytes(
+    recipe: Recipe, sharding: str, a: int, ac: str, nproc: int, nnodes: int, tokens: int
+) -> tuple[float, float, float]:
+    """Under expert parallelism (parallel.expert_parallel N > 1: distributed/expert_parallel.py), against the same row
+    without it: (the weights of a block a rank does not gather, so neither holds nor reduces unsharded, bytes a rank
+    sends more a step, of which between nodes: the experts' shard groups take a rank of each node's groups). A rank
+    gathers and reduces only its
+    group's 1 / N of each layer's experts, over the S / N ranks holding them instead of all S; and each mixture of
+    experts layer moves a micro-batch's `tokens` x top_k copies (dim wide) to their experts and back by all-to-all,
+    (N - 1) / N of them off the rank with even routing, in forward and again in backward (the gradients), and once more
+    where AC recomputes the layer. The same state per rank: every expert is still held once over the world."""
+    n, cfg, accum = recipe.parallel.expert_parallel, recipe.model, recipe.data.grad_accum_steps
+    if n == 1 or cfg.moe is None or sharding not in EP_SHARDINGS:
+        return 0.0, 0.0, 0.0
+    layers = len(moe_layers(cfg))
+    experts = layers * cfg.moe.experts * 3 * cfg.moe.ffn_dim * cfg.dim
+    trained = experts if recipe.lora.rank is None else 0  # adapters never sit on them under EP (refused)
+    regathered = experts * (cfg.n_layers - 1) // cfg.n_layers
+    unsharded = recipe.parallel.accumulate_unsharded
+    whole = comm_bytes_per_rank(sharding, experts, a, accum, nproc, nnodes, regathered, trained, unsharded)
+    split = comm_bytes_per_rank(sharding, experts // n, a, accum, nproc // n, nnodes, regathered // n,
+                                trained // n, unsharded)  # fmt: skip
+    copies = accum * layers * (4 + 2 * (ac != "none")) * tokens * cfg.moe.top_k * cfg.dim * a * (n - 1) / n
+    return experts / cfg.n_layers * (n - 1) / n, split[0] - whole[0] + copies, split[1] - whole[1]
 
 
 def accumulated_gradient_bytes(
@@ -395,6 +423,8 @@ def estimate(
     # Parameters freed after forward are gathered a block (and its prefetched ones) at a time; kept ones all stay.
     kept_blocks = min(1 + prefetch, cfg.n_layers) if run_plan.reshard_after_forward else cfg.n_layers
     block_bytes, root_bytes = unit_bytes(meta, n_block, n_root, cfg.n_layers, a, quantized)
+    elsewhere, ep_sent, ep_internode = expert_parallel_bytes(recipe, sharding, a, ac, nproc, nnodes, tokens)
+    block_bytes, n_block = block_bytes - a * elsewhere, n_block - elsewhere  # a block's weights this rank gathers
     gathered = kept_blocks * block_bytes + root_bytes
     first_gathers = root_bytes + block_bytes  # the root's, then the first block's
     if shard_group == 1 and not offload and trainable < n_params:
@@ -419,8 +449,8 @@ def estimate(
     )
     accumulated = accumulated_gradient_bytes(run_plan, accum, trainable, nproc * nnodes, nproc, on_host)
     forward, again, reference, sampled = kind_costs(recipe, n_params, trainable, gathered_bytes, shard_group, a)
-    sent += again + accum * cp_sent  # a context-parallel group's gathers: within a node
-    internode += again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0
+    sent += again + accum * cp_sent + ep_sent  # a context- or expert-parallel group's: within a node
+    internode += (again / nproc if nnodes > 1 and run_plan.replicas != "per_node" else 0) + ep_internode
     host = traffic = 0
     if on_host:
         # The fp32 shards cross to the device before each all-gather, their fp32 gradients back at each reduction.

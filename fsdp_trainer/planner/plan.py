@@ -25,6 +25,8 @@ from fsdp_trainer.adapters import check_quantized_split, quantizes_base
 from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_args, recipe_parser
 from fsdp_trainer.distributed.context_parallel import splits
+from fsdp_trainer.distributed.expert_parallel import SHARDINGS as EP_SHARDINGS
+from fsdp_trainer.distributed.expert_parallel import check_expert_parallel
 from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
@@ -45,13 +47,18 @@ from fsdp_trainer.steps import training_kind
 AC_MODES = ("none", "selective", "full")  # least to most recomputation
 
 
-def shardings_of(nproc: int, nnodes: int) -> list[str]:
-    """The shardings a plan compares: HYBRID_SHARD only across nodes. On one device there is nothing to shard over:
-    the shardings differ only in whether a block's gathered weights are freed after its forward, as FULL_SHARD frees
-    them, so its rows stand for all (the least memory, the same step)."""
+def shardings_of(nproc: int, nnodes: int, recipe: Recipe | None = None) -> list[str]:
+    """The shardings a plan compares: HYBRID_SHARD only across nodes; under expert parallelism those it runs under.
+    On one device there is nothing to shard over: the shardings differ only in whether a block's gathered weights are
+    freed after its forward, as FULL_SHARD frees them, so its rows stand for all (the least memory, the same step)."""
     if nproc * nnodes == 1:
         return ["FULL_SHARD"]
-    return [s for s, p in SHARDING.items() if nnodes > 1 or p.replicas != "per_node"]
+    experts = recipe is not None and recipe.parallel.expert_parallel > 1
+    return [
+        s
+        for s, p in SHARDING.items()
+        if (nnodes > 1 or p.replicas != "per_node") and (not experts or s in EP_SHARDINGS)
+    ]
 
 
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
@@ -62,7 +69,7 @@ def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads
         for ac in AC_MODES
-        for s in shardings_of(nproc, nnodes)
+        for s in shardings_of(nproc, nnodes, recipe)
     ]
 
 
@@ -73,7 +80,7 @@ SEQ_LEN_STEP = 256
 def fitting(recipe: Recipe, nproc: int, nnodes: int, ac: str, device: str, mem: float) -> Estimate | None:
     """The row (without offload) recommend() takes among the shardings with activation checkpointing `ac`, if any
     fits in `mem` GB a device."""
-    rows = [estimate(recipe, nproc, nnodes, s, ac, device) for s in shardings_of(nproc, nnodes)]
+    rows = [estimate(recipe, nproc, nnodes, s, ac, device) for s in shardings_of(nproc, nnodes, recipe)]
     return recommend(rows, mem)
 
 
@@ -234,13 +241,17 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     none of."""
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
-    refused = {}  # by sharding, why a run would refuse it (QLoRA's weights not splitting): no step to measure
+    refused = {}  # by sharding, why a run would refuse it (QLoRA's weights not splitting, EP): no step to measure
     for e in estimates:
         if e.offload:
             continue
-        if quantizes_base(recipe.lora) and e.sharding not in refused:
+        if e.sharding not in refused:
+            case = copy.deepcopy(recipe)
+            case.parallel.sharding = e.sharding
             try:
-                check_quantized_split(recipe.model, recipe.lora, e.sharding, nproc * nnodes, nproc)
+                if quantizes_base(recipe.lora):
+                    check_quantized_split(recipe.model, recipe.lora, e.sharding, nproc * nnodes, nproc)
+                check_expert_parallel(case)
                 refused[e.sharding] = None
             except ValueError as error:
                 refused[e.sharding] = f"{e.sharding}: {error}"
@@ -389,11 +400,6 @@ def main(argv: list[str] | None = None) -> None:
         f"({why}), micro-batch {data.micro_batch_size} x {data.seq_len} tokens, {args.nnodes} node(s) x {args.nproc} "
         f"{device} device(s) of {mem:.1f} GB"
     )
-    if recipe.parallel.expert_parallel > 1:
-        print(
-            f"note: parallel.expert_parallel={recipe.parallel.expert_parallel} is not priced yet: the rows are the "
-            "run without it (the same state per rank; every expert gathered, no all-to-all)"
-        )
     if args.max_seq_len:
         print(longest_table(recipe, args.nproc, args.nnodes, device, mem, args.check))
         return
