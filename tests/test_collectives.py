@@ -18,14 +18,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_trainer.config import DataConfig, ModelConfig, OptimConfig, ParallelConfig, Recipe
+from fsdp_trainer.config import DataConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, Recipe
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.context_parallel import context_group
 from fsdp_trainer.distributed.parallelize import SHARDING, materialize, parallelize
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.planner.activations import context_parallel_bytes
-from fsdp_trainer.planner.memory import comm_bytes_per_rank, gathered_per_step, regathered_in_backward
+from fsdp_trainer.planner.memory import (
+    all_to_all_elements,
+    comm_bytes_per_rank,
+    gathered_per_step,
+    regathered_in_backward,
+)
 from fsdp_trainer.train import train_step
 from tests.helpers import run_distributed
 
@@ -39,7 +44,8 @@ class CollectiveCounter(TorchDispatchMode):
     gathered output (all-gather), the reduced input (reduce-scatter) or the tensor (all-reduce)."""
 
     KINDS = {"_allgather_base_": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "allreduce_": "all_reduce"}
-    FUNCTIONAL = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    FUNCTIONAL = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                  "all_to_all_single": "all_to_all"}  # fmt: skip
     """Functional collectives (context parallelism's keys and values), by their output's or input's elements."""
 
     def __init__(self):
@@ -55,6 +61,8 @@ class CollectiveCounter(TorchDispatchMode):
             self.calls[(kind, dist.ProcessGroup.unbox(group).size(), tensor.numel())] += 1
         elif func.namespace == "_c10d_functional" and name in self.FUNCTIONAL:  # not its waits, its wrappers
             kind, size = self.FUNCTIONAL[name], args[-2]  # (tensor, [reduce op,] group size, group name)
+            if kind == "all_to_all":  # (tensor, output sizes, input sizes, group name): what this rank puts in
+                size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(args[-1]))
             elements = args[0].numel() * (size if kind == "all_gather" else 1)
             self.calls[("functional_" + kind, size, elements)] += 1
         return func(*args, **(kwargs or {}))
@@ -170,3 +178,35 @@ def _check_context_parallel(rank, world):
 
 def test_context_parallel_gathers_each_blocks_keys_and_values_as_planned():
     run_distributed(_check_context_parallel)
+
+
+MOE = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
+                  max_seq_len=16, moe=MoEConfig(experts=4, top_k=2, ffn_dim=16))  # fmt: skip
+
+
+def _check_expert_parallel(rank, world):
+    """EP 2 on 2 ranks, a step of 2 micro-batches: each MoE layer's copies dispatched and combined, forward and
+    backward (and again where full AC recomputes the layer), summed over the ranks, are the planner's elements."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    tokens = torch.randint(0, MOE.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
+    batches = [MicroBatch(t[:, :-1], t[:, 1:], None) for t in tokens]
+    for ac in ("none", "full"):
+        with torch.device("meta"):
+            model = Transformer(MOE)
+        parallel = ParallelConfig(mixed_precision="fp32", activation_checkpointing=ac, expert_parallel=world)
+        applied = parallelize(model, parallel, mesh)
+        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
+        optimizer = build_optimizer(model, OptimConfig())
+        train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        with CollectiveCounter() as counter:
+            train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        moved = [(n, e) for (kind, size, e), n in counter.calls.items() if kind == "functional_all_to_all"]
+        counts = sum(n for n, e in moved if e == MOE.moe.experts)  # each dispatch's counts first, E of them
+        assert counts == 2 * MOE.n_layers * (2 if ac == "full" else 1), counter.calls
+        copies = torch.tensor(float(sum(n * e for n, e in moved if e != MOE.moe.experts)))
+        dist.all_reduce(copies)
+        assert copies.item() == world * 2 * all_to_all_elements(MOE, ac, 2 * 16), counter.calls
+
+
+def test_expert_parallel_moves_the_copies_the_planner_counts():
+    run_distributed(_check_expert_parallel)

@@ -272,8 +272,15 @@ def expert_parallel_bytes(
     whole = comm_bytes_per_rank(sharding, experts, a, accum, nproc, nnodes, regathered, trained, unsharded)
     split = comm_bytes_per_rank(sharding, experts // n, a, accum, nproc // n, nnodes, regathered // n,
                                 trained // n, unsharded)  # fmt: skip
-    copies = accum * layers * (4 + 2 * (ac != "none")) * tokens * cfg.moe.top_k * cfg.dim * a * (n - 1) / n
+    copies = accum * all_to_all_elements(cfg, ac, tokens) * a * (n - 1) / n
     return experts / cfg.n_layers * (n - 1) / n, split[0] - whole[0] + copies, split[1] - whole[1]
+
+
+def all_to_all_elements(cfg: ModelConfig, ac: str, tokens: int) -> int:
+    """The elements a rank's micro-batch of `tokens` puts into expert parallelism's all-to-alls (summed over the ranks,
+    exactly; per rank, with even routing): each MoE layer's token copies (top_k a token, dim wide) dispatched and
+    combined in forward, their gradients the same way back, and once more where AC recomputes the layer."""
+    return len(moe_layers(cfg)) * (4 + 2 * (ac != "none")) * tokens * cfg.moe.top_k * cfg.dim
 
 
 def accumulated_gradient_bytes(
