@@ -118,7 +118,10 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
     [
         ([], "parallel.expert_parallel=2 splits a mixture of experts' experts; model.family=llama has none"),
         (["moe", "--model.moe.experts", "5"], "model.moe.experts (5) must be a multiple of it"),
-        (["moe", "--parallel.sharding", "NO_SHARD"], "runs under FULL_SHARD, SHARD_GRAD_OP or SHARD_OP, not NO_SHARD"),
+        (
+            ["moe", "--parallel.sharding", "NO_SHARD"],
+            "runs under FULL_SHARD, SHARD_GRAD_OP, SHARD_OP, not NO_SHARD yet",
+        ),
         (["moe", "--lora.rank", "4", "--lora.targets", "[q_proj, experts]"], "adapters on the experts do not split"),
         (["moe"], "parallel.expert_parallel=2 needs the world size (1) to be a multiple of it"),
     ],
