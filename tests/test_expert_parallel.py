@@ -123,6 +123,7 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
             "runs under FULL_SHARD, SHARD_GRAD_OP, SHARD_OP, not NO_SHARD yet",
         ),
         (["moe", "--lora.rank", "4", "--lora.targets", "[q_proj, experts]"], "adapters on the experts do not split"),
+        (["moe", "--parallel.activation_checkpointing", "selective"], "with activation checkpointing none or full"),
         (["moe"], "parallel.expert_parallel=2 needs the world size (1) to be a multiple of it"),
     ],
 )
