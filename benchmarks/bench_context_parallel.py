@@ -11,13 +11,10 @@ fp32; the second step is measured (AdamW's state exists). tests/test_context_par
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from runner import on_two_ranks
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -65,25 +62,11 @@ def peaks(rank: int, world: int, seq_len: int, model: dict) -> dict[int, dict[st
     return found
 
 
-def _rank(rank: int, world: int, init: str, seq_len: int, model: dict, out: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        found = peaks(rank, world, seq_len, model)
-        if rank == 0:
-            out.update(found)
-    finally:
-        dist.destroy_process_group()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq_len", type=int, default=4096)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as d, mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(2, os.path.join(d, "pg"), args.seq_len, DEBUG, out), nprocs=2)
-        found = dict(out)
+    found = on_two_ranks(peaks, args.seq_len, DEBUG)
     print(f"debug model, {args.seq_len} tokens a window, 2 ranks, fp32, CPU {torch.backends.cpu.get_cpu_capability()}")
     print("| context parallel | measured peak GB / rank | planned | planned activations | planned logits |")
     print("|---|---:|---:|---:|---:|")

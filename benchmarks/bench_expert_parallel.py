@@ -11,15 +11,13 @@ peaks from the first round (they do not vary).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from runner import on_two_ranks
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,38 +59,34 @@ def _built(ep: int, mesh):
     return model, build_optimizer(model, OptimConfig()), applied.plan
 
 
-def _rank(rank: int, world: int, init: str, repeats: int, steps: int, out: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def measured(rank: int, world: int, repeats: int, steps: int) -> dict:
+    """Per EP degree (1, `world`): step times, elements moved, peak GB, on this rank."""
     torch.set_num_threads(1)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        tokens = torch.randint(0, SHAPE.vocab_size, (4, 257), generator=torch.Generator().manual_seed(rank))
-        batches = [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)]
-        built = {ep: _built(ep, mesh) for ep in (1, world)}
-        found = {ep: {"seconds": []} for ep in built}
-        for ep, (model, optimizer, plan) in built.items():
-            train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)  # warm
-            with Moved() as moved:
-                train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((batches[0].inputs,))
-            with tracker:
-                train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
-            peak = max(kind["Total"] for kind in tracker.get_tracker_snapshot("peak").values())
-            found[ep].update(moved.elements, peak_gb=peak / 1e9)
-        for r in range(repeats):
-            for ep in list(built) if r % 2 == 0 else list(built)[::-1]:
-                model, optimizer, plan = built[ep]
-                dist.barrier()  # both ranks start a configuration together: its collectives wait for the slower
-                start = time.perf_counter()
-                for _ in range(steps):
-                    stats = train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
-                stats["loss"].item()
-                found[ep]["seconds"].append((time.perf_counter() - start) / steps)
-        if rank == 0:
-            out.update(found)
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    tokens = torch.randint(0, SHAPE.vocab_size, (4, 257), generator=torch.Generator().manual_seed(rank))
+    batches = [MicroBatch(tokens[:, :-1], tokens[:, 1:], None)]
+    built = {ep: _built(ep, mesh) for ep in (1, world)}
+    found = {ep: {"seconds": []} for ep in built}
+    for ep, (model, optimizer, plan) in built.items():
+        train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)  # warm
+        with Moved() as moved:
+            train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((batches[0].inputs,))
+        with tracker:
+            train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
+        peak = max(kind["Total"] for kind in tracker.get_tracker_snapshot("peak").values())
+        found[ep].update(moved.elements, peak_gb=peak / 1e9)
+    for r in range(repeats):
+        for ep in list(built) if r % 2 == 0 else list(built)[::-1]:
+            model, optimizer, plan = built[ep]
+            dist.barrier()  # both ranks start a configuration together: its collectives wait for the slower
+            start = time.perf_counter()
+            for _ in range(steps):
+                stats = train_step(model, optimizer, batches, 1e-4, 1.0, plan=plan)
+            stats["loss"].item()
+            found[ep]["seconds"].append((time.perf_counter() - start) / steps)
+    return found
 
 
 def main() -> None:
@@ -100,11 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as d, mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(2, os.path.join(d, "pg"), args.repeats, args.steps, out), nprocs=2)
-        found = dict(out)
+    found = on_two_ranks(measured, args.repeats, args.steps)
     tokens = 2 * 4 * 256  # a step's: 2 ranks x 4 windows of 256
     shape = f"Qwen3-MoE shape ({SHAPE.moe.experts} experts, top {SHAPE.moe.top_k})"
     print(f"{shape}, 2 ranks, fp32, {tokens} tokens a step, CPU {torch.backends.cpu.get_cpu_capability()}")

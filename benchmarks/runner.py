@@ -198,3 +198,29 @@ def write_rows(out: str, args, rows: list[dict]) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     header = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "args": vars(args)}
     Path(out).write_text(json.dumps({**header, "rows": rows}, indent=1))
+
+
+def on_two_ranks(fn, *args) -> dict:
+    """fn(rank, world, *args) on 2 gloo processes spawned here (a file rendezvous); what rank 0's returns."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as d, mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_ranked, args=(2, os.path.join(d, "pg"), fn, args, out), nprocs=2)
+        return dict(out)
+
+
+def _ranked(rank: int, world: int, init: str, fn, args: tuple, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        found = fn(rank, world, *args)
+        if rank == 0:
+            out.update(found)
+    finally:
+        dist.destroy_process_group()

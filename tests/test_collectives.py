@@ -150,6 +150,20 @@ def test_hybrid_shard_gathers_within_a_node_and_all_reduces_across_nodes():
     run_distributed(_check_counts, world_size=4)
 
 
+def _counted_step(cfg: ModelConfig, parallel: ParallelConfig, mesh, batches: list) -> CollectiveCounter:
+    """The collectives of an optimizer step of `cfg` parallelized as `parallel` says, after a first step (lazy init,
+    first-step-only work)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    applied = parallelize(model, parallel, mesh)
+    materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
+    optimizer = build_optimizer(model, OptimConfig())
+    train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+    with CollectiveCounter() as counter:
+        train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+    return counter
+
+
 def _check_context_parallel(rank, world):
     """CP 2 on 2 ranks: each block's keys and values gathered once in forward (and again where AC recomputes the
     block), their gradients reduce-scattered once in backward, the whole window's each time; the planner's bytes."""
@@ -158,15 +172,8 @@ def _check_context_parallel(rank, world):
     tokens = torch.randint(0, CFG.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(0))  # both ranks'
     batches = [context.shard(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in tokens]
     for ac in ("none", "full"):
-        with torch.device("meta"):
-            model = Transformer(CFG)
         parallel = ParallelConfig(mixed_precision="fp32", activation_checkpointing=ac, context_parallel=world)
-        applied = parallelize(model, parallel, mesh)
-        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
-        optimizer = build_optimizer(model, OptimConfig())
-        train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
-        with CollectiveCounter() as counter:
-            train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        counter = _counted_step(CFG, parallel, mesh, batches)
         window = 2 * 2 * 16 * CFG.n_kv_heads * CFG.resolved_head_dim  # keys and values, 2 rows of 16 positions
         gathers = 2 * BLOCKS * (2 if ac == "full" else 1)  # 2 micro-batches
         assert counter.calls[("functional_all_gather", world, window)] == gathers, counter.calls
@@ -191,15 +198,8 @@ def _check_expert_parallel(rank, world):
     tokens = torch.randint(0, MOE.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
     batches = [MicroBatch(t[:, :-1], t[:, 1:], None) for t in tokens]
     for ac in ("none", "full"):
-        with torch.device("meta"):
-            model = Transformer(MOE)
         parallel = ParallelConfig(mixed_precision="fp32", activation_checkpointing=ac, expert_parallel=world)
-        applied = parallelize(model, parallel, mesh)
-        materialize(model, torch.device("cpu"), 0, applied.cpu_offload)
-        optimizer = build_optimizer(model, OptimConfig())
-        train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
-        with CollectiveCounter() as counter:
-            train_step(model, optimizer, batches, 1e-3, 1.0, plan=applied.plan)
+        counter = _counted_step(MOE, parallel, mesh, batches)
         moved = [(n, e) for (kind, size, e), n in counter.calls.items() if kind == "functional_all_to_all"]
         counts = sum(n for n, e in moved if e == MOE.moe.experts)  # each dispatch's counts first, E of them
         assert counts == 2 * MOE.n_layers * (2 if ac == "full" else 1), counter.calls

@@ -383,6 +383,11 @@ def check_rows(stdout: str) -> list[list[str]]:
     return [row.strip(" |").split(" | ") for row in rows]
 
 
+MIXTURE = ["--model.family", "qwen3_moe", "--model.head_dim", "32", "--model.moe.experts", "8",
+           "--model.moe.top_k", "2", "--model.moe.ffn_dim", "256"]  # fmt: skip
+"""The debug recipe's widths as a mixture of 8 experts, top 2."""
+
+
 @pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context", "experts"])
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
@@ -416,20 +421,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         "context": ["--parallel.context_parallel", "2", "--data.seq_len", "32768", "--model.max_seq_len", "32768"],
         # expert parallelism over 2 of the 4 ranks: each rank gathers its 4 of the 8 experts, over the 2 holding them;
         # the shardings and AC modes it runs under (not NO_SHARD nor HYBRID_SHARD, not selective)
-        "experts": [
-            "--model.family",
-            "qwen3_moe",
-            "--model.head_dim",
-            "32",
-            "--model.moe.experts",
-            "8",
-            "--model.moe.top_k",
-            "2",
-            "--model.moe.ffn_dim",
-            "256",
-            "--parallel.expert_parallel",
-            "2",
-        ],
+        "experts": [*MIXTURE, "--parallel.expert_parallel", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
         "lora-1": ["--lora.rank", "16", "--data.micro_batch_size", "8", "--nproc", "1", "--nnodes", "1"],
@@ -437,16 +429,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         # two NF4 scale blocks split over 2 ranks, not 4
         "qlora": ["--lora.rank", "16", "--lora.quantize_base", "nf4", "--data.micro_batch_size", "8", "--nnodes", "1"],
         "moe": [
-            "--model.family",
-            "qwen3_moe",
-            "--model.head_dim",
-            "32",
-            "--model.moe.experts",
-            "8",
-            "--model.moe.top_k",
-            "2",
-            "--model.moe.ffn_dim",
-            "256",
+            *MIXTURE,
             "--lora.rank",
             "4",  # 8 bytes in bf16: padded to the 16 a GPU's grouped matmul wants (its meta kernel checks)
             "--lora.targets",
