@@ -16,7 +16,7 @@ from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import IGNORE, NextTokenLoss
 from fsdp_trainer.model import Transformer
 from tests.conftest import PAIRS_SEQ_LEN
-from tests.helpers import read_metrics, rewind, run_args, run_distributed, train_cli
+from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, train_cli
 
 # (family, its switches): Llama 3 plain causal; Qwen3's QK-norm; Mistral's window and Gemma 3's local layers (their
 # own rotary base) shorter than the window, so a rank's tail chunk sees keys of the other rank's chunks and not all.
@@ -99,14 +99,6 @@ def test_flex_attention_over_the_ranks_keys_is_the_dense_masks():
     run_distributed(_equals_the_whole_window, "mistral", True, True)
 
 
-def _records(out_dir) -> dict[int, dict]:
-    """Each step's metrics, its records merged."""
-    merged = {}
-    for record in read_metrics(out_dir):
-        merged.setdefault(record["step"], {}).update(record)
-    return merged
-
-
 def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tmp_path):
     """fsdp-train with parallel.context_parallel 2: on 2 ranks (one group) and on 4 (2 data-parallel ranks x CP 2,
     FSDP over all 4), the loss, the validation loss and the gradient norm of each of 10 steps are those of 1 process
@@ -121,10 +113,10 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
     halved = {**evals, "eval_steps": 1}  # a global micro-batch of 2 windows: the 1 process's 2 of 1
     proc = train_cli(run_args(tiny_data, four, 10, data={"micro_batch_size": 1}, train=halved, parallel=cp), nproc=4)
     assert "4 rank(s) (context parallel 2), FULL_SHARD, fp32 | global batch 2 x 32 tokens" in proc.stdout
-    expected = _records(one)
+    expected = metrics_by_step(one)
     assert sum("val_loss" in r for r in expected.values()) == 2
     for run in (two, four):
-        records = _records(run)
+        records = metrics_by_step(run)
         assert sorted(records) == sorted(expected)
         for step, record in records.items():
             for key in ("loss", "val_loss", "grad_norm"):
@@ -133,7 +125,7 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
                     assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (run.name, step, key)
     rewind(two, 5)
     train_cli(run_args(tiny_data, two, 10, data=batch, train=evals))  # 1 process, no CP
-    for step, record in _records(two).items():
+    for step, record in metrics_by_step(two).items():
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
 
 
@@ -145,8 +137,8 @@ def test_lora_sft_on_packed_conversations_with_context_parallel_equals_one_proce
     train_cli(run_args(chat_data, one, 4, lora=lora, train=train, parallel={"activation_checkpointing": "selective"}))
     parallel = {"context_parallel": 2, "activation_checkpointing": "selective"}
     train_cli(run_args(chat_data, two, 4, lora=lora, train=train, parallel=parallel), nproc=2)
-    expected = _records(one)
-    for step, record in _records(two).items():
+    expected = metrics_by_step(one)
+    for step, record in metrics_by_step(two).items():
         assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
         assert record["supervised_tokens"] == expected[step]["supervised_tokens"]
 

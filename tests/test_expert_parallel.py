@@ -16,7 +16,7 @@ from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, routed_layers
-from tests.helpers import read_metrics, rewind, run_args, run_distributed, train_cli
+from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, train_cli
 from tests.test_moe import MOE
 
 CFG = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
@@ -70,13 +70,6 @@ def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac):
     run_distributed(_equals_the_whole_model, ac)
 
 
-def _steps(out_dir) -> dict[int, dict]:
-    merged = {}
-    for record in read_metrics(out_dir):
-        merged.setdefault(record["step"], {}).update(record)
-    return merged
-
-
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
     """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over all): on 2
     ranks, and on 4 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them), the loss,
@@ -95,20 +88,20 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
     for name, (nproc, sections) in runs.items():
         train_cli(run_args(tiny_data, tmp_path / name, 6, model=model, **{"train": train, **sections}), nproc=nproc)
     for got, expected in (("ep", "one"), ("four", "by_one")):
-        got, expected = _steps(tmp_path / got), _steps(tmp_path / expected)
+        got, expected = metrics_by_step(tmp_path / got), metrics_by_step(tmp_path / expected)
         assert sum("aux_loss" in r for r in got.values()) == 6 and sum("val_loss" in r for r in got.values()) == 2
         for step, record in got.items():
             for key in {"loss", "aux_loss", "val_loss", "grad_norm"} & set(record):
                 assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
     shapes = [saved_shapes(tmp_path / run / "checkpoints" / "step_00000003") for run in ("ep", "one")]
     assert shapes[0] == shapes[1] and shapes[0]["model.layers.0.mlp.experts.gate_up_proj"] == (6, 96, 64)
-    expected = _steps(tmp_path / "one")
+    expected = metrics_by_step(tmp_path / "one")
     for source, nproc, sections in (("ep", 1, {"data": {"grad_accum_steps": 2}}), ("one", 2, {"parallel": ep2})):
         across = tmp_path / f"from_{source}"
         shutil.copytree(tmp_path / source, across)
         rewind(across, 3)
         train_cli(run_args(tiny_data, across, 6, model=model, checkpoint=every, **sections), nproc=nproc)
-        for step, record in _steps(across).items():
+        for step, record in metrics_by_step(across).items():
             if "loss" in record:
                 assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), (across.name, step)
 

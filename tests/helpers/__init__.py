@@ -133,6 +133,14 @@ def read_metrics(out_dir: str | Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def metrics_by_step(out_dir: str | Path) -> dict[int, dict]:
+    """Each step's metrics, its records (training, evaluation, memory) merged."""
+    merged: dict[int, dict] = {}
+    for record in read_metrics(out_dir):
+        merged.setdefault(record["step"], {}).update(record)
+    return merged
+
+
 def rewind(out_dir: Path, step: int) -> None:
     """A finished run put back as if it had stopped at checkpoint `step`: the later checkpoints gone, `latest` naming
     it, its metrics.jsonl moved aside (to metrics.jsonl.straight), so the same command resumes it from there."""
