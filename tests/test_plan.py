@@ -420,7 +420,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         # against 17.5 at CP 1), the whole window's keys and values kept by each block's attention, its runs' masks
         "context": ["--parallel.context_parallel", "2", "--data.seq_len", "32768", "--model.max_seq_len", "32768"],
         # expert parallelism over 2 of the 4 ranks: each rank gathers its 4 of the 8 experts, over the 2 holding them;
-        # the shardings and AC modes it runs under (not NO_SHARD nor HYBRID_SHARD, not selective)
+        # the shardings it runs under (not NO_SHARD nor HYBRID_SHARD)
         "experts": [*MIXTURE, "--parallel.expert_parallel", "2"],
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
@@ -440,7 +440,7 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
                     "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = {(sharding, ac): float(ratio) for sharding, ac, _, _, ratio in check_rows(proc.stdout)}
-    assert len(ratios) == {"lora-1": 3, "qlora": 12, "experts": 6}.get(kind, 15)  # 5 shardings (HYBRID: 2 nodes) x 3 AC
+    assert len(ratios) == {"lora-1": 3, "qlora": 12, "experts": 9}.get(kind, 15)  # 5 shardings (HYBRID: 2 nodes) x 3 AC
     assert all(0.95 <= ratio <= 1.1 for ratio in ratios.values()), ratios
 
 

@@ -102,6 +102,16 @@ def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Selective AC counts every op a block runs, to hand the recomputation what the forward kept; the profiler ranges
+# FSDP's hooks open are ops too, and those of a module sharded inside a block (the experts under expert parallelism)
+# run another number of times in the recomputation than in the forward: torch's SAC then fails the backward. They
+# compute nothing, so they are not counted.
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+}
+
+
 def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 

@@ -61,11 +61,6 @@ def shardings_of(nproc: int, nnodes: int, recipe: Recipe | None = None) -> list[
     ]
 
 
-def ac_modes(recipe: Recipe) -> tuple[str, ...]:
-    """The AC modes a plan compares: those the recipe's parallelism runs with (expert parallelism: not selective)."""
-    return ("none", "full") if recipe.parallel.expert_parallel > 1 else AC_MODES
-
-
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
     """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
     # NF4 weights do not run offloaded yet (config.Recipe refuses it)
@@ -73,7 +68,7 @@ def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads
-        for ac in ac_modes(recipe)
+        for ac in AC_MODES
         for s in shardings_of(nproc, nnodes, recipe)
     ]
 
@@ -120,7 +115,7 @@ def longest_fits(recipe: Recipe, nproc: int, nnodes: int, device: str, mem: floa
     recipe's seq_len, and its row), a length or size 0 and a row None where nothing fits (or the seq_len does not
     split into the degree's chunks)."""
     found, seq_len_now = [], recipe.data.seq_len
-    for cp, ac in [(cp, ac) for cp in context_degrees(recipe, nproc) for ac in ac_modes(recipe)]:
+    for cp, ac in [(cp, ac) for cp in context_degrees(recipe, nproc) for ac in AC_MODES]:
 
         def row(seq_len: int, micro_batch_size: int, ac: str = ac, cp: int = cp) -> Estimate | None:
             return fitting(shaped(recipe, seq_len, micro_batch_size, cp), nproc, nnodes, ac, device, mem)
