@@ -172,7 +172,8 @@ def _walkthrough_args(tmp_path, out, steps: int, quantize: str | None = "nf4", *
 @pytest.mark.slow
 def test_qlora_walkthrough_on_conversations_two_ranks_equal_one_process_resume_and_export(tmp_path):
     """README's commands for recipes/lora_qwen3_0.6b.yaml with lora.quantize_base nf4, on a Qwen3 saved by
-    transformers (sharded) with a ChatML tokenizer, and conversations in the bundled chat set's format."""
+    transformers (sharded) with a ChatML tokenizer, and conversations in the bundled chat set's format; 2 ranks as data
+    parallel and as a context-parallel pair each equal 1 process."""
     hf_in = tmp_path / "hf_in"
     tokenizer = save_hf_tokenizer(hf_in, "qwen3", CHATML)
     config = transformers.Qwen3Config(
@@ -191,15 +192,19 @@ def test_qlora_walkthrough_on_conversations_two_ranks_equal_one_process_resume_a
     tokenizer_path, seq_len = ["--data.tokenizer_path", tmp_path / "imported"], ["--data.seq_len", "64"]
     tool("prepare_data.py", "--recipe", recipe, "--format", "chat", "--input", chats, *tokenizer_path, *data, *seq_len)
 
-    two, one = tmp_path / "two", tmp_path / "one"
+    two, one, split = tmp_path / "two", tmp_path / "one", tmp_path / "split"
     train_cli(_walkthrough_args(tmp_path, two, 6), nproc=2)
     train_cli(_walkthrough_args(tmp_path, one, 6, data={"grad_accum_steps": 2}))
+    # and 2 ranks splitting each window (context parallelism): the one process's micro-batches, a half each
+    halves = ["--parallel.context_parallel", "2"]
+    train_cli([*_walkthrough_args(tmp_path, split, 6, data={"grad_accum_steps": 2}), *halves], nproc=2)
     losses = train_losses(two)
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]  # it learns
-    torch.testing.assert_close(
-        torch.tensor([train_losses(one)[s] for s in range(1, 7)]), torch.tensor([losses[s] for s in range(1, 7)]),
-        rtol=1e-5, atol=0,
-    )  # fmt: skip
+    for run in (losses, train_losses(split)):
+        torch.testing.assert_close(
+            torch.tensor([train_losses(one)[s] for s in range(1, 7)]), torch.tensor([run[s] for s in range(1, 7)]),
+            rtol=1e-5, atol=0,
+        )  # fmt: skip
     # The base is the imported model in torchao's NF4: step 1 equals a LoRA run on that model with its projections
     # replaced by their dequantized NF4 values, imported the same way.
     with torch.no_grad():
