@@ -16,6 +16,7 @@ from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, routed_layers
+from tests.conftest import PAIRS_SEQ_LEN
 from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, train_cli
 from tests.test_moe import MOE
 
@@ -126,3 +127,19 @@ def test_what_expert_parallelism_cannot_run_is_one_line_before_training(tiny_dat
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_dpo_with_a_mixture_of_experts_under_expert_parallelism_equals_one_process(tiny_data, pairs, tmp_path):
+    """The preference kind with its frozen reference beside the policy, both split by EP 2 (the reference's experts
+    dispatched over the same group): 2 ranks equal 1 process x accumulation 2, loss and reward margins."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE, "max_seq_len": PAIRS_SEQ_LEN}
+    data = {"train_path": pairs / "train.bin", "val_path": None, "seq_len": PAIRS_SEQ_LEN}
+    dpo = {"model": model, "preference": {"loss": "sigmoid"}, "optim": {"lr": 1e-2, "min_lr": 1e-2}}
+    train_cli(run_args(tiny_data, tmp_path / "ep", 3, data=data, parallel={"expert_parallel": 2}, **dpo), nproc=2)
+    train_cli(run_args(tiny_data, tmp_path / "one", 3, data={**data, "grad_accum_steps": 2}, **dpo))
+    got, expected = metrics_by_step(tmp_path / "ep"), metrics_by_step(tmp_path / "one")
+    for step in (1, 2, 3):
+        for key in ("loss", "aux_loss"):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+        # a difference of two sums of log-probs: to their rounding
+        assert got[step]["rewards/margins"] == pytest.approx(expected[step]["rewards/margins"], abs=1e-5), step
