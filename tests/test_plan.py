@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import subprocess
 from collections import namedtuple
 
@@ -960,3 +961,21 @@ def test_an_eager_sliding_window_is_planned_with_its_mask_once(ac):
     assert 1.0 <= (row.total_gb - row.runtime_gb) / measured_peak_gb(recipe, 2, 1) <= 1.15
     compiled = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, compile=True))
     assert estimate(compiled, nproc=2, nnodes=1, sharding="FULL_SHARD", ac=ac, device="cuda").attention_mask_gb == 0
+
+
+def test_a_mixture_planned_without_expert_parallelism_is_told_the_degree_that_moves_fewest_bytes(capsys):
+    """A mixture of experts planned without EP: the plan names the degree (of those dividing a node's ranks and the
+    experts) whose recommended row sends the fewest bytes, beside the row without; none where adapters sit on the
+    experts, which EP does not split."""
+    from fsdp_trainer.planner.plan import main
+
+    args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), *MIXTURE, "--nproc", "4", "--device", "cuda",
+            "--device_mem_gb", "80"]  # fmt: skip
+    main(args)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("expert parallelism:"))
+    degree, sent, without = re.match(
+        r".*expert_parallel (\d) .* sends ([\d.e-]+) GB a step against ([\d.e-]+)", line
+    ).groups()
+    assert degree == "4" and float(sent) < float(without)
+    main([*args, "--lora.rank", "4", "--lora.targets", "[q_proj, experts]"])
+    assert "expert parallelism:" not in capsys.readouterr().out

@@ -203,6 +203,48 @@ def recommend(
     return min((e for e, _ in fits), key=cost)
 
 
+def expert_degrees(recipe: Recipe, nproc: int) -> list[int]:
+    """The expert-parallel degrees worth pricing beside a mixture-of-experts recipe planned without it: each power of 2
+    that divides a node's ranks and the experts, where the recipe could run with it (expert_parallel.check)."""
+    if recipe.model.moe is None or recipe.parallel.expert_parallel > 1:
+        return []
+    degrees, degree = [], 2
+    while nproc % degree == 0 and recipe.model.moe.experts % degree == 0:
+        case = copy.deepcopy(recipe)
+        case.parallel.expert_parallel = degree
+        try:
+            check_expert_parallel(case)
+        except ValueError:
+            return []  # the recipe's adapters, compile or offload: no degree runs
+        degrees.append(degree)
+        degree *= 2
+    return degrees
+
+
+def expert_parallel_line(recipe: Recipe, args, device: str, mem: float, host_mem: float, best: Estimate) -> str | None:
+    """For a mixture of experts planned without expert parallelism: the degree whose recommended row is fastest
+    (--gpu), else sends the fewest bytes, beside the row recommended without it; None where no degree runs or fits."""
+    found = []
+    for degree in expert_degrees(recipe, args.nproc):
+        case = copy.deepcopy(recipe)
+        case.parallel.expert_parallel = degree
+        rows = plan(case, args.nproc, args.nnodes, device)
+        times = [step_time(case, e, args.gpu, args.nproc, args.nnodes) for e in rows] if args.gpu else None
+        row = recommend(rows, mem, host_mem, times)
+        if row is not None:
+            t = times[rows.index(row)] if times else None
+            found.append((t.step_s if t else 0.0, row.sent_gb, degree, row, t))
+    if not found:
+        return None
+    _, _, degree, row, t = min(found, key=lambda f: f[:2])
+    step = ""
+    if args.gpu:
+        before = step_time(recipe, best, args.gpu, args.nproc, args.nnodes).step_s
+        step = f", {t.step_s:.2f} s a step against {before:.2f}"
+    return (f"expert parallelism: --parallel.expert_parallel {degree} {_flags(row)} ({row.total_gb:.1f} GB) sends "
+            f"{row.sent_gb:.3g} GB a step against {best.sent_gb:.3g}{step}")  # fmt: skip
+
+
 def table(
     estimates: list[Estimate], device_mem_gb: float, host_mem_gb: float, times: list[StepTime | None] | None = None
 ) -> str:
@@ -420,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     t = times[estimates.index(best)] if times else None
     if t is not None:
         print(_prediction(args, recipe, t))
+    if line := expert_parallel_line(recipe, args, device, mem, host_mem, best):
+        print(line)
     if not leaves_headroom(best.total_gb, mem):
         print(f"at the edge: nothing else fits, and this leaves less than plan.HEADROOM ({HEADROOM:.0%}) of the device "
               f"free, which the allocator's fragmentation may take; its retries there slow a step beyond any "
