@@ -636,7 +636,7 @@ def test_a_plan_of_a_mixture_of_experts_says_how_many_tokens_an_expert_sees(caps
         "64",
     ]
     main([*debug, *moe])
-    line = capsys.readouterr().out.splitlines()[-1]
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("experts:"))
     tokens = 8 * 128  # debug.yaml's micro-batch: 8 x 128
     peak, hbm = PEAK_FLOPS["A100"]["bf16"], GPUS["A100"].hbm_gb_s * 1e9
     assert line == (
