@@ -147,14 +147,18 @@ def forget_routing(model: nn.Module) -> None:
         layer.routing = None
 
 
-def aux_loss(model: nn.Module) -> torch.Tensor | None:
+def aux_loss(model: nn.Module, summed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
     """The load-balancing loss of `model`'s last forward with autograd on (None without experts), as transformers'
-    load_balancing_loss_func: the fractions and mean probabilities over every MoE layer's tokens together."""
+    load_balancing_loss_func: the fractions and mean probabilities over every MoE layer's tokens together; with
+    `summed` (a tensor summed over the ranks holding the other parts of the same windows, with its gradient: context
+    parallelism), over those ranks' tokens too."""
     routings = [layer.routing for layer in routed_layers(model) if layer.routing is not None]
     if not routings:
         return None
     forget_routing(model)
     counts = sum(per_expert.float() for per_expert, _, _ in routings)
     probabilities = sum(summed for _, summed, _ in routings)
-    rows = sum(tokens for _, _, tokens in routings)
+    rows = counts.new_tensor(sum(tokens for _, _, tokens in routings))
+    if summed is not None:
+        counts, probabilities, rows = summed(counts), summed(probabilities), summed(rows)
     return len(counts) * torch.sum((counts / rows) * (probabilities / rows))

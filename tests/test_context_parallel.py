@@ -17,6 +17,7 @@ from fsdp_trainer.loss import IGNORE, NextTokenLoss
 from fsdp_trainer.model import Transformer
 from tests.conftest import PAIRS_SEQ_LEN
 from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, train_cli
+from tests.test_moe import MOE
 
 # (family, its switches): Llama 3 plain causal; Qwen3's QK-norm; Mistral's window and Gemma 3's local layers (their
 # own rotary base) shorter than the window, so a rank's tail chunk sees keys of the other rank's chunks and not all.
@@ -153,10 +154,6 @@ def test_lora_sft_on_packed_conversations_with_context_parallel_equals_one_proce
         ),
         ([], "error: parallel.context_parallel=2 needs the world size (1) to be a multiple of it"),
         (["preference"], "error: parallel.context_parallel=2: the preference kind needs each window whole on a rank"),
-        (
-            ["--model.family", "qwen3_moe", "--model.moe", "{experts: 4, top_k: 2, ffn_dim: 32}"],
-            "error: parallel.context_parallel=2: a mixture of experts' load-balancing loss",
-        ),
     ],
 )
 def test_what_context_parallelism_cannot_run_is_one_line_before_training(tiny_data, pairs, tmp_path, flags, message):
@@ -185,3 +182,19 @@ def test_a_rank_of_a_context_parallel_pair_holds_about_half_the_activations_on_r
     """benchmarks/bench_context_parallel.py at 2,048 tokens: the peak FSDPMemTracker counts on real CPU tensors, a
     rank holding a whole window (CP 1) and half of one (CP 2), each within the planner's estimate (to -5% / +10%)."""
     run_distributed(_halved)
+
+
+def test_a_mixture_of_experts_balances_its_load_over_the_whole_windows(tiny_data, tmp_path):
+    """Qwen3-MoE at CP 2: the load-balancing loss takes its routing counts and probabilities summed over the pair (the
+    probabilities' gradient summed back), so the loss, the load-balancing loss and the validation loss of 4 steps are
+    1 process's with the same windows."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
+    train, batch = {"eval_every": 2, "eval_steps": 2}, {"micro_batch_size": 1, "grad_accum_steps": 2}
+    train_cli(run_args(tiny_data, tmp_path / "one", 4, model=model, data=batch, train=train))
+    cp = {"context_parallel": 2}
+    train_cli(run_args(tiny_data, tmp_path / "two", 4, model=model, data=batch, train=train, parallel=cp), nproc=2)
+    got, expected = metrics_by_step(tmp_path / "two"), metrics_by_step(tmp_path / "one")
+    for step in (1, 2, 3, 4):
+        for key in {"loss", "aux_loss", "val_loss"} & set(expected[step]):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+    assert sum("aux_loss" in r for r in got.values()) == 4

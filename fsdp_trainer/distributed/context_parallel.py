@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import create_block_mask
 
@@ -37,6 +38,8 @@ class ContextShard(NamedTuple):
     """(B, length) packed data: the whole window's example numbers (model.block_causal)."""
     gather: Callable[[torch.Tensor], torch.Tensor]
     """ContextParallel.gather."""
+    summed: Callable[[torch.Tensor], torch.Tensor]
+    """ContextParallel.summed: a statistic of the whole windows (a mixture of experts' routing)."""
 
     def attention_inputs(
         self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, window: int | None, flex: bool, dtype: torch.dtype
@@ -111,9 +114,13 @@ class ContextParallel:
                 return x
             return x.pin_memory().to(self.device, non_blocking=True)
 
-        context = ContextShard(runs, length, moved(batch.documents), self.gather)
+        context = ContextShard(runs, length, moved(batch.documents), self.gather, self.summed)
         fields = dict(inputs=moved(inputs), targets=moved(targets), documents=moved(documents), trained=trained)
         return batch._replace(**fields, context=context)
+
+    def summed(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the group, its gradient summed back to every rank's x (an all-reduce each way)."""
+        return dist_nn.all_reduce(x, group=self.group)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """(..., this rank's positions, d) -> (..., window, d): every rank's positions in the window's order. Its
@@ -135,12 +142,6 @@ def context_group(degree: int, world_size: int, device: torch.device, timeout: t
     return ContextParallel(group, degree, mesh.get_local_rank("cp"), device)
 
 
-def splits(recipe: Any, kind: Any) -> bool:
-    """Whether a recipe's windows may be split over a context-parallel group: its kind's step trains on a share of
-    each (`kind.splits_windows`), and no mixture of experts balances its load over a window's tokens together."""
-    return kind.splits_windows and recipe.model.moe is None
-
-
 def check_context_parallel(recipe: Any, kind: Any) -> None:
     """What context parallelism needs of a recipe, before any process starts: windows of 2 x degree whole chunks, and a
     training kind whose step can run on a share of each window (`kind.splits_windows`)."""
@@ -152,12 +153,7 @@ def check_context_parallel(recipe: Any, kind: Any) -> None:
             f"parallel.context_parallel={degree} cuts each window into {2 * degree} equal chunks: data.seq_len "
             f"({data.seq_len}) must be a multiple of {2 * degree}"
         )
-    if recipe.model.moe is not None:
-        raise ValueError(
-            f"parallel.context_parallel={degree}: a mixture of experts' load-balancing loss is over each window's "
-            "tokens together, which context parallelism would split; set parallel.context_parallel 1"
-        )
-    if not splits(recipe, kind):
+    if not kind.splits_windows:
         raise ValueError(
             f"parallel.context_parallel={degree}: the {kind.name} kind needs each window whole on a rank; context "
             "parallelism trains next-token runs (pretraining, SFT). Set parallel.context_parallel 1"

@@ -24,7 +24,6 @@ import torch
 from fsdp_trainer.adapters import check_quantized_split, quantizes_base
 from fsdp_trainer.checkpoint.storage import CheckpointError
 from fsdp_trainer.config import Recipe, fail, parse_args, recipe_parser
-from fsdp_trainer.distributed.context_parallel import splits
 from fsdp_trainer.distributed.expert_parallel import SHARDINGS as EP_SHARDINGS
 from fsdp_trainer.distributed.expert_parallel import check_expert_parallel
 from fsdp_trainer.distributed.parallelize import SHARDING
@@ -104,7 +103,7 @@ def context_degrees(recipe: Recipe, nproc: int) -> list[int]:
     """The context-parallel degrees --max_seq_len tries: 1, and where the recipe's windows may be split, each power of
     2 that divides a node's ranks (a group within a node)."""
     degrees = [1]
-    while splits(recipe, training_kind(recipe)) and nproc % (2 * degrees[-1]) == 0:
+    while training_kind(recipe).splits_windows and nproc % (2 * degrees[-1]) == 0:
         degrees.append(2 * degrees[-1])
     return degrees
 

@@ -224,7 +224,7 @@ def accumulate(
         set_gradient_sync(model, plan, i == len(micro_batches) - 1)
         terms, metrics = step.sums(model, batch)
         loss = weighted(step.weights, share_of_global_mean(terms.reshape(-1), units, world))
-        router = aux_loss(model)  # None for a dense model
+        router = aux_loss(model, batch.context and batch.context.summed)  # None for a dense model
         if router is not None:
             routed, coef = True, model.cfg.moe.aux_loss_coef
             loss = loss + coef * share_of_global_mean(router, len(micro_batches) * world, world)
