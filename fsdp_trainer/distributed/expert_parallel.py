@@ -104,3 +104,5 @@ def check_expert_parallel(recipe: Any) -> None:
     for flag in ("compile", "cpu_offload"):
         if getattr(parallel, flag):
             raise ValueError(f"{what} does not run with parallel.{flag} yet; set one of them off")
+    if parallel.context_parallel > 1:
+        raise ValueError(f"{what} does not run with parallel.context_parallel yet; set one of them to 1")
