@@ -179,6 +179,9 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # A rank whose `fn` makes no collective could otherwise close its connections while a slower peer (a loaded
+        # machine) is still making its own to it: gloo's connectFullMesh then fails there, "Connection closed by peer".
+        dist.barrier()
     finally:
         close_distributed()
 
