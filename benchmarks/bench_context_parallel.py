@@ -11,7 +11,6 @@ fp32; the second step is measured (AdamW's state exists). tests/test_context_par
 from __future__ import annotations
 
 import argparse
-from datetime import timedelta
 
 import torch
 from runner import on_two_ranks
@@ -36,7 +35,7 @@ def peaks(rank: int, world: int, seq_len: int, model: dict) -> dict[int, dict[st
     runtime term), its activations and logits."""
     cfg = ModelConfig(**model, max_seq_len=seq_len)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    context = context_group(world, world, torch.device("cpu"), timedelta(seconds=600))
+    context = context_group(world, world, torch.device("cpu"))
     found = {}
     for cp in (1, world):
         g = torch.Generator().manual_seed(rank if cp == 1 else 0)  # a window each, or one window for the group

@@ -114,7 +114,7 @@ def build_loader(recipe: Recipe, env: DistEnv, tokens: Tokens | Mixture) -> Toke
         env.data_world,
         seed=recipe.train.seed,
         device=env.device,
-        shard=env.context.shard if env.context else None,
+        shard=env.shard,
     )
 
 

@@ -197,12 +197,9 @@ def evaluate(model: torch.nn.Module, step: Step, val_file: Tokens, recipe: Recip
     same every time; no more than it holds whole): over its targets, its supervised tokens or its pairs, as the training
     kind counts them."""
     data = recipe.data
-    shard = env.context.shard if env.context else None
-    rows = data.micro_batch_size
-    loader = TokenLoader(
-        val_file, data.seq_len, rows, 1, env.data_rank, env.data_world, shuffle=False, device=env.device, shard=shard
-    )
-    n, _ = eval_batches(val_file, data.seq_len, data.micro_batch_size, env.data_world, recipe.train.eval_steps)
+    rows, ranks = data.micro_batch_size, (env.data_rank, env.data_world)
+    loader = TokenLoader(val_file, data.seq_len, rows, 1, *ranks, shuffle=False, device=env.device, shard=env.shard)
+    n, _ = eval_batches(val_file, data.seq_len, rows, env.data_world, recipe.train.eval_steps)
     return step.evaluate(model, [loader.next_batch()[0] for _ in range(n)])
 
 

@@ -3,8 +3,6 @@ attention over every rank's keys. Against the whole window on one process: logit
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,7 +53,7 @@ def _equals_the_whole_window(rank: int, world: int, family: str, packed: bool, f
     whole, split = _model(family, flex), _model(family, flex)
     apply_ac(split, ac)
     batch = _batch(packed)
-    group = context_group(world, world, torch.device("cpu"), timedelta(seconds=60))
+    group = context_group(world, world, torch.device("cpu"))
     mine = group.shard(batch)
     index = torch.cat([torch.arange(a, b) for a, b in held_runs(rank, world, T)])
     assert torch.equal(mine.inputs, batch.inputs[:, index]) and torch.equal(mine.targets, batch.targets[:, index])

@@ -12,7 +12,6 @@ over the global batch's targets, wherever they are, divided by their number.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -32,8 +31,6 @@ class ContextShard(NamedTuple):
 
     runs: tuple[tuple[int, int], ...]
     """(start, end) of each run in the whole window, in the order this rank holds them."""
-    length: int
-    """The whole window's positions."""
     documents: torch.Tensor | None
     """(B, length) packed data: the whole window's example numbers (model.block_causal)."""
     gather: Callable[[torch.Tensor], torch.Tensor]
@@ -102,8 +99,7 @@ class ContextParallel:
     def shard(self, batch: MicroBatch) -> MicroBatch:
         """This rank's share of a micro-batch read on the host, moved to the device: its positions' tokens, targets
         and example numbers, with the whole window's example numbers in `context` for attention."""
-        length = batch.inputs.shape[1]
-        runs = held_runs(self.rank, self.degree, length)
+        runs = held_runs(self.rank, self.degree, batch.inputs.shape[1])
         index = torch.cat([torch.arange(a, b) for a, b in runs])
         inputs, targets = batch.inputs[:, index], batch.targets[:, index]
         documents = None if batch.documents is None else batch.documents[:, index]
@@ -114,7 +110,7 @@ class ContextParallel:
                 return x
             return x.pin_memory().to(self.device, non_blocking=True)
 
-        context = ContextShard(runs, length, moved(batch.documents), self.gather, self.summed)
+        context = ContextShard(runs, moved(batch.documents), self.gather, self.summed)
         fields = dict(inputs=moved(inputs), targets=moved(targets), documents=moved(documents), trained=trained)
         return batch._replace(**fields, context=context)
 
@@ -130,16 +126,13 @@ class ContextParallel:
         return torch.cat([chunks[:, 0], chunks[:, 1].flip(0)]).flatten(0, 1).movedim(0, -2)
 
 
-def context_group(degree: int, world_size: int, device: torch.device, timeout: timedelta) -> ContextParallel | None:
+def context_group(degree: int, world_size: int, device: torch.device) -> ContextParallel | None:
     """This rank's group of `degree` consecutive ranks (within a node when the node's ranks are a multiple of it), or
     None at degree 1. Every rank calls it: the groups are made collectively."""
     if degree == 1:
         return None
     mesh = init_device_mesh(device.type, (world_size // degree, degree), mesh_dim_names=("dp", "cp"))
-    group = mesh.get_group("cp")
-    if dist.get_backend(group) != "fake":  # the planner's check (planner/fake.py) has no timeouts to set
-        dist.distributed_c10d._set_pg_timeout(timeout, group)  # as the mesh's other groups (runtime.init_distributed)
-    return ContextParallel(group, degree, mesh.get_local_rank("cp"), device)
+    return ContextParallel(mesh.get_group("cp"), degree, mesh.get_local_rank("cp"), device)
 
 
 def check_context_parallel(recipe: Any, kind: Any) -> None:

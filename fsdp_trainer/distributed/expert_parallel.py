@@ -35,16 +35,15 @@ class ExpertDispatch:
         local = len(per_expert) // n
         # Each rank learns how many copies of each of its experts every rank sends: (sources, local experts).
         received = funcol.all_to_all_single(per_expert, None, None, self.group).view(n, local)
+        offsets = torch.cumsum(received.sum(0), dim=0, dtype=torch.int32)  # the rows each local expert ends at
         if is_fake(rows):  # the planner's step on fake tensors (no counts to read): the copies spread evenly
             even = [len(rows) // n] * (n - 1) + [len(rows) - (n - 1) * (len(rows) // n)]
-            offsets = torch.cumsum(received.sum(0), dim=0, dtype=torch.int32)
             computed = experts(funcol.all_to_all_single_autograd(rows, even, even, self.group), offsets)
             return funcol.all_to_all_single_autograd(computed, even, even, self.group)
         sent, got = per_expert.view(n, local).sum(1).tolist(), received.sum(1).tolist()  # the host sync
         arrived = funcol.all_to_all_single_autograd(rows, got, sent, self.group)  # by source, then expert
         expert = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(received.flatten())
         order = torch.argsort(expert, stable=True)  # by expert, then source
-        offsets = torch.cumsum(received.sum(0), dim=0, dtype=torch.int32)
         computed = torch.empty_like(arrived).index_copy(0, order, experts(arrived[order], offsets))
         return funcol.all_to_all_single_autograd(computed, sent, got, self.group)
 

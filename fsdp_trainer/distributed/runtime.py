@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_trainer.config import AUTO, ParallelConfig, Precision
 from fsdp_trainer.distributed.context_parallel import ContextParallel, context_group
+from fsdp_trainer.distributed.expert_parallel import experts_mesh
 from fsdp_trainer.distributed.parallelize import SHARDING
 
 logger = logging.getLogger("fsdp_trainer")
@@ -53,6 +55,11 @@ class DistEnv:
     def data_world(self) -> int:
         """The ranks that read different windows (data-parallel ranks)."""
         return self.world_size // (self.context.degree if self.context else 1)
+
+    @property
+    def shard(self) -> Callable | None:
+        """What a loader does to each micro-batch it reads: context parallelism's cut to this rank's share, or None."""
+        return self.context.shard if self.context else None
 
 
 def setup_logging(rank: int) -> None:
@@ -137,12 +144,15 @@ def init_distributed(cfg: ParallelConfig) -> DistEnv:
         mesh = init_device_mesh(
             device.type, (n_replicas, world_size // n_replicas), mesh_dim_names=("dp_replicate", "dp_shard")
         )
-    for dim in range(mesh.ndim):
-        # The mesh's sub-groups (HYBRID_SHARD, NO_SHARD) are created with torch's default timeout (30 min for gloo);
-        # a dead peer must fail them as fast as the main group. Private, but the only way after creation (torchtitan
-        # does the same).
-        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
-    context = context_group(cfg.context_parallel, world_size, device, timeout)
+    context = context_group(cfg.context_parallel, world_size, device)
+    experts = experts_mesh(cfg.expert_parallel, world_size, device.type)  # kept for parallelize() to find
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)] + ([context.group] if context else [])
+    groups += [experts.get_group(dim) for dim in range(experts.ndim)] if experts is not None else []
+    for group in groups:
+        # The mesh's sub-groups (HYBRID_SHARD, NO_SHARD; context and expert parallelism's) are created with torch's
+        # default timeout (30 min for gloo); a dead peer must fail them as fast as the main group. Private, but the
+        # only way after creation (torchtitan does the same).
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, mesh, timeout, context)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from types import SimpleNamespace
 
 import torch
@@ -64,7 +63,7 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         mesh = init_device_mesh("cpu", (replicas, group), mesh_dim_names=("dp_replicate", "dp_shard"))
     parallel.compile = False  # nothing to compile for fake tensors
     world = nproc * nnodes
-    context = context_group(parallel.context_parallel, world, torch.device("cpu"), timedelta(seconds=60))
+    context = context_group(parallel.context_parallel, world, torch.device("cpu"))
     experts_mesh(parallel.expert_parallel, world, "cpu")  # made here, for parallelize: a mesh is no fake tensor
     env = SimpleNamespace(mesh=mesh, device=torch.device("cpu"), world_size=world, context=context)
     kind = training_kind(recipe)
