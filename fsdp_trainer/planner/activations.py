@@ -110,8 +110,8 @@ def context_parallel_bytes(
     of its own (rows x T x 2kv x a, without AC: checkpointing gathers them again); a block's backward holds them and
     their gradient; attended eagerly (a CPU, a GPU without compile), a run's T / 2N queries read an additive mask of the
     keys they may see, made once a forward (a packed window's B of them: the plan counts one; flex_attention's block
-    masks, compiled on a GPU: a few bytes, none counted). Each layer's
-    gather sends (N - 1) / N of them, its backward's reduce-scatter as much, a recomputation gathers them again."""
+    masks, compiled on a GPU: a few bytes, none counted). Each layer's gather sends (N - 1) / N of them, its
+    backward's reduce-scatter as much, a recomputation gathers them again."""
     n = recipe.parallel.context_parallel
     if n == 1:
         return 0.0, 0.0, 0.0, 0.0

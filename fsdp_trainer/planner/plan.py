@@ -202,12 +202,12 @@ def recommend(
     return min((e for e, _ in fits), key=cost)
 
 
-def expert_degrees(recipe: Recipe, nproc: int) -> list[int]:
-    """The expert-parallel degrees worth pricing beside a mixture-of-experts recipe planned without it: each power of 2
+def expert_cases(recipe: Recipe, nproc: int) -> list[Recipe]:
+    """A mixture-of-experts recipe planned without expert parallelism, with each degree worth pricing: each power of 2
     that divides a node's ranks and the experts, where the recipe could run with it (expert_parallel.check)."""
     if recipe.model.moe is None or recipe.parallel.expert_parallel > 1:
         return []
-    degrees, degree = [], 2
+    cases, degree = [], 2
     while nproc % degree == 0 and recipe.model.moe.experts % degree == 0:
         case = copy.deepcopy(recipe)
         case.parallel.expert_parallel = degree
@@ -215,31 +215,29 @@ def expert_degrees(recipe: Recipe, nproc: int) -> list[int]:
             check_expert_parallel(case)
         except ValueError:
             return []  # the recipe's adapters, compile or offload: no degree runs
-        degrees.append(degree)
+        cases.append(case)
         degree *= 2
-    return degrees
+    return cases
 
 
-def expert_parallel_line(recipe: Recipe, args, device: str, mem: float, host_mem: float, best: Estimate) -> str | None:
+def expert_parallel_line(
+    recipe: Recipe, args, device: str, mem: float, host_mem: float, best: Estimate, best_time: StepTime | None
+) -> str | None:
     """For a mixture of experts planned without expert parallelism: the degree whose recommended row is fastest
-    (--gpu), else sends the fewest bytes, beside the row recommended without it; None where no degree runs or fits."""
+    (--gpu), else sends the fewest bytes, beside the row recommended without it (`best`, its `best_time` with --gpu);
+    None where no degree runs or fits."""
     found = []
-    for degree in expert_degrees(recipe, args.nproc):
-        case = copy.deepcopy(recipe)
-        case.parallel.expert_parallel = degree
+    for case in expert_cases(recipe, args.nproc):
         rows = plan(case, args.nproc, args.nnodes, device)
         times = [step_time(case, e, args.gpu, args.nproc, args.nnodes) for e in rows] if args.gpu else None
         row = recommend(rows, mem, host_mem, times)
         if row is not None:
             t = times[rows.index(row)] if times else None
-            found.append((t.step_s if t else 0.0, row.sent_gb, degree, row, t))
+            found.append((t.step_s if t else 0.0, row.sent_gb, case.parallel.expert_parallel, row, t))
     if not found:
         return None
     _, _, degree, row, t = min(found, key=lambda f: f[:2])
-    step = ""
-    if args.gpu:
-        before = step_time(recipe, best, args.gpu, args.nproc, args.nnodes).step_s
-        step = f", {t.step_s:.2f} s a step against {before:.2f}"
+    step = f", {t.step_s:.2f} s a step against {best_time.step_s:.2f}" if t and best_time else ""
     return (f"expert parallelism: --parallel.expert_parallel {degree} {_flags(row)} ({row.total_gb:.1f} GB) sends "
             f"{row.sent_gb:.3g} GB a step against {best.sent_gb:.3g}{step}")  # fmt: skip
 
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     t = times[estimates.index(best)] if times else None
     if t is not None:
         print(_prediction(args, recipe, t))
-    if line := expert_parallel_line(recipe, args, device, mem, host_mem, best):
+    if line := expert_parallel_line(recipe, args, device, mem, host_mem, best, t):
         print(line)
     if not leaves_headroom(best.total_gb, mem):
         print(f"at the edge: nothing else fits, and this leaves less than plan.HEADROOM ({HEADROOM:.0%}) of the device "
