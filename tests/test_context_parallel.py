@@ -3,6 +3,8 @@ attention over every rank's keys. Against the whole window on one process: logit
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,7 +104,7 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
     """fsdp-train with parallel.context_parallel 2: on 2 ranks (one group) and on 4 (2 data-parallel ranks x CP 2,
     FSDP over all 4), the loss, the validation loss and the gradient norm of each of 10 steps are those of 1 process
     with the same global batch of 2 windows (accumulation 2), to float rounding; the run saved at CP 2 resumes on 1
-    process as that one continues. The banner counts each window once."""
+    process as that one continues, and on the same 2 ranks bitwise. The banner counts each window once."""
     every, evals = {"every": 5, "keep_last": 0}, {"eval_every": 5, "eval_steps": 2}
     cp = {"context_parallel": 2}
     one, two, four = tmp_path / "one", tmp_path / "two", tmp_path / "four"
@@ -122,6 +124,13 @@ def test_context_parallel_runs_equal_one_process_and_resume_on_one(tiny_data, tm
                 assert (key in record) == (key in expected[step]), (run.name, step, key)
                 if key in record:
                     assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (run.name, step, key)
+    straight = metrics_by_step(two)
+    again = tmp_path / "again"  # the same 2 ranks at CP 2 from step 5: bitwise
+    shutil.copytree(two, again)
+    rewind(again, 5)
+    train_cli(run_args(tiny_data, again, 10, data=batch, train=evals, parallel=cp, checkpoint=every), nproc=2)
+    for step, record in metrics_by_step(again).items():
+        assert {k: record[k] for k in ("loss", "grad_norm")} == {k: straight[step][k] for k in ("loss", "grad_norm")}
     rewind(two, 5)
     train_cli(run_args(tiny_data, two, 10, data=batch, train=evals))  # 1 process, no CP
     for step, record in metrics_by_step(two).items():

@@ -76,8 +76,8 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
     ranks, and on 4 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them; selective AC), the
     loss, load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process with the same micro-batches
     accumulated (the experts' gradients reduced over fewer ranks, divided as the rest); the 2 ranks' step-3 checkpoint
-    resumes on 1 process, and the 1 process's under EP 2, each continuing as the other run does (DCP keeps the
-    experts' whole tensors whatever the split)."""
+    resumes bitwise on the same 2 ranks, and on 1 process, and the 1 process's under EP 2, each continuing as the
+    other run does (DCP keeps the experts' whole tensors whatever the split)."""
     model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
     every, train, ep2 = {"every": 3, "keep_last": 0}, {"eval_every": 3}, {"expert_parallel": 2}
     runs = {  # name: (processes, sections); the load-balancing loss is each micro-batch's, so the same micro-batches
@@ -96,6 +96,13 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
                 assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
     shapes = [saved_shapes(tmp_path / run / "checkpoints" / "step_00000003") for run in ("ep", "one")]
     assert shapes[0] == shapes[1] and shapes[0]["model.layers.0.mlp.experts.gate_up_proj"] == (6, 96, 64)
+    again = tmp_path / "again"  # the same 2 ranks at EP 2 from step 3: bitwise
+    shutil.copytree(tmp_path / "ep", again)
+    rewind(again, 3)
+    train_cli(run_args(tiny_data, again, 6, model=model, checkpoint=every, train=train, parallel=ep2), nproc=2)
+    straight = metrics_by_step(tmp_path / "ep")
+    for step, record in metrics_by_step(again).items():
+        assert all(record[k] == straight[step][k] for k in ("loss", "aux_loss", "grad_norm") if k in record), step
     expected = metrics_by_step(tmp_path / "one")
     for source, nproc, sections in (("ep", 1, {"data": {"grad_accum_steps": 2}}), ("one", 2, {"parallel": ep2})):
         across = tmp_path / f"from_{source}"
