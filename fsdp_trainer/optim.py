@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -114,6 +116,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
+def reduced(norm: DTensor) -> torch.Tensor:
+    """A DTensor gradient norm reduced over its shards. Where it is partial over every dimension of a mesh of every
+    rank (the experts' (dp_mod_ep, ep), each rank holding its own part), in one all-reduce of the squares, where
+    DTensor would take one a dimension (and warn on every rank that it does)."""
+    mesh = norm.device_mesh
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size() and all(p.is_partial() for p in norm.placements):
+        return funcol.all_reduce(norm.to_local().square(), "sum", dist.group.WORLD).sqrt()
+    return norm.full_tensor()  # all-reduces the shards' sums
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm to max_norm (0 = measure only) and return the norm before clipping.
 
@@ -128,7 +140,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     norms = []
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # all-reduces the shards' sums
+        norms.append(reduced(norm) if isinstance(norm, DTensor) else norm)
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         for group in by_mesh.values():
