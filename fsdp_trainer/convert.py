@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from fsdp_trainer.adapters.peft_format import save_peft_adapter
 from fsdp_trainer.checkpoint.storage import RECIPE_FILE
 from fsdp_trainer.checkpoint.weights import (
     SavedModel,
@@ -39,7 +40,6 @@ from fsdp_trainer.hf import (
     hf_stored_tensors,
     load_safetensors,
     model_config_from_hf,
-    save_peft_adapter,
     save_safetensors,
     write_tokenizer_files,
 )

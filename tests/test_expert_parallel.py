@@ -8,25 +8,34 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
+from fsdp_trainer.adapters.lora import apply_lora
 from fsdp_trainer.checkpoint.weights import saved_shapes
-from fsdp_trainer.config import ModelConfig, MoEConfig
+from fsdp_trainer.config import LoraConfig, ModelConfig, MoEConfig
 from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
 from fsdp_trainer.distributed.parallelize import apply_ac
 from fsdp_trainer.loss import NextTokenLoss
 from fsdp_trainer.model import Transformer
 from fsdp_trainer.moe import aux_loss, routed_layers
 from tests.conftest import PAIRS_SEQ_LEN
-from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, train_cli
+from tests.helpers import metrics_by_step, rewind, run_args, run_distributed, tool, train_cli
 from tests.test_moe import MOE
 
 CFG = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64,
                   moe=MoEConfig(experts=4, top_k=2, ffn_dim=16))  # fmt: skip
 
 
-def _model() -> Transformer:
+def _model(lora: bool = False) -> Transformer:
     model = Transformer(CFG)
     model.init_weights(seed=0)
+    if lora:  # adapters on attention's queries and on every expert, B not zero: every factor gets a gradient
+        apply_lora(model, LoraConfig(rank=2, alpha=4.0, targets=["q_proj", "experts"]))
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     return model
 
 
@@ -37,10 +46,10 @@ def _loss(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     return loss, aux_loss(model), first
 
 
-def _equals_the_whole_model(rank: int, world: int, ac: str = "none") -> None:
+def _equals_the_whole_model(rank: int, world: int, ac: str = "none", lora: bool = False) -> None:
     # Rank 0's batch repeats one token: its first layer routes every copy to the same 2 experts, none to the others.
     batches = [torch.full((2, 13), 5), torch.randint(0, CFG.vocab_size, (2, 13), generator=torch.Generator())]
-    whole, split = _model(), _model()
+    whole, split = _model(lora), _model(lora)
     expected = [_loss(whole, tokens) for tokens in batches]  # each rank's batch: its loss and load-balancing loss
     sum(loss + 0.1 * aux for loss, aux, _ in expected).backward()
     apply_expert_parallel(split, experts_mesh(world, world, "cpu"))
@@ -51,7 +60,12 @@ def _equals_the_whole_model(rank: int, world: int, ac: str = "none") -> None:
     torch.testing.assert_close(loss, expected[rank][0].detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(aux, expected[rank][1].detach(), rtol=1e-6, atol=0)
     local = CFG.moe.experts // world
-    for (name, ours), theirs in zip(split.named_parameters(), whole.parameters(), strict=True):
+    trained = [
+        (name, p, theirs) for (name, p), theirs in zip(split.named_parameters(), whole.parameters(), strict=True)
+    ]
+    trained = [(name, ours, theirs) for name, ours, theirs in trained if ours.requires_grad]
+    assert len(trained) == (2 * 2 + 4 * 2 if lora else len(list(whole.parameters())))  # adapters: q_proj, 2 experts'
+    for name, ours, theirs in trained:
         if "experts" in name:  # this rank's experts' gradients: every rank's copies of them, sent back here
             theirs_grad, grad = theirs.grad[rank * local : (rank + 1) * local], ours.grad.to_local()
         else:  # the rest: each rank's share, summed (as FSDP's reduce-scatter sums them)
@@ -62,13 +76,14 @@ def _equals_the_whole_model(rank: int, world: int, ac: str = "none") -> None:
     assert held.shape[0] == CFG.moe.experts and held.to_local().shape[0] == local  # the whole tensor, its part here
 
 
-@pytest.mark.parametrize("ac", ["none", "full"])
-def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac):
+@pytest.mark.parametrize("ac, lora", [("none", False), ("full", False), ("none", True)])
+def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac, lora):
     """EP 2: each rank holds 2 of the 4 experts and routes its own tokens; its loss and load-balancing loss are the
     whole model's on its batch, its experts' gradients the whole model's over both ranks' batches, and every other
     gradient summed over the ranks is the whole model's (fp32, 1e-5), with uneven routing: rank 0 sends no copy to
-    two of the experts. Under full AC each block's recomputation dispatches its copies again, to the same result."""
-    run_distributed(_equals_the_whole_model, ac)
+    two of the experts. Under full AC each block's recomputation dispatches its copies again, to the same result.
+    With LoRA on the experts, each rank holds its experts' adapters, and their gradients are the whole model's."""
+    run_distributed(_equals_the_whole_model, ac, lora)
 
 
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
@@ -114,6 +129,53 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
                 assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), (across.name, step)
 
 
+def test_expert_lora_on_four_ranks_equals_one_process_and_consolidates_alike(tiny_data, tmp_path):
+    """LoRA on attention and on every expert, FSDP 2 x EP 2 on 4 ranks (each rank 3 of the 6 experts and their
+    adapters) with full AC: loss, load-balancing loss and gradient norm of 10 steps equal 1 process with the same
+    micro-batches; both checkpoints consolidate to PEFT adapters (target_parameters) of the same names and shapes and
+    the same values (1e-5: ten steps' rounding through Adam), and the run under EP resumes on 1 process (the same
+    saved layout)."""
+    model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "experts"]}
+    common = {"model": model, "lora": lora, "optim": {"lr": 1e-2, "min_lr": 1e-3}, "checkpoint": {"every": 5}}
+    parallel = {"expert_parallel": 2, "activation_checkpointing": "full"}
+    four, one = tmp_path / "four", tmp_path / "one"
+    train_cli(run_args(tiny_data, four, 10, data={"micro_batch_size": 1}, parallel=parallel, **common), nproc=4)
+    train_cli(run_args(tiny_data, one, 10, data={"micro_batch_size": 1, "grad_accum_steps": 4}, **common))
+    got, expected = metrics_by_step(four), metrics_by_step(one)
+    assert sum("loss" in r for r in got.values()) == 10 and got[10]["loss"] < got[1]["loss"]
+    for step, record in got.items():
+        for key in {"loss", "aux_loss", "grad_norm"} & set(record):
+            assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+    adapters = {}
+    for run in (four, one):
+        tool("consolidate.py", run, tmp_path / f"{run.name}_adapter", "--lora", "adapter")
+        adapters[run.name] = load_file(tmp_path / f"{run.name}_adapter" / "adapter_model.safetensors")
+    assert adapters["four"].keys() == adapters["one"].keys() and any(".experts.lora_B" in k for k in adapters["one"])
+    for name, tensor in adapters["four"].items():
+        torch.testing.assert_close(tensor, adapters["one"][name], rtol=0, atol=1e-5)
+    rewind(four, 5)
+    train_cli(run_args(tiny_data, four, 10, data={"micro_batch_size": 1, "grad_accum_steps": 4}, **common))
+    for step, record in metrics_by_step(four).items():
+        if "loss" in record:
+            assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+
+
+def test_qlora_with_adapters_on_the_experts_under_expert_parallelism_equals_one_process(tiny_data, tmp_path):
+    """QLoRA (attention's projections in NF4, sharded over both ranks) with adapters on the experts split by EP 2: 2
+    ranks equal 1 process x accumulation 2 over 3 steps (loss, load-balancing loss, gradient norm)."""
+    pytest.importorskip("torchao")
+    model = {"family": "qwen3_moe", "dim": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "moe": MOE}
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "experts"], "quantize_base": "nf4"}
+    common = {"model": model, "lora": lora, "optim": {"lr": 1e-2, "min_lr": 1e-2}}
+    train_cli(run_args(tiny_data, tmp_path / "ep", 3, parallel={"expert_parallel": 2}, **common), nproc=2)
+    train_cli(run_args(tiny_data, tmp_path / "one", 3, data={"grad_accum_steps": 2}, **common))
+    got, expected = metrics_by_step(tmp_path / "ep"), metrics_by_step(tmp_path / "one")
+    for step in (1, 2, 3):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -124,7 +186,6 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
             ["moe", "--parallel.sharding", "NO_SHARD"],
             "runs under FULL_SHARD, SHARD_GRAD_OP, SHARD_OP, not NO_SHARD yet",
         ),
-        (["moe", "--lora.rank", "4", "--lora.targets", "[q_proj, experts]"], "adapters on the experts do not split"),
         (["moe"], "parallel.expert_parallel=2 needs the world size (1) to be a multiple of it"),
     ],
 )

@@ -255,8 +255,14 @@ def test_lora_on_the_experts_equals_peft_and_exports_in_its_format(tmp_path):
     import peft
 
     from fsdp_trainer.adapters.lora import apply_lora, is_adapter, merged
+    from fsdp_trainer.adapters.peft_format import (
+        EXPERT_PARAMETERS,
+        our_layout,
+        peft_layout,
+        peft_name,
+        save_peft_adapter,
+    )
     from fsdp_trainer.config import LoraConfig
-    from fsdp_trainer.hf import EXPERT_PARAMETERS, peft_name, save_peft_adapter
 
     original = published(tmp_path / "hub")
     cfg = model_config_from_hf(json.loads((tmp_path / "hub" / "config.json").read_text()))
@@ -278,15 +284,16 @@ def test_lora_on_the_experts_equals_peft_and_exports_in_its_format(tmp_path):
     assert not any(name.startswith("model.layers.1.mlp") for name in adapters)
     with torch.no_grad():
         for name, param in adapters.items():
-            peft_param(name).copy_(torch.randn(param.shape, generator=generator) * 0.1)
-            param.copy_(peft_param(name))
+            theirs_param = peft_param(name)  # PEFT's layout: an expert adapter's factors stacked otherwise than ours
+            theirs_param.copy_(torch.randn(theirs_param.shape, generator=generator) * 0.1)
+            param.copy_(our_layout(name, theirs_param, lora.rank))
     tokens = torch.randint(0, 300, (2, 20), generator=generator)
     logits, reference_logits = ours(tokens), reference(input_ids=tokens).logits
     torch.testing.assert_close(logits, reference_logits, rtol=1e-5, atol=1e-5)
     F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     F.cross_entropy(reference_logits.flatten(0, 1), tokens.flatten()).backward()
     for name, param in adapters.items():
-        torch.testing.assert_close(param.grad, peft_param(name).grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(peft_layout(name, param.grad), peft_param(name).grad, rtol=1e-5, atol=1e-7)
 
     (tmp_path / "adapter").mkdir()
     save_peft_adapter({n: p.detach() for n, p in adapters.items()}, lora, tmp_path / "adapter", "fp32")

@@ -389,7 +389,10 @@ MIXTURE = ["--model.family", "qwen3_moe", "--model.head_dim", "32", "--model.moe
 """The debug recipe's widths as a mixture of 8 experts, top 2."""
 
 
-@pytest.mark.parametrize("kind", ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context", "experts"])
+KINDS = ["fine-tuning", "dpo", "lora", "lora-1", "qlora", "moe", "grpo", "context", "experts", "experts-lora"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(kind):
     """`plan --check` runs one step of each row on fake tensors and a fake process group (nothing allocated) and
     measures its peak with torch's FSDPMemTracker. The planner takes each term at its worst moment (logits at 12
@@ -423,6 +426,16 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
         # expert parallelism over 2 of the 4 ranks: each rank gathers its 4 of the 8 experts, over the 2 holding them;
         # the shardings it runs under (not NO_SHARD nor HYBRID_SHARD)
         "experts": [*MIXTURE, "--parallel.expert_parallel", "2"],
+        # and LoRA on them: each rank's experts' adapters beside them
+        "experts-lora": [
+            *MIXTURE,
+            "--parallel.expert_parallel",
+            "2",
+            "--lora.rank",
+            "4",
+            "--lora.targets",
+            "[q_proj, v_proj, experts]",
+        ],  # fmt: skip
         "lora": ["--lora.rank", "16", "--data.micro_batch_size", "8"],
         # one device: the frozen weights outside FSDP (a shard group of one), three rows, one per AC mode
         "lora-1": ["--lora.rank", "16", "--data.micro_batch_size", "8", "--nproc", "1", "--nnodes", "1"],
@@ -441,7 +454,9 @@ def test_the_planner_agrees_with_a_step_on_fake_tensors_at_the_recipes_shapes(ki
                     "--nnodes", "2", "--device", "cuda", "--device_mem_gb", "80", "--check", *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ratios = {(sharding, ac): float(ratio) for sharding, ac, _, _, ratio in check_rows(proc.stdout)}
-    assert len(ratios) == {"lora-1": 3, "qlora": 12, "experts": 9}.get(kind, 15)  # 5 shardings (HYBRID: 2 nodes) x 3 AC
+    assert len(ratios) == {"lora-1": 3, "qlora": 12, "experts": 9, "experts-lora": 9}.get(
+        kind, 15
+    )  # 5 shardings (HYBRID: 2 nodes) x 3 AC
     assert all(0.95 <= ratio <= 1.1 for ratio in ratios.values()), ratios
 
 
@@ -965,8 +980,9 @@ def test_an_eager_sliding_window_is_planned_with_its_mask_once(ac):
 
 def test_a_mixture_planned_without_expert_parallelism_is_told_the_degree_that_moves_fewest_bytes(capsys):
     """A mixture of experts planned without EP: the plan names the degree (of those dividing a node's ranks and the
-    experts) whose recommended row sends the fewest bytes, beside the row without; none where adapters sit on the
-    experts, which EP does not split."""
+    experts) whose recommended row sends the fewest bytes, beside the row without; none where no degree sends fewer:
+    with adapters on the experts their frozen weights are gathered but never reduced, and at these shapes the
+    all-to-all's copies outweigh the gathers it saves."""
     from fsdp_trainer.planner.plan import main
 
     args = ["--recipe", str(REPO / "recipes" / "debug.yaml"), *MIXTURE, "--nproc", "4", "--device", "cuda",

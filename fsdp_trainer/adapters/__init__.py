@@ -12,9 +12,9 @@ import torch.nn as nn
 
 from fsdp_trainer.adapters.lora import LoRAEmbedding, LoRAExperts, LoRALinear, apply_lora, load_adapters
 from fsdp_trainer.adapters.nf4 import check_nf4_shapes, quantize_frozen, require_torchao
+from fsdp_trainer.adapters.peft_format import check_peft_adapter, load_peft_adapter
 from fsdp_trainer.config import LoraConfig, ModelConfig, ParallelConfig
 from fsdp_trainer.distributed.parallelize import SHARDING, fill_local_shard
-from fsdp_trainer.hf import check_peft_adapter, load_peft_adapter
 from fsdp_trainer.model import Transformer
 
 

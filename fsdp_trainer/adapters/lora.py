@@ -27,7 +27,7 @@ from fsdp_trainer.config import LoraConfig
 from fsdp_trainer.hf import SCORE_HEAD
 from fsdp_trainer.lean_autograd import gated
 from fsdp_trainer.model import unwrapped_name
-from fsdp_trainer.moe import Experts, grouped_linear
+from fsdp_trainer.moe import Experts, grouped_linear, held
 
 
 class LoRALinear(nn.Module):
@@ -73,34 +73,28 @@ class LoRAEmbedding(nn.Module):
 
 
 class ExpertsAdapter(nn.Module):
-    """One low-rank adapter per expert on a stacked experts weight (experts, out, in), in PEFT's layout for it
-    (target_parameters): `lora_A` (rank x experts, in), expert e's rows e x rank ...; `lora_B` (out, rank x experts),
-    expert e's columns e, e + experts, ... So expert e's update is (alpha / rank) B_e A_e."""
+    """One low-rank adapter per expert on a stacked experts weight (experts, out, in), stacked like it, experts first:
+    `lora_A.weight` (experts, rank, in) and `lora_B.weight` (experts, out, rank), so expert e's update is
+    (alpha / rank) B_e A_e, and expert parallelism splits the adapters along the experts as it splits their weights
+    (whole experts to a rank). PEFT's file layout for it (target_parameters) differs; hf.py converts on the way in
+    and out."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, rank: int, device: torch.device):
         super().__init__()
-        self.experts, self.rank = experts, rank
-        self.lora_A = nn.Linear(in_features, rank * experts, bias=False, device=device)
-        self.lora_B = nn.Linear(rank * experts, out_features, bias=False, device=device)
+        self.rank = rank
+        self.lora_A, self.lora_B = nn.Module(), nn.Module()
+        self.lora_A.weight = nn.Parameter(torch.empty(experts, rank, in_features, device=device))
+        self.lora_B.weight = nn.Parameter(torch.empty(experts, out_features, rank, device=device))
 
     def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """expert_factors of the adapter's weights in `dtype`, laid out for grouped_linear: B's experts are its
-        fastest-moving columns, so it is copied into their order (a grouped matmul needs a unit stride within an
-        expert's matrix; the copy is as small as the adapter). A grouped matmul's rows must also start 16 bytes apart
-        (torch's GPU kernel, and the meta kernel compile and the planner's fake step run): a rank narrower than that,
-        4 in bf16, is padded with zeros to it, the padded copy of B being the one in the experts' order."""
-        a, b = expert_factors(self.lora_A.weight, self.lora_B.weight, self.experts, self.rank)
-        a, b = a.to(dtype), b.to(dtype)
+        """(A, B) as this rank holds them (moe.held) in `dtype`, laid out for grouped_linear. A grouped matmul's rows
+        must start 16 bytes apart (torch's GPU kernel, and the meta kernel compile and the planner's fake step run):
+        a rank narrower than that, 4 in bf16, is padded with zeros to it."""
+        a, b = held(self.lora_A.weight).to(dtype), held(self.lora_B.weight).to(dtype)
         pad = -self.rank % (16 // a.element_size())
         if pad:
             return F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
-        return a, b.contiguous()
-
-
-def expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's stacked experts' adapter factors `a` (rank x experts, in) and `b` (out, rank x experts) per expert:
-    (A as (experts, rank, in), B as (experts, out, rank)), views."""
-    return a.view(experts, rank, -1), b.view(-1, rank, experts).permute(2, 0, 1)
+        return a, b
 
 
 class LoRAExperts(nn.Module):
@@ -118,7 +112,7 @@ class LoRAExperts(nn.Module):
         self.enabled = True
 
     def adapted(self, x: torch.Tensor, weight: torch.Tensor, adapter: ExpertsAdapter, offsets: torch.Tensor):
-        y = grouped_linear(x, weight, offsets)
+        y = grouped_linear(x, held(weight), offsets)
         if not self.enabled:
             return y
         a, b = adapter.factors(x.dtype)
@@ -209,7 +203,7 @@ def init_lora(
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             values = torch.empty(param.shape, dtype=torch.float32, device=device)
             if name.endswith("lora_A.weight"):
-                bound = 1 / math.sqrt(param.shape[1])
+                bound = 1 / math.sqrt(param.shape[-1])  # an expert adapter's A: (experts, rank, in)
                 values.uniform_(-bound, bound, generator=gen)
             else:  # an embedding's B: PEFT's normal_(B)
                 values.normal_(generator=gen)
@@ -225,7 +219,6 @@ def merged(name: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor], c
         if f"{adapter}.lora_A.weight" not in adapters:
             return weight
         a, b = adapters[f"{adapter}.lora_A.weight"].float(), adapters[f"{adapter}.lora_B.weight"].float()
-        a, b = expert_factors(a, b, weight.shape[0], cfg.rank)
         return weight.float() + cfg.alpha / cfg.rank * (b @ a)
     if f"{prefix}.lora_A.weight" in adapters:
         a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]

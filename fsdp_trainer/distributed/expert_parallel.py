@@ -69,16 +69,18 @@ _MESHES: dict[tuple, DeviceMesh] = {}
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Make each of `model`'s experts' weights a DTensor of every expert sharded over the mesh's `ep` dimension (rank
-    r of a group of N: experts r x E / N ... (r + 1) x E / N - 1, its local part), and dispatch its token copies over
-    that group. Checkpoints see the whole (experts, ...) tensors, as without expert parallelism. Before FSDP (which
-    then shards each rank's experts over `dp_mod_ep`); on a meta model, or on real weights every rank holds whole."""
+    r of a group of N: experts r x E / N ... (r + 1) x E / N - 1, its local part), their LoRA adapters' too (stacked
+    experts first alike), and dispatch its token copies over that group. Checkpoints see the whole (experts, ...)
+    tensors, as without expert parallelism. Before FSDP (which then shards each rank's experts over `dp_mod_ep`); on a
+    meta model, or on real weights every rank holds whole."""
     dispatch = ExpertDispatch(mesh["ep"].get_group())
     for layer in routed_layers(model):
         if layer.n_experts % dispatch.degree:
             raise ValueError(f"{layer.n_experts} experts do not split over {dispatch.degree} ranks")
-        for name, param in list(layer.experts.named_parameters(recurse=False)):
+        for name, param in list(layer.experts.named_parameters()):  # the weights, and LoRA's adapters on them
+            owner, _, attr = name.rpartition(".")
             split = distribute_tensor(param.detach(), mesh["ep"], [Shard(0)], src_data_rank=None)
-            setattr(layer.experts, name, nn.Parameter(split, requires_grad=param.requires_grad))
+            setattr(layer.experts.get_submodule(owner), attr, nn.Parameter(split, requires_grad=param.requires_grad))
         layer.dispatch = dispatch
 
 
@@ -98,8 +100,6 @@ def check_expert_parallel(recipe: Any) -> None:
         raise ValueError(f"{what}: model.moe.experts ({moe.experts}) must be a multiple of it")
     if parallel.sharding not in SHARDINGS:
         raise ValueError(f"{what} runs under {', '.join(SHARDINGS)}, not {parallel.sharding} yet")
-    if recipe.lora.rank is not None and "experts" in recipe.lora.targets:
-        raise ValueError(f"{what}: adapters on the experts do not split over ranks yet; drop experts from lora.targets")
     for flag in ("compile", "cpu_offload"):
         if getattr(parallel, flag):
             raise ValueError(f"{what} does not run with parallel.{flag} yet; set one of them off")

@@ -138,8 +138,7 @@ def apply_compile(model: Transformer, mixed_precision: str) -> None:
     refuses inside a checkpointed block unless told not to replay it in the recomputation, which is what the routing
     needs (moe.recomputing). Its grouped matmuls compile in bf16 only (torch's meta kernel refuses other dtypes), and
     take their operands in the strides the trace saw: inductor's own rule for them (require_dense) lets a copy keep
-    its source's order, which for an expert adapter's B (lora.ExpertsAdapter.factors, experts its fastest dimension)
-    is a layout the kernel refuses, on a GPU as on a CPU ("Invalid strides/sizes")."""
+    its source's order, a layout the kernel may refuse, on a GPU as on a CPU ("Invalid strides/sizes")."""
     if model.cfg.moe is not None:
         compiles, why = compiles_experts(model.cfg, True, mixed_precision)
         if not compiles:

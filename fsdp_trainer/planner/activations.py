@@ -72,15 +72,15 @@ def attention_mask_bytes(recipe: Recipe, compute_bytes: int, device: str) -> int
 
 def adapter_copies_per_block(cfg: ModelConfig, compute_bytes: int, ac: str, lora: LoraConfig | None = None) -> float:
     """Bytes a layer keeps for backward whatever its tokens (the mean over the layers): with adapters on a mixture's
-    experts and no AC, the copies of their factors that each grouped matmul keeps (ExpertsAdapter.factors): B in the
-    experts' order, (2 x ffn + dim) x rank a expert for gate_up and down, and A too where the rank is padded to 16
-    bytes a row. Checkpointing recomputes them: a copy is no matmul's output. 26 MB a layer of Qwen3-30B-A3B at rank
-    16 in bf16 (B: 14.7 MB): 0.7 GB over its 48 layers, the same as 1 x 512 tokens' expert outputs."""
+    experts and no AC, where the rank is narrower than 16 bytes a row, the zero-padded copies of their factors that
+    each grouped matmul keeps (ExpertsAdapter.factors), (2 x ffn + dim) + (dim + ffn) x the padded rank a expert for
+    gate_up's and down's A and B; none at a wider rank (the matmuls keep the factors themselves). Checkpointing
+    recomputes them: a copy is no matmul's output."""
     if ac != "none" or cfg.moe is None or lora is None or lora.rank is None or "experts" not in lora.targets:
         return 0.0
     a, d, experts, ffn = compute_bytes, cfg.dim, cfg.moe.experts, cfg.moe.ffn_dim
     padded = lora.rank + -lora.rank % (16 // a)
-    copied = (2 * ffn + d) + ((d + ffn) if padded != lora.rank else 0)  # B's outputs, and A's inputs when padded
+    copied = (2 * ffn + d) + (d + ffn) if padded != lora.rank else 0
     return len(moe_layers(cfg)) / cfg.n_layers * a * experts * padded * copied
 
 

@@ -264,9 +264,13 @@ def expert_parallel_bytes(
     n, cfg, accum = recipe.parallel.expert_parallel, recipe.model, recipe.data.grad_accum_steps
     if n == 1 or cfg.moe is None or sharding not in EP_SHARDINGS:
         return 0.0, 0.0, 0.0
-    layers = len(moe_layers(cfg))
+    layers, lora = len(moe_layers(cfg)), recipe.lora
     experts = layers * cfg.moe.experts * 3 * cfg.moe.ffn_dim * cfg.dim
-    trained = experts if recipe.lora.rank is None else 0  # adapters never sit on them under EP (refused)
+    adapters = 0  # LoRA's on the experts, split with them: A and B of gate_up (dim -> 2 ffn) and of down (ffn -> dim)
+    if lora.rank is not None and "experts" in lora.targets:
+        adapters = layers * cfg.moe.experts * lora.rank * (2 * cfg.dim + 3 * cfg.moe.ffn_dim)
+    trained = experts if lora.rank is None else adapters
+    experts += adapters
     regathered = experts * (cfg.n_layers - 1) // cfg.n_layers
     unsharded = recipe.parallel.accumulate_unsharded
     whole = comm_bytes_per_rank(sharding, experts, a, accum, nproc, nnodes, regathered, trained, unsharded)

@@ -62,8 +62,9 @@ def shardings_of(nproc: int, nnodes: int, recipe: Recipe | None = None) -> list[
 
 def plan(recipe: Recipe, nproc: int, nnodes: int, device: str) -> list[Estimate]:
     """Every sharding x AC choice, and on GPUs each of them again with the state offloaded to the host."""
-    # NF4 weights do not run offloaded yet (config.Recipe refuses it)
-    offloads = (False, True) if device == "cuda" and not quantizes_base(recipe.lora) else (False,)
+    # NF4 weights and split experts do not run offloaded yet (config.Recipe, check_expert_parallel refuse it)
+    offloadable = not quantizes_base(recipe.lora) and recipe.parallel.expert_parallel == 1
+    offloads = (False, True) if device == "cuda" and offloadable else (False,)
     return [
         estimate(recipe, nproc, nnodes, s, ac, device, offload)
         for offload in offloads
@@ -225,7 +226,7 @@ def expert_parallel_line(
 ) -> str | None:
     """For a mixture of experts planned without expert parallelism: the degree whose recommended row is fastest
     (--gpu), else sends the fewest bytes, beside the row recommended without it (`best`, its `best_time` with --gpu);
-    None where no degree runs or fits."""
+    None where no degree runs, fits or does better than `best`."""
     found = []
     for case in expert_cases(recipe, args.nproc):
         rows = plan(case, args.nproc, args.nnodes, device)
@@ -237,6 +238,8 @@ def expert_parallel_line(
     if not found:
         return None
     _, _, degree, row, t = min(found, key=lambda f: f[:2])
+    if (t.step_s >= best_time.step_s) if t and best_time else row.sent_gb >= best.sent_gb:
+        return None
     step = f", {t.step_s:.2f} s a step against {best_time.step_s:.2f}" if t and best_time else ""
     return (f"expert parallelism: --parallel.expert_parallel {degree} {_flags(row)} ({row.total_gb:.1f} GB) sends "
             f"{row.sent_gb:.3g} GB a step against {best.sent_gb:.3g}{step}")  # fmt: skip
