@@ -116,14 +116,19 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
-def reduced(norm: DTensor) -> torch.Tensor:
-    """A DTensor gradient norm reduced over its shards. Where it is partial over every dimension of a mesh of every
-    rank (the experts' (dp_mod_ep, ep), each rank holding its own part), in one all-reduce of the squares, where
-    DTensor would take one a dimension (and warn on every rank that it does)."""
-    mesh = norm.device_mesh
-    if mesh.ndim > 1 and mesh.size() == dist.get_world_size() and all(p.is_partial() for p in norm.placements):
-        return funcol.all_reduce(norm.to_local().square(), "sum", dist.group.WORLD).sqrt()
-    return norm.full_tensor()  # all-reduces the shards' sums
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of gradients that share a mesh (or are plain tensors), reduced over their shards. Where each element
+    is held by one rank of a mesh of every rank (the experts' (dp_mod_ep, ep), sharded on both), the local shards'
+    squares are summed in one all-reduce: DTensor's own reduction takes one a mesh dimension (and warns on every
+    rank that it does)."""
+    if not isinstance(grads[0], DTensor):
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+    mesh = grads[0].device_mesh
+    placements = {p for g in grads for p in g.placements}  # FSDP's over an expert's split: a _StridedShard
+    if mesh.ndim > 1 and mesh.size() == dist.get_world_size() and not any(p.is_replicate() for p in placements):
+        local = torch.nn.utils.get_total_norm([g.to_local() for g in grads], foreach=True)
+        return funcol.all_reduce(local.square(), "sum", dist.group.WORLD).sqrt()
+    return torch.nn.utils.get_total_norm(grads, foreach=True).full_tensor()  # all-reduces the shards' sums
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -139,8 +144,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = []
     for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
-        norms.append(reduced(norm) if isinstance(norm, DTensor) else norm)
+        norms.append(total_norm([p.grad for p in group]))
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         for group in by_mesh.values():

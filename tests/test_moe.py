@@ -219,7 +219,8 @@ def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refus
     with pytest.raises(ValueError, match="compile with a mixture of experts .* and parallel.mixed_precision is fp32"):
         apply_compile(tiny_moe(1), "fp32")  # auto resolved to fp32 (a CPU without bf16)
     with pytest.raises(SystemExit):
-        parse_recipe(["--recipe", "recipes/qwen3_30b_a3b_lora.yaml", "--parallel.mixed_precision", "fp32"])
+        parse_recipe(["--recipe", "recipes/qwen3_30b_a3b_lora.yaml", "--parallel.mixed_precision", "fp32",
+                      "--parallel.compile", "true", "--parallel.expert_parallel", "1"])  # fmt: skip
 
 
 @pytest.mark.slow

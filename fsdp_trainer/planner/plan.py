@@ -413,9 +413,11 @@ def _prediction(args, recipe: Recipe, t: StepTime) -> str:
         tokens, per_expert = matmul_tokens(recipe)
         peak = peak_flops(recipe, args.gpu)
         hbm = GPUS[args.gpu].hbm_gb_s * 1e9
+        n = recipe.parallel.expert_parallel
+        held = f", each rank holding {moe.experts // n} and taking their copies from {n} ranks" if n > 1 else ""
         lines.append(
-            f"experts: each sees {per_expert:,.0f} of a micro-batch's {tokens:,} tokens (top_k {moe.top_k} of "
-            f"{moe.experts}), their matmuls at {matmul_efficiency(per_expert, peak, hbm):.0%} of peak, the other "
+            f"experts: each sees {per_expert:,.0f} tokens a micro-batch of {tokens:,} (top_k {moe.top_k} of "
+            f"{moe.experts}{held}), their matmuls at {matmul_efficiency(per_expert, peak, hbm):.0%} of peak, the other "
             f"matmuls at {matmul_efficiency(tokens, peak, hbm):.0%}; a longer data.micro_batch_size raises both"
         )
     if args.train_tokens:

@@ -241,9 +241,13 @@ def peak_flops(recipe: Recipe, gpu: str) -> float:
 
 def matmul_tokens(recipe: Recipe) -> tuple[int, float]:
     """The tokens that share a weight in a micro-batch's matmuls, which set their efficiency: the micro-batch's, and
-    a routed expert's, top_k / experts of them on average (the micro-batch's in a dense model)."""
+    a routed expert's, top_k / experts of them on average (the micro-batch's in a dense model); under expert
+    parallelism N, an expert takes the copies routed to it from the N ranks of its group, N times as many, for the
+    same FLOPs a rank (its E / N experts)."""
     cfg, tokens = recipe.model, rank_tokens(recipe)
-    return tokens, tokens if cfg.moe is None else tokens * cfg.moe.top_k / cfg.moe.experts
+    if cfg.moe is None:
+        return tokens, tokens
+    return tokens, tokens * cfg.moe.top_k / cfg.moe.experts * recipe.parallel.expert_parallel
 
 
 def recomputed_share(ac: str) -> float:
