@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.lean_autograd import gated
@@ -45,8 +46,9 @@ class Experts(nn.Module):
 
 def held(weight: torch.Tensor) -> torch.Tensor:
     """An experts' weight as this rank holds it: under expert parallelism a DTensor of every expert whose local part
-    is this rank's experts (distributed/expert_parallel.py), that part; else the weight."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    is this rank's experts (distributed/expert_parallel.py), that part; else the weight. (isinstance: a compiled
+    block's trace does not see a DTensor's methods through hasattr.)"""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -277,7 +277,7 @@ class ParallelConfig:
     multiple of it launched; moe.experts a multiple of it), each token copy sent to its expert's rank and back by
     all-to-all; each rank's experts sharded by FSDP over the ranks holding the same ones, the rest of the model over
     all; LoRA's adapters on the experts split with them. Checkpoints keep the layout without it. FULL_SHARD,
-    SHARD_GRAD_OP or SHARD_OP; no compile, offload or context parallelism with it yet."""
+    SHARD_GRAD_OP or SHARD_OP; no offload or context parallelism with it yet."""
 
     def __post_init__(self) -> None:
         require(self.ac_every >= 1, f"parallel.ac_every={self.ac_every} must be >= 1")

@@ -5,7 +5,7 @@ moe.MixtureOfExperts routes and sorts its token copies by expert as without it; 
 rank the copies of its experts (the counts exchanged first: the all-to-all's sizes are read on the host, the one sync
 it costs), computes them in one grouped matmul a projection over its own experts, and sends the outputs back in the
 order they came, so the combine that follows is unchanged. Gradients take the same way back (the all-to-alls are
-differentiable).
+differentiable). A compiled block traces the sizes read on the host as symbolic integers (parallelize.apply_compile).
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ class ExpertDispatch:
         # Each rank learns how many copies of each of its experts every rank sends: (sources, local experts).
         received = funcol.all_to_all_single(per_expert, None, None, self.group).view(n, local)
         offsets = torch.cumsum(received.sum(0), dim=0, dtype=torch.int32)  # the rows each local expert ends at
-        if is_fake(rows):  # the planner's step on fake tensors (no counts to read): the copies spread evenly
+        # The planner's step on fake tensors (no counts to read): the copies spread evenly
+        if not torch.compiler.is_compiling() and is_fake(rows):
             even = [len(rows) // n] * (n - 1) + [len(rows) - (n - 1) * (len(rows) // n)]
             computed = experts(funcol.all_to_all_single_autograd(rows, even, even, self.group), offsets)
             return funcol.all_to_all_single_autograd(computed, even, even, self.group)
         sent, got = per_expert.view(n, local).sum(1).tolist(), received.sum(1).tolist()  # the host sync
         arrived = funcol.all_to_all_single_autograd(rows, got, sent, self.group)  # by source, then expert
-        expert = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(received.flatten())
+        expert = torch.arange(local, device=rows.device).repeat(n)
+        expert = expert.repeat_interleave(received.flatten(), output_size=sum(got))  # a size compile cannot infer
         order = torch.argsort(expert, stable=True)  # by expert, then source
         computed = torch.empty_like(arrived).index_copy(0, order, experts(arrived[order], offsets))
         return funcol.all_to_all_single_autograd(computed, sent, got, self.group)
@@ -100,7 +102,7 @@ def check_expert_parallel(recipe: Any) -> None:
         raise ValueError(f"{what}: model.moe.experts ({moe.experts}) must be a multiple of it")
     if parallel.sharding not in SHARDINGS:
         raise ValueError(f"{what} runs under {', '.join(SHARDINGS)}, not {parallel.sharding} yet")
-    for flag in ("compile", "cpu_offload"):
+    for flag in ("cpu_offload",):
         if getattr(parallel, flag):
             raise ValueError(f"{what} does not run with parallel.{flag} yet; set one of them off")
     if parallel.context_parallel > 1:

@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fsdp_trainer.config import ParallelConfig, compiles_experts, compute_dtype
@@ -138,12 +139,14 @@ def apply_compile(model: Transformer, mixed_precision: str) -> None:
     refuses inside a checkpointed block unless told not to replay it in the recomputation, which is what the routing
     needs (moe.recomputing). Its grouped matmuls compile in bf16 only (torch's meta kernel refuses other dtypes), and
     take their operands in the strides the trace saw: inductor's own rule for them (require_dense) lets a copy keep
-    its source's order, a layout the kernel may refuse, on a GPU as on a CPU ("Invalid strides/sizes")."""
+    its source's order, a layout the kernel may refuse, on a GPU as on a CPU ("Invalid strides/sizes"). Under expert
+    parallelism the all-to-all's sizes, read on the host, are traced as symbolic integers (capture_scalar_outputs)."""
     if model.cfg.moe is not None:
         compiles, why = compiles_experts(model.cfg, True, mixed_precision)
         if not compiles:
             raise ValueError(why)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        torch._dynamo.config.capture_scalar_outputs = True
         from torch._inductor.lowering import add_layout_constraint, constrain_to_fx_strides  # 1.5 s: compiling only
 
         add_layout_constraint(torch.ops.aten._grouped_mm.default, constrain_to_fx_strides)
@@ -160,12 +163,14 @@ def apply_fsdp(
     prefetch_blocks: int = 1,
     cpu_offload: bool = False,
     experts: DeviceMesh | None = None,
+    compiled: bool = False,
 ) -> None:
     """fully_shard each block, then the root (embedding, final norm, lm_head and what is left); with
     prefetch_blocks > 1, each block's hooks start the all-gathers of the next k blocks (the previous k in backward);
     with cpu_offload, the shards, their gradients and so the optimizer state stay in host memory. Under expert
-    parallelism (`experts`, expert_parallel.experts_mesh), each mixture's experts first, over the ranks holding the
-    same ones."""
+    parallelism (`experts`, expert_parallel.experts_mesh) the experts are sharded over the ranks holding the same
+    ones: eager, in an FSDP module of their own, gathered for their forward alone; `compiled`, in their block's
+    (experts_placement), since an FSDP module's hooks inside a compiled block would break its graph."""
     plan = SHARDING[sharding]
     # The compute dtype for the parameter all-gather and the matmuls; master weights, optimizer state and the
     # gradient reduction stay fp32 whatever it is.
@@ -184,16 +189,15 @@ def apply_fsdp(
     blocks = list(model.model.layers.values())
     if not blocks:
         raise ValueError("apply_fsdp found no Transformer block to wrap")
-    for layer in routed_layers(model) if experts is not None else []:
-        shard(layer.experts, mesh=experts["dp_mod_ep"], reshard_after_forward=plan.reshard_after_forward)
-        # Reduced over fewer ranks than the rest, divided as the rest is: by the world (the step's scale expects it).
-        # Gloo has no pre-multiplied sum: a sum, then the division (not over one rank, which torch 2.13 then divides
-        # twice).
-        layer.experts.set_gradient_divide_factor(float(experts.size()))
-        gloo = experts.device_type == "cpu" and experts["dp_mod_ep"].size() > 1
-        layer.experts.set_force_sum_reduction_for_comms(gloo)
+    if experts is not None and not compiled:  # each mixture's experts an FSDP module, gathered for their forward
+        for layer in routed_layers(model):
+            shard(layer.experts, mesh=experts["dp_mod_ep"], reshard_after_forward=plan.reshard_after_forward)
+            divide_experts_as_the_rest(layer.experts, experts)
+    placement = experts_placement(experts) if experts is not None and compiled else {}
     for i, block in enumerate(blocks):
-        shard(block, reshard_after_forward=reshards_after_forward(plan, i, len(blocks)))
+        shard(block, reshard_after_forward=reshards_after_forward(plan, i, len(blocks)), **placement)
+        if placement:
+            divide_experts_as_the_rest(block, experts)
     shard(model, reshard_after_forward=False)
     if prefetch_blocks > 1:
         # On its own FSDP2 overlaps one block ahead (in forward as far as the CPU runs ahead, in backward by the
@@ -201,6 +205,34 @@ def apply_fsdp(
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch_blocks])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch_blocks) : i][::-1])
+
+
+def experts_placement(experts: DeviceMesh) -> dict:
+    """fully_shard's arguments for a compiled block under expert parallelism (`experts`, expert_parallel
+    .experts_mesh): its experts' weights (DTensors over `ep`) sharded over the ranks holding the same ones
+    (`dp_mod_ep`), the rest over the block's mesh, in one FSDP module (torchtitan's per-parameter mesh): no FSDP hook
+    inside the block, so it compiles to one graph. Eager runs keep the experts an FSDP module of their own, which
+    gathers them later and frees them sooner, and which torch 2.13's FSDPMemTracker (the planner's check) can
+    instrument: it refuses a module of several parameter groups."""
+    held, split = FSDPMeshInfo(experts["dp_mod_ep"], shard_mesh_dim=0), experts["ep"]
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult | None:
+        on_experts = isinstance(param, DTensor) and param.device_mesh == split
+        return ShardPlacementResult(Shard(0), held) if on_experts else None
+
+    return {"shard_placement_fn": placement}
+
+
+def divide_experts_as_the_rest(block: FSDPModule, experts: DeviceMesh) -> None:
+    """The experts' gradients are reduced over fewer ranks than the rest and divided as the rest are: by the world
+    (the step's scale expects it), which is the default over the rest. Gloo has no pre-multiplied sum: the experts'
+    take a sum, then the division, but over a group of one, where torch 2.13 would then divide twice (torch sets this
+    a module at a time; here it is the experts' parameter group's alone)."""
+    block.set_gradient_divide_factor(float(experts.size()))
+    if experts.device_type == "cpu" and experts["dp_mod_ep"].size() > 1:
+        experts_group = experts["dp_mod_ep"].get_group()
+        for group in block._get_fsdp_state()._fsdp_param_groups:
+            group.force_sum_reduction_for_comms = group.mesh_info.shard_process_group is experts_group
 
 
 def reshards_after_forward(plan: ShardingPlan, block: int, blocks: int) -> bool:
@@ -252,7 +284,9 @@ def parallelize(model: Transformer, cfg: ParallelConfig, mesh: DeviceMesh) -> Pa
     apply_ac(model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(model, cfg.mixed_precision)
-    apply_fsdp(model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload, experts)
+    apply_fsdp(
+        model, mesh, cfg.sharding, cfg.mixed_precision, cfg.prefetch_blocks, cfg.cpu_offload, experts, cfg.compile
+    )
     return Parallelized(sharding_plan(cfg.sharding, cfg.accumulate_unsharded), cfg.cpu_offload)
 
 
