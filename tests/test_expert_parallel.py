@@ -92,7 +92,8 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
     loss, load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process with the same micro-batches
     accumulated (the experts' gradients reduced over fewer ranks, divided as the rest); the 2 ranks' step-3 checkpoint
     resumes bitwise on the same 2 ranks, and on 1 process, and the 1 process's under EP 2, each continuing as the
-    other run does (DCP keeps the experts' whole tensors whatever the split)."""
+    other run does (DCP keeps the experts' whole tensors whatever the split); the EP run consolidates to the Hub's
+    per-expert layout, which transformers computes as we do."""
     model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
     every, train, ep2 = {"every": 3, "keep_last": 0}, {"eval_every": 3}, {"expert_parallel": 2}
     runs = {  # name: (processes, sections); the load-balancing loss is each micro-batch's, so the same micro-batches
@@ -111,6 +112,9 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
                 assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
     shapes = [saved_shapes(tmp_path / run / "checkpoints" / "step_00000003") for run in ("ep", "one")]
     assert shapes[0] == shapes[1] and shapes[0]["model.layers.0.mlp.experts.gate_up_proj"] == (6, 96, 64)
+    # consolidated to the Hub's per-expert layout, which transformers computes as ours does
+    printed = tool("consolidate.py", tmp_path / "ep", tmp_path / "hf", "--check_logits").stdout
+    assert "max |logits(transformers) - logits(ours)|" in printed
     again = tmp_path / "again"  # the same 2 ranks at EP 2 from step 3: bitwise
     shutil.copytree(tmp_path / "ep", again)
     rewind(again, 3)
@@ -161,15 +165,16 @@ def test_expert_lora_on_four_ranks_equals_one_process_and_consolidates_alike(tin
             assert record["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
 
 
-def test_qlora_with_adapters_on_the_experts_under_expert_parallelism_equals_one_process(tiny_data, tmp_path):
-    """QLoRA (attention's projections in NF4, sharded over both ranks) with adapters on the experts split by EP 2: 2
-    ranks equal 1 process x accumulation 2 over 3 steps (loss, load-balancing loss, gradient norm)."""
+def test_qlora_sft_with_adapters_on_the_experts_under_expert_parallelism_equals_one_process(chat_data, tmp_path):
+    """SFT on packed conversations (the trained positions the assistant's) with QLoRA (attention's projections in
+    NF4, sharded over both ranks) and adapters on the experts split by EP 2: 2 ranks equal 1 process x accumulation 2
+    over 3 steps (loss, load-balancing loss, gradient norm)."""
     pytest.importorskip("torchao")
     model = {"family": "qwen3_moe", "dim": 256, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "moe": MOE}
     lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "experts"], "quantize_base": "nf4"}
-    common = {"model": model, "lora": lora, "optim": {"lr": 1e-2, "min_lr": 1e-2}}
-    train_cli(run_args(tiny_data, tmp_path / "ep", 3, parallel={"expert_parallel": 2}, **common), nproc=2)
-    train_cli(run_args(tiny_data, tmp_path / "one", 3, data={"grad_accum_steps": 2}, **common))
+    common = {"model": {**model, "max_seq_len": 128}, "lora": lora, "optim": {"lr": 1e-2, "min_lr": 1e-2}}
+    train_cli(run_args(chat_data, tmp_path / "ep", 3, parallel={"expert_parallel": 2}, **common), nproc=2)
+    train_cli(run_args(chat_data, tmp_path / "one", 3, data={"grad_accum_steps": 2}, **common))
     got, expected = metrics_by_step(tmp_path / "ep"), metrics_by_step(tmp_path / "one")
     for step in (1, 2, 3):
         for key in ("loss", "aux_loss", "grad_norm"):
