@@ -88,12 +88,12 @@ def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac, lo
 
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
     """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over all): on 2
-    ranks, and on 4 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them; selective AC), the
-    loss, load-balancing loss, validation loss and gradient norm of 6 steps equal 1 process with the same micro-batches
-    accumulated (the experts' gradients reduced over fewer ranks, divided as the rest); the 2 ranks' step-3 checkpoint
-    resumes bitwise on the same 2 ranks, and on 1 process, and the 1 process's under EP 2, each continuing as the
-    other run does (DCP keeps the experts' whole tensors whatever the split); the EP run consolidates to the Hub's
-    per-expert layout, which transformers computes as we do."""
+    ranks over 6 steps, and on 4 over 10 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them;
+    selective AC), the loss, load-balancing loss, validation loss and gradient norm equal 1 process with the same
+    micro-batches accumulated (the experts' gradients reduced over fewer ranks, divided as the rest); the 2 ranks'
+    step-3 checkpoint resumes bitwise on the same 2 ranks, and on 1 process, and the 1 process's under EP 2, each
+    continuing as the other run does (DCP keeps the experts' whole tensors whatever the split); the EP run
+    consolidates to the Hub's per-expert layout, which transformers computes as we do."""
     model = {"family": "qwen3_moe", "head_dim": 32, "moe": MOE}
     every, train, ep2 = {"every": 3, "keep_last": 0}, {"eval_every": 3}, {"expert_parallel": 2}
     runs = {  # name: (processes, sections); the load-balancing loss is each micro-batch's, so the same micro-batches
@@ -103,10 +103,13 @@ def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(
         "by_one": (1, {"data": {"micro_batch_size": 1, "grad_accum_steps": 4}, "train": {**train, "eval_steps": 8}}),
     }
     for name, (nproc, sections) in runs.items():
-        train_cli(run_args(tiny_data, tmp_path / name, 6, model=model, **{"train": train, **sections}), nproc=nproc)
-    for got, expected in (("ep", "one"), ("four", "by_one")):
+        steps = 10 if name in ("four", "by_one") else 6
+        args = run_args(tiny_data, tmp_path / name, steps, model=model, **{"train": train, **sections})
+        train_cli(args, nproc=nproc)
+    for got, expected, steps, evals in (("ep", "one", 6, 2), ("four", "by_one", 10, 4)):  # every 3 and the last
         got, expected = metrics_by_step(tmp_path / got), metrics_by_step(tmp_path / expected)
-        assert sum("aux_loss" in r for r in got.values()) == 6 and sum("val_loss" in r for r in got.values()) == 2
+        assert sum("aux_loss" in r for r in got.values()) == steps
+        assert sum("val_loss" in r for r in got.values()) == evals
         for step, record in got.items():
             for key in {"loss", "aux_loss", "val_loss", "grad_norm"} & set(record):
                 assert record[key] == pytest.approx(expected[step][key], rel=1e-5), (key, step)
