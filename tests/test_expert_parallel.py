@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from fsdp_trainer.adapters.lora import apply_lora
@@ -46,7 +47,7 @@ def _loss(model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch
     return loss, aux_loss(model), first
 
 
-def _equals_the_whole_model(rank: int, world: int, ac: str = "none", lora: bool = False) -> None:
+def _equals_the_whole_model(rank: int, world: int, ac: str, lora: bool, saved: str | None) -> None:
     # Rank 0's batch repeats one token: its first layer routes every copy to the same 2 experts, none to the others.
     batches = [torch.full((2, 13), 5), torch.randint(0, CFG.vocab_size, (2, 13), generator=torch.Generator())]
     whole, split = _model(lora), _model(lora)
@@ -74,16 +75,24 @@ def _equals_the_whole_model(rank: int, world: int, ac: str = "none", lora: bool 
         assert (grad - theirs_grad).abs().max() <= 1e-5 * theirs_grad.abs().max(), name
     held = split.model.layers["0"].mlp.experts.gate_up_proj
     assert held.shape[0] == CFG.moe.experts and held.to_local().shape[0] == local  # the whole tensor, its part here
+    if saved is not None:  # DCP writes each rank's experts into the whole tensors: read back, the model's bits
+        dcp.save({"model": split.state_dict()}, checkpoint_id=saved)
+        dist.barrier()  # every rank's part written before rank 0 reads them
+        if rank == 0:
+            state = {"model": {name: torch.empty_like(t) for name, t in whole.state_dict().items()}}
+            dcp.load(state, checkpoint_id=saved, no_dist=True)
+            assert all(torch.equal(t, state["model"][name]) for name, t in whole.state_dict().items())
 
 
 @pytest.mark.parametrize("ac, lora", [("none", False), ("full", False), ("none", True)])
-def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac, lora):
+def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac, lora, tmp_path):
     """EP 2: each rank holds 2 of the 4 experts and routes its own tokens; its loss and load-balancing loss are the
     whole model's on its batch, its experts' gradients the whole model's over both ranks' batches, and every other
     gradient summed over the ranks is the whole model's (fp32, 1e-5), with uneven routing: rank 0 sends no copy to
     two of the experts. Under full AC each block's recomputation dispatches its copies again, to the same result.
-    With LoRA on the experts, each rank holds its experts' adapters, and their gradients are the whole model's."""
-    run_distributed(_equals_the_whole_model, ac, lora)
+    With LoRA on the experts, each rank holds its experts' adapters, and their gradients are the whole model's. Saved
+    through DCP, the split model reads back on one process as the whole model's weights, bit for bit."""
+    run_distributed(_equals_the_whole_model, ac, lora, str(tmp_path) if (ac, lora) == ("none", True) else None)
 
 
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
