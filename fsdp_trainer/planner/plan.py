@@ -215,7 +215,7 @@ def expert_cases(recipe: Recipe, nproc: int) -> list[Recipe]:
         try:
             check_expert_parallel(case)
         except ValueError:
-            return []  # the recipe's adapters, compile or offload: no degree runs
+            return []  # the recipe's offload or context parallelism: no degree runs
         cases.append(case)
         degree *= 2
     return cases
