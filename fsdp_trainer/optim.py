@@ -142,9 +142,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     by_mesh: dict = {}
     for p in params:
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for group in by_mesh.values():
-        norms.append(total_norm([p.grad for p in group]))
+    norms = [total_norm([p.grad for p in group]) for group in by_mesh.values()]
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         for group in by_mesh.values():

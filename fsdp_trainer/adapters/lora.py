@@ -76,8 +76,8 @@ class ExpertsAdapter(nn.Module):
     """One low-rank adapter per expert on a stacked experts weight (experts, out, in), stacked like it, experts first:
     `lora_A.weight` (experts, rank, in) and `lora_B.weight` (experts, out, rank), so expert e's update is
     (alpha / rank) B_e A_e, and expert parallelism splits the adapters along the experts as it splits their weights
-    (whole experts to a rank). PEFT's file layout for it (target_parameters) differs; hf.py converts on the way in
-    and out."""
+    (whole experts to a rank). PEFT's file layout for it (target_parameters) differs; adapters/peft_format.py
+    converts on the way in and out."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, rank: int, device: torch.device):
         super().__init__()

@@ -102,8 +102,7 @@ def check_expert_parallel(recipe: Any) -> None:
         raise ValueError(f"{what}: model.moe.experts ({moe.experts}) must be a multiple of it")
     if parallel.sharding not in SHARDINGS:
         raise ValueError(f"{what} runs under {', '.join(SHARDINGS)}, not {parallel.sharding} yet")
-    for flag in ("cpu_offload",):
-        if getattr(parallel, flag):
-            raise ValueError(f"{what} does not run with parallel.{flag} yet; set one of them off")
+    if parallel.cpu_offload:
+        raise ValueError(f"{what} does not run with parallel.cpu_offload yet; set one of them off")
     if parallel.context_parallel > 1:
         raise ValueError(f"{what} does not run with parallel.context_parallel yet; set one of them to 1")

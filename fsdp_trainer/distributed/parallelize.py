@@ -223,15 +223,16 @@ def experts_placement(experts: DeviceMesh) -> dict:
     return {"shard_placement_fn": placement}
 
 
-def divide_experts_as_the_rest(block: FSDPModule, experts: DeviceMesh) -> None:
-    """The experts' gradients are reduced over fewer ranks than the rest and divided as the rest are: by the world
-    (the step's scale expects it), which is the default over the rest. Gloo has no pre-multiplied sum: the experts'
-    take a sum, then the division, but over a group of one, where torch 2.13 would then divide twice (torch sets this
-    a module at a time; here it is the experts' parameter group's alone)."""
-    block.set_gradient_divide_factor(float(experts.size()))
+def divide_experts_as_the_rest(module: FSDPModule, experts: DeviceMesh) -> None:
+    """The experts' gradients (of `module`: the experts' own FSDP module, or a compiled block's holding them) are
+    reduced over fewer ranks than the rest and divided as the rest are: by the world (the step's scale expects it),
+    which is the default over the rest. Gloo has no pre-multiplied sum: the experts' take a sum, then the division,
+    but not over a group of one, where torch 2.13 would then divide twice (torch sets this a module at a time; here
+    it is the experts' parameter group's alone)."""
+    module.set_gradient_divide_factor(float(experts.size()))
     if experts.device_type == "cpu" and experts["dp_mod_ep"].size() > 1:
         experts_group = experts["dp_mod_ep"].get_group()
-        for group in block._get_fsdp_state()._fsdp_param_groups:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
             group.force_sum_reduction_for_comms = group.mesh_info.shard_process_group is experts_group
 
 

@@ -256,11 +256,11 @@ def expert_parallel_bytes(
     """Under expert parallelism (parallel.expert_parallel N > 1: distributed/expert_parallel.py), against the same row
     without it: (the weights of a block a rank does not gather, so neither holds nor reduces unsharded, bytes a rank
     sends more a step, of which between nodes: the experts' shard groups take a rank of each node's groups). A rank
-    gathers and reduces only its group's 1 / N of each layer's experts, over the S / N ranks holding them instead of
-    all S; and each mixture of
-    experts layer moves a micro-batch's `tokens` x top_k copies (dim wide) to their experts and back by all-to-all,
-    (N - 1) / N of them off the rank with even routing, in forward and again in backward (the gradients), and once more
-    where AC recomputes the layer. The same state per rank: every expert is still held once over the world."""
+    gathers and reduces only its group's 1 / N of each layer's experts (and of their LoRA adapters), over the S / N
+    ranks holding them instead of all S; and each mixture of experts layer moves a micro-batch's `tokens` x top_k
+    copies (dim wide) to their experts and back by all-to-all, (N - 1) / N of them off the rank with even routing, in
+    forward and again in backward (the gradients), and once more where AC recomputes the layer. The same state per
+    rank: every expert is still held once over the world."""
     n, cfg, accum = recipe.parallel.expert_parallel, recipe.model, recipe.data.grad_accum_steps
     if n == 1 or cfg.moe is None or sharding not in EP_SHARDINGS:
         return 0.0, 0.0, 0.0
