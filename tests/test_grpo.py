@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fsdp_trainer.loss import POLICY_METRICS, PolicyLoss, PolicyObjective, group_advantages
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.model import ATTENTION_TILE, Transformer
 from fsdp_trainer.rewards import (
     Reward,
     RewardError,
@@ -290,9 +290,10 @@ def test_a_prompt_packed_once_for_its_completions_gives_each_the_logits_of_its_o
     model = Transformer(cfg)
     model.init_weights(seed=1)
     rng = np.random.default_rng(0)
+    scale = 4 if length == 300 else 1  # at 300, two windows of 176 (packed as short as keeps them), 2 tiles each
     lengths = [(5, [3, 7, 1]), (1, [4]), (9, [6, 2, 5, 3]), (12, [8, 8])]
     groups = [
-        (rng.integers(3, 500, p), [rng.integers(3, 500, a) for a in answers]) for p, answers in lengths
+        (rng.integers(3, 500, p * scale), [rng.integers(3, 500, a * scale) for a in answers]) for p, answers in lengths
     ]  # fmt: skip
     flat = [(prompt, answer) for prompt, answers in groups for answer in answers]
 
@@ -311,6 +312,30 @@ def test_a_prompt_packed_once_for_its_completions_gives_each_the_logits_of_its_o
         assert (grad - copies[2][name]).norm() <= 1e-5 * copies[2][name].norm(), name
     flat_sequences = packed(flat, length, torch.device("cpu")).sequences
     assert sorted(tree.sequences[tree.sequences >= 0].tolist()) == sorted(flat_sequences[flat_sequences >= 0].tolist())
+    if length == 300:
+        assert tree.inputs.shape == (2, 176) and ATTENTION_TILE < 176
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_packed_windows_are_the_shortest_that_keep_their_number(tree):
+    """A micro-batch's examples are packed in order into as few windows of `length` as hold them, each then as short
+    as keeps that number (a multiple of 16): no trained token is lost or moved to another example, and every shorter
+    multiple of 16 needs more windows (the greedy packing's own count, tried at each)."""
+    from fsdp_trainer.steps.examples import WIDTH_STEP, example_rows, packed_tree, tree_rows
+
+    rng = np.random.default_rng(1)
+    groups = [(rng.integers(3, 500, rng.integers(2, 30)), [rng.integers(3, 500, rng.integers(1, 13)) for _ in range(8)])
+              for _ in range(4)]  # fmt: skip
+    flat = [(prompt, answer) for prompt, answers in groups for answer in answers]
+    length, cpu = 160, torch.device("cpu")
+    batch = packed_tree(groups, length, cpu) if tree else packed(flat, length, cpu)
+    layout = (lambda w: tree_rows(groups, w)) if tree else (lambda w: example_rows(flat, w))
+    rows, width = batch.inputs.shape
+    assert rows == len(layout(length)) > 1 and width % WIDTH_STEP == 0 and width < length
+    assert all(len(layout(w)) > rows for w in range(WIDTH_STEP, width, WIDTH_STEP))
+    sequences = batch.sequences[batch.sequences >= 0]
+    assert torch.equal(batch.targets[batch.sequences >= 0], torch.from_numpy(np.concatenate([a for _, a in flat])))
+    assert sequences.tolist() == [k for k, (_, answer) in enumerate(flat) for _ in answer]
 
 
 def test_reward_functions_fail_in_one_line_naming_them():

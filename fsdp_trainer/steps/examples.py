@@ -41,10 +41,32 @@ def examples_of(batch: MicroBatch, last_answer: bool = True) -> list[tuple[np.nd
     return examples
 
 
-def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: int, device: torch.device) -> MicroBatch:
-    """(prompt, answer) pairs packed in order into windows of `length` tokens, block-causal, trained on the answers,
-    each answer's targets numbered in `sequences` by its example's place in `examples`; one untrained window if there
-    are none (the step's forward still runs on every rank)."""
+WIDTH_STEP = 16
+"""Packed windows are cut to a multiple of this many tokens: few distinct shapes (a compiled block's graphs), whole
+tiles on a GPU."""
+
+
+def tightest(layout, length: int, longest: int) -> tuple[list, int]:
+    """(the rows `layout(window)` packs a micro-batch's examples into, the window): the shortest window, a multiple of
+    WIDTH_STEP no shorter than the `longest` example (or `length`), that packs them into no more rows than `length`
+    does. Rows filled greedily leave the last nearly empty, and the window is every row's length: 2 rows of 350 and 100
+    tokens at 352 train 704 positions, at 240 (2 rows of about 225) 480. Packing in order into fewer rows is monotone
+    in the window, so the search halves."""
+    rows = layout(length)
+    lowest = -(-max(longest, 1) // WIDTH_STEP)
+    windows = [WIDTH_STEP * k for k in range(lowest, -(-length // WIDTH_STEP)) if WIDTH_STEP * k < length]
+    lo, hi = 0, len(windows)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(layout(windows[mid])) <= len(rows):
+            hi = mid
+        else:
+            lo = mid + 1
+    return (layout(windows[lo]), windows[lo]) if lo < len(windows) else (rows, length)
+
+
+def example_rows(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: int) -> list[list[tuple]]:
+    """`packed`'s rows at a window of `length`: (k, prompt, answer) of the examples each holds, filled in order."""
     rows: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[]]
     used = 0
     for k, (prompt, answer) in enumerate(examples):
@@ -53,6 +75,16 @@ def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: in
             used = 0
         rows[-1].append((k, prompt, np.asarray(answer, dtype=np.int64)))
         used += len(prompt) + len(answer)
+    return rows
+
+
+def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: int, device: torch.device) -> MicroBatch:
+    """(prompt, answer) pairs packed in order into windows of `length` tokens at most (as short as keeps their
+    number: `tightest`), block-causal, trained on the answers, each answer's targets numbered in `sequences` by its
+    example's place in `examples`; one untrained window if there are none (the step's forward still runs on every
+    rank)."""
+    longest = max((len(prompt) + len(answer) for prompt, answer in examples), default=0)
+    rows, length = tightest(lambda window: example_rows(examples, window), length, longest)
     inputs = np.zeros((len(rows), length), dtype=np.int64)
     targets = np.full((len(rows), length), IGNORE, dtype=np.int64)
     documents = np.zeros((len(rows), length), dtype=np.int64)
@@ -72,12 +104,8 @@ def packed(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: in
     return MicroBatch(*tensors, trained=trained_positions(targets, device))
 
 
-def packed_tree(groups: list[tuple[np.ndarray, list[np.ndarray]]], length: int, device: torch.device) -> MicroBatch:
-    """Prompts each with several answers, packed in order into windows of `length` tokens as trees: a prompt's
-    tokens but its last once, then each answer after a copy of that last token (which predicts the answer's first),
-    seeing the prompt through `shared` (model.block_causal): the logits `packed` gives each (prompt, answer) alone,
-    for the prompt's tokens once instead of once an answer. Answers are numbered in `sequences` in order; a group too
-    long for one window goes on in the next after its prompt again."""
+def tree_rows(groups: list[tuple[np.ndarray, list[np.ndarray]]], length: int) -> list[list[tuple]]:
+    """`packed_tree`'s rows at a window of `length`: (prompt, [(number, answer), ...]) of the trees each holds."""
     rows: list[list[tuple[np.ndarray, list[tuple[int, np.ndarray]]]]] = [[]]
     used, number = 0, 0
     for prompt, answers in groups:
@@ -92,6 +120,18 @@ def packed_tree(groups: list[tuple[np.ndarray, list[np.ndarray]]], length: int, 
                 used, opened = used + len(prompt) - 1, True
             rows[-1][-1][1].append((number, np.asarray(answer, dtype=np.int64)))
             used, number = used + branch, number + 1
+    return rows
+
+
+def packed_tree(groups: list[tuple[np.ndarray, list[np.ndarray]]], length: int, device: torch.device) -> MicroBatch:
+    """Prompts each with several answers, packed in order into windows of `length` tokens as trees: a prompt's
+    tokens but its last once, then each answer after a copy of that last token (which predicts the answer's first),
+    seeing the prompt through `shared` (model.block_causal): the logits `packed` gives each (prompt, answer) alone,
+    for the prompt's tokens once instead of once an answer. Answers are numbered in `sequences` in order; a group too
+    long for one window goes on in the next after its prompt again. Windows as short as keeps their number
+    (`tightest`)."""
+    longest = max((len(prompt) + len(answer) for prompt, answers in groups for answer in answers), default=0)
+    rows, length = tightest(lambda window: tree_rows(groups, window), length, longest)
     inputs = np.zeros((len(rows), length), dtype=np.int64)
     targets = np.full((len(rows), length), IGNORE, dtype=np.int64)
     documents = np.zeros((len(rows), length), dtype=np.int64)

@@ -240,8 +240,9 @@ def completion_stats(every: torch.Tensor) -> dict[str, float]:
 def training_window(seq_len: int, num_generations: int, max_seq_len: int) -> int:
     """The windows a micro-batch's completions are packed into to train: as long as its num_generations prompt
     windows together (the model's max_seq_len at most), so that a window holds several prompt + completion examples
-    (block-causal) instead of one and the padding after it. A micro-batch of G x prompts windows of seq_len tokens
-    at most, as the planner prices it; usually fewer tokens."""
+    (block-causal) instead of one and the padding after it; the longest the windows may be, then cut as short as
+    keeps their number (examples.tightest). A micro-batch of G x prompts windows of seq_len tokens at most, as the
+    planner prices it; usually fewer tokens."""
     return seq_len * max(1, min(num_generations, max_seq_len // seq_len))
 
 
