@@ -144,7 +144,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     norms = [total_norm([p.grad for p in group]) for group in by_mesh.values()]
     norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-    if max_norm > 0:
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    if max_norm > 0:  # every element scaled alike, so each rank scales its local shards: no DTensor dispatch
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grads_with_norm_
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        for dtype in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale)
     return norm
