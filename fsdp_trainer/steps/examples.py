@@ -55,16 +55,17 @@ def tightest(layout: Callable[[int], list], length: int, longest: int) -> tuple[
     rows of about 345 and 100 tokens into 2 x 352 positions, now 2 x 224. Filling rows in order takes no fewer of them
     in a shorter window, so a binary search finds it."""
     rows = layout(length)
-    lowest = -(-max(longest, 1) // WIDTH_STEP)
-    windows = [WIDTH_STEP * k for k in range(lowest, -(-length // WIDTH_STEP)) if WIDTH_STEP * k < length]
+    best = rows, length
+    windows = range(WIDTH_STEP * -(-max(longest, 1) // WIDTH_STEP), length, WIDTH_STEP)
     lo, hi = 0, len(windows)
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(layout(windows[mid])) <= len(rows):
-            hi = mid
+        fitted = layout(windows[mid])
+        if len(fitted) <= len(rows):
+            best, hi = (fitted, windows[mid]), mid
         else:
             lo = mid + 1
-    return (layout(windows[lo]), windows[lo]) if lo < len(windows) else (rows, length)
+    return best
 
 
 def example_rows(examples: list[tuple[np.ndarray, list[int] | np.ndarray]], length: int) -> list[list[tuple]]:
