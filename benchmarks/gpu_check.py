@@ -181,8 +181,8 @@ def debug_recipe(ctx: Context) -> dict:
              "--checkpoint.every", str(every), "--parallel.mixed_precision", ctx.precision]  # fmt: skip
     if ctx.tiny:
         flags += ["--data.micro_batch_size", "2", "--optim.warmup_steps", "2"]
+    killed_after_checkpoint(ctx, "debug_resumed", flags, steps, every)  # first: forked before a process group exists
     straight = train(ctx, "debug_straight", flags, steps)
-    killed_after_checkpoint(ctx, "debug_resumed", flags, steps, every)
     resumed = train(ctx, "debug_resumed", flags, steps)  # from its checkpoint at `every`
     first, last = straight["losses"][0], straight["losses"][-1]
     assert last < 0.8 * first, f"the loss did not fall: {first:.4f} at step 1, {last:.4f} at step {steps}"
@@ -202,8 +202,9 @@ def _train_main(argv: list[str]) -> None:
 
 def killed_after_checkpoint(ctx: Context, name: str, flags: list[str], steps: int, every: int) -> None:
     """The run of `flags` to `steps`, SIGKILLed once its checkpoint of step `every` is published: a process of its
-    own, a fresh interpreter (a fork of a process that has run a process group and its threads can hang)."""
-    context = multiprocessing.get_context("spawn")
+    own, forked on a CPU (this process must not have run a process group yet: a fork of its threads can hang), a
+    fresh interpreter where CUDA runs."""
+    context = multiprocessing.get_context("spawn" if ctx.device == "cuda" else "fork")
     out = ctx.work / name
     child = context.Process(target=_train_main, args=([*flags, "--train.out_dir", str(out), "--train.steps",
                                                          str(steps)],))  # fmt: skip

@@ -6,17 +6,14 @@ written."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, script
+
+GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"
 
 
 def test_every_check_runs_at_toy_size_on_a_cpu_and_writes_both_reports(tmp_path):
-    script = REPO / "benchmarks" / "gpu_check.py"
-    command = [sys.executable, str(script), "--device", "cpu", "--tiny", "--out", str(tmp_path)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    proc = script(GPU_CHECK, "--device", "cpu", "--tiny", "--out", tmp_path, check=False)  # forked, as python runs it
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     checks = report["checks"]
@@ -38,11 +35,9 @@ def test_every_check_runs_at_toy_size_on_a_cpu_and_writes_both_reports(tmp_path)
 
 
 def test_a_check_out_of_time_is_killed_with_what_it_started_and_the_next_runs(tmp_path):
-    script = REPO / "benchmarks" / "gpu_check.py"
     # the debug recipe prepares data and trains: never within half a second; the sampler has its 30 s
-    command = [sys.executable, str(script), "--device", "cpu", "--tiny", "--out", str(tmp_path), "--only",
-               "debug_recipe", "rollouts", "--limit", "debug_recipe=0.5"]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    proc = script(GPU_CHECK, "--device", "cpu", "--tiny", "--out", tmp_path, "--only", "debug_recipe", "rollouts",
+                  "--limit", "debug_recipe=0.5", check=False)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
     assert checks["debug_recipe"]["status"] == "timeout" and checks["rollouts"]["status"] == "passed"
