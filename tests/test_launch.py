@@ -180,15 +180,14 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_killed_launchers
         assert len(workers) == 2
         config = (out / "config.yaml").read_bytes()
         holder = f"train.out_dir={out} is in use by a live run (pid {workers[0]} on host {socket.gethostname()}"
-        for nproc in (1, 2):  # under plain torchrun, its own report of the failed workers follows our line
-            second = train_cli(args, nproc=nproc, check=False, torchrun=True)
+        # one process (forked, as `python -m` runs it) and torchrun's two workers, whose own report follows our line
+        for nproc, torchrun in ((1, False), (2, True)):
+            second = train_cli(args, nproc=nproc, check=False, torchrun=torchrun)
             assert second.returncode == 1, second.stderr
             (line, *torchruns) = second.stderr.strip().splitlines()
             assert line.startswith("error: ") and holder in line and second.stderr.count(holder) == 1, line
-            assert nproc == 2 or not torchruns
-        launcher = subprocess.run(
-            [*LAUNCHER, "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO, timeout=900
-        )
+            assert torchrun or not torchruns
+        launcher = forked.run("fsdp_trainer.launch", ["--nproc_per_node", "2", *args])  # refuses before a worker
         assert launcher.returncode == 1 and launcher.stderr.startswith(f"error: {holder}"), launcher.stderr
         assert launcher.stderr.count("\n") == 1
         assert (out / "config.yaml").read_bytes() == config  # the refused runs wrote nothing
