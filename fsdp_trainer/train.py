@@ -9,6 +9,7 @@ data, checkpoint -> loop. train_step() is one optimizer step with gradient accum
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import traceback
@@ -311,4 +312,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # What the worker imported lives as long as it: out of every later garbage collection, each full one of which
+    # would otherwise walk all of torch's objects again (~0.2 s of CPU each, 3/4 of a short run's collecting).
+    gc.freeze()
     main()
