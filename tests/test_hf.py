@@ -177,7 +177,6 @@ def test_import_holds_one_tensor_at_a_time_and_writes_what_it_read(tmp_path, mon
     until the file is done), so when a tensor is read only the one written before it may still be alive (DCP's loop
     variable): memory bounded by two tensors, not the model (docs/benchmarks.md measures it on 2.3 GB; a single file
     held all 20 here). The checkpoint holds exactly the published tensors."""
-    import gc
     import weakref
 
     from fsdp_trainer.convert import import_hf
@@ -195,8 +194,7 @@ def test_import_holds_one_tensor_at_a_time_and_writes_what_it_read(tmp_path, mon
     class Buffer(bytearray):  # what StoredTensor.read reads into, but one a weak reference can watch
         pass
 
-    def read(entry):
-        gc.collect()
+    def read(entry):  # freed when no reference is left, without a garbage collection's help
         alive[:] = [ref for ref in alive if ref() is not None]
         most_alive[0] = max(most_alive[0], len(alive))
         with open(entry.path, "rb") as f:
