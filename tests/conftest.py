@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import json
 from pathlib import Path
@@ -117,3 +118,10 @@ def one_rank():
     init_distributed(ParallelConfig(mixed_precision="fp32"))
     yield
     close_distributed()
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, TRL, the package) lives as long as the worker: kept out of every
+    later garbage collection, each full one of which would otherwise walk it all again."""
+    gc.collect()
+    gc.freeze()
