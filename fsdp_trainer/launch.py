@@ -21,6 +21,7 @@ Plain `torchrun -m fsdp_trainer.train` keeps working; it prints torchrun's own s
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     if {"-h", "--help"} & set(trainer_args):
         print("fsdp-train [torchrun's options: --nproc_per_node N --nnodes M ...] --recipe R [--section.key value]\n")
     recipe = parse_recipe(trainer_args)  # bad recipe: one line, exit 1; --help prints and exits 0
+    gc.disable()  # importing torch makes about a million objects and no garbage: no collection walks them meanwhile
     from fsdp_trainer.build import check_run, run_summary  # torch is imported only once the recipe reads
     from fsdp_trainer.distributed.runtime import check_groups
 
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     signal.signal(signal.SIGTERM, ForwardSigterm())
     reports = os.environ[REPORTS_ENV] = tempfile.mkdtemp(prefix="fsdp_train_reports_")  # the workers' error lines
+    gc.freeze()  # the agent polls its workers for the whole run: what it imported is out of every later collection
+    gc.enable()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
