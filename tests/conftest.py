@@ -120,8 +120,16 @@ def one_rank():
     close_distributed()
 
 
+def pytest_configure(config):
+    """Where tests are collected (an xdist worker, or the one process without xdist): no garbage collection while
+    collection imports transformers, TRL and peft, a million objects and no garbage (until collection ends)."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        gc.disable()
+
+
 def pytest_collection_finish(session):
     """What collection imported (torch, transformers, TRL, the package) lives as long as the worker: kept out of every
     later garbage collection, each full one of which would otherwise walk it all again."""
     gc.collect()
     gc.freeze()
+    gc.enable()
