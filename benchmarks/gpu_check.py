@@ -200,11 +200,16 @@ def _train_main(argv: list[str]) -> None:
     main(argv)
 
 
+def process_context(device: str):
+    """How a process of its own is started: forked on a CPU (from a process that has run no process group yet: a fork
+    of its threads can hang), a fresh interpreter where CUDA runs (CUDA does not survive a fork)."""
+    return multiprocessing.get_context("spawn" if device == "cuda" else "fork")
+
+
 def killed_after_checkpoint(ctx: Context, name: str, flags: list[str], steps: int, every: int) -> None:
     """The run of `flags` to `steps`, SIGKILLed once its checkpoint of step `every` is published: a process of its
-    own, forked on a CPU (this process must not have run a process group yet: a fork of its threads can hang), a
-    fresh interpreter where CUDA runs."""
-    context = multiprocessing.get_context("spawn" if ctx.device == "cuda" else "fork")
+    own (process_context: the caller has run no process group yet)."""
+    context = process_context(ctx.device)
     out = ctx.work / name
     child = context.Process(target=_train_main, args=([*flags, "--train.out_dir", str(out), "--train.steps",
                                                          str(steps)],))  # fmt: skip
@@ -355,8 +360,8 @@ def _child(name: str, args, results) -> None:
 
 
 def run_check(name: str, args) -> dict:
-    """One check in a process of its own (forked on a CPU; a fresh interpreter where CUDA runs), within its limit."""
-    context = multiprocessing.get_context("spawn" if args.device == "cuda" else "fork")
+    """One check in a process of its own (process_context), within its limit."""
+    context = process_context(args.device)
     results = context.Queue()
     child = context.Process(target=_child, args=(name, args, results))
     start = time.perf_counter()
