@@ -4,20 +4,47 @@ its tools' modules, transformers (which the tools import to verify an export), a
 which leave DTensor's sharding rules for its ops cached (0.3 s of CPU a forked 1-process run otherwise spends finding
 them on its first step)."""
 
-import torch  # noqa: F401
-import torch._dynamo  # noqa: F401  (a model built on the meta device reaches it: torch._refs' ops disable dynamo)
-import transformers  # noqa: F401
+import gc
+import logging
 
-import fsdp_trainer.convert  # noqa: F401
-import fsdp_trainer.train  # noqa: F401
-from fsdp_trainer.config.parse import recipe_parser
 
-recipe_parser()  # imports jsonargparse and the modules it loads on its first parser
+def _import_the_package() -> None:
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (a model built on the meta device reaches it: torch._refs' ops disable dynamo)
+    import transformers  # noqa: F401
 
-try:  # every run writes TensorBoard events where the package is installed (the test extras install it)
-    import torch.utils.tensorboard  # noqa: F401
-except ImportError:
-    pass
+    import fsdp_trainer.convert  # noqa: F401
+    import fsdp_trainer.train  # noqa: F401
+    from fsdp_trainer.config.parse import recipe_parser
+
+    recipe_parser()  # imports jsonargparse and the modules it loads on its first parser
+    try:  # every run writes TensorBoard events where the package is installed (the test extras install it)
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _import_test_extras() -> None:
+    """What the forked runs of tools and tests import from the test extras, each otherwise again in every run (about
+    1.5 s of CPU in a run that verifies an export): torchao (quietly, as a QLoRA run does), transformers' model code
+    for each family an export is loaded into, peft (which the test modules of adapters import), lm-eval's tasks."""
+    import transformers
+
+    from fsdp_trainer.hf import FAMILIES
+
+    logging.disable(logging.WARNING)  # torchao's notes on GPU kernels a CPU build lacks, which a run never prints
+    try:
+        import torchao  # noqa: F401
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        for model_type in FAMILIES:
+            getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        import lm_eval.tasks  # noqa: F401
+        import peft  # noqa: F401
+    except ImportError:  # the package alone, without its test extras
+        pass
+    finally:
+        logging.disable(logging.NOTSET)
 
 
 def _warm_sharding_rules() -> None:
@@ -28,6 +55,7 @@ def _warm_sharding_rules() -> None:
     checkpoint's plan)."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -58,11 +86,13 @@ def _warm_sharding_rules() -> None:
         dist.destroy_process_group()
 
 
+# A collection while importing walks everything imported so far, again and again (about 1 s of CPU here); what is loaded
+# lives as long as the server and every fork: kept out of each run's collections (a run's gc.collect() otherwise walks
+# it all, 0.2 s at a run's end) and out of the pages a collection would copy.
+gc.disable()
+_import_the_package()
+_import_test_extras()
 _warm_sharding_rules()
-
-import gc  # noqa: E402
-
-# What is loaded so far lives as long as the server and every fork: kept out of each run's garbage collections (a run's
-# gc.collect() otherwise walks it all, 0.2 s at a run's end) and out of the pages a collection would copy.
 gc.collect()
 gc.freeze()
+gc.enable()
