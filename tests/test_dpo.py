@@ -127,21 +127,18 @@ def prepared_batch(tmp_path, model: dict, records: list[dict], data_format: str,
     """`records` through prepare_data.py --format `data_format`, with the tokenizer saved in tmp_path/tokenizer and
     the model section `model`: the whole file, in order, as one micro-batch."""
     import json
-    import subprocess
-    import sys
 
     from fsdp_trainer.data.format import TokenFile
     from fsdp_trainer.data.loader import TokenLoader
-    from tests.helpers import REPO
+    from tests.helpers import tool
 
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     recipe = {"model": model, "parallel": {"mixed_precision": "fp32"},
               "data": {"train_path": str(tmp_path / "train.bin"), "tokenizer_path": str(tmp_path / "tokenizer"),
                        "seq_len": seq_len}}  # fmt: skip
     (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
-    tool = [sys.executable, str(REPO / "tools" / "prepare_data.py"), "--recipe", str(tmp_path / "recipe.yaml")]
-    subprocess.run([*tool, "--format", data_format, "--input", str(tmp_path / "records.jsonl"), "--val_fraction", "0"],
-                   check=True, cwd=REPO, capture_output=True)  # fmt: skip
+    tool("prepare_data.py", "--recipe", tmp_path / "recipe.yaml", "--format", data_format,
+         "--input", tmp_path / "records.jsonl", "--val_fraction", "0")  # fmt: skip
     data = TokenFile(tmp_path / "train.bin")
     (batch,) = TokenLoader(data, seq_len, micro_batch_size=len(data) // seq_len, shuffle=False).next_batch()
     return batch

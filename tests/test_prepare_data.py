@@ -6,8 +6,6 @@ import gzip
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +16,7 @@ import yaml
 from fsdp_trainer.data.format import TokenFile, open_tokens
 from fsdp_trainer.data.prepare import BUNDLED_CORPUS
 from fsdp_trainer.tokenizer import load_tokenizer
-from tests.helpers import REPO
-
-TOOL = [sys.executable, str(REPO / "tools" / "prepare_data.py")]
+from tests.helpers import REPO, forked, tool
 
 
 def test_outputs_decode_to_the_input(tiny_data):
@@ -36,15 +32,14 @@ def test_outputs_decode_to_the_input(tiny_data):
 
 
 def test_up_to_date_outputs_are_kept(tiny_data):
-    cmd = [*TOOL, "--recipe", str(tiny_data), "--input", str(tiny_data.parent / "corpus.txt"), "--val_fraction", "0.1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    proc = tool(
+        "prepare_data.py", "--recipe", tiny_data, "--input", tiny_data.parent / "corpus.txt", "--val_fraction", "0.1"
+    )
     assert "already prepared" in proc.stdout
 
 
 def test_missing_input_is_one_error_line(tiny_data, tmp_path):
-    proc = subprocess.run(
-        [*TOOL, "--recipe", str(tiny_data), "--input", str(tmp_path / "nope.txt")], capture_output=True, text=True
-    )
+    proc = tool("prepare_data.py", "--recipe", tiny_data, "--input", tmp_path / "nope.txt", check=False)
     assert proc.returncode == 1 and proc.stderr.strip() == f"error: --input file {tmp_path / 'nope.txt'} does not exist"
 
 
@@ -65,9 +60,7 @@ def test_the_recipe_is_read_as_the_trainer_reads_it(tiny_data, tmp_path):
         "--vocab_size",
         "400",
     ]
-    cmd = [*TOOL, "--recipe", recipe, "--input", tiny_data.parent / "corpus.txt", *overrides]
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    tool("prepare_data.py", "--recipe", recipe, "--input", tiny_data.parent / "corpus.txt", *overrides)
     assert TokenFile(out / "train.bin").vocab_size == load_tokenizer(out / "tok.model").vocab_size == 400
     assert not (out / "val.bin").exists()
 
@@ -81,24 +74,9 @@ def _tiny_tokenizer(tiny_data) -> str:
 
 def _run_tool(tiny_data, out, inputs, *flags, check=True):
     """prepare_data.py with the tiny tokenizer, outputs under `out` (a directory of shards unless flags say)."""
-    cmd = [
-        *TOOL,
-        "--recipe",
-        str(tiny_data),
-        "--data.tokenizer_path",
-        _tiny_tokenizer(tiny_data),
-        "--data.train_path",
-        str(out / "train"),
-        "--data.val_path",
-        str(out / "val"),
-        "--input",
-        *map(str, inputs),
-        *map(str, flags),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if check:
-        assert proc.returncode == 0, proc.stderr
-    return proc
+    paths = ["--data.train_path", out / "train", "--data.val_path", out / "val"]
+    tokenizer = ["--data.tokenizer_path", _tiny_tokenizer(tiny_data)]
+    return tool("prepare_data.py", "--recipe", tiny_data, *tokenizer, *paths, "--input", *inputs, *flags, check=check)
 
 
 @pytest.fixture(scope="module")
@@ -173,21 +151,11 @@ def test_a_killed_preparation_keeps_the_previous_one_and_restarts_from_its_compl
     _run_tool(tiny_data, tmp_path / "whole", [plays_jsonl], *flags)
     _run_tool(tiny_data, tmp_path / "cut", [tiny_data.parent / "corpus.txt"], *flags)  # a previous preparation
     previous = _tree_bytes(tmp_path / "cut")
-    cmd = [
-        *TOOL,
-        "--recipe",
-        str(tiny_data),
-        "--data.tokenizer_path",
-        _tiny_tokenizer(tiny_data),
-        "--data.train_path",
-        str(tmp_path / "cut" / "train"),
-        "--data.val_path",
-        str(tmp_path / "cut" / "val"),
-        "--input",
-        str(plays_jsonl),
-        *map(str, flags),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    paths = ["--data.train_path", tmp_path / "cut" / "train", "--data.val_path", tmp_path / "cut" / "val"]
+    argv = ["--recipe", tiny_data, "--data.tokenizer_path", _tiny_tokenizer(tiny_data), *paths, "--input", plays_jsonl]
+    proc = forked.start(
+        str(REPO / "tools" / "prepare_data.py"), [*map(str, argv), *map(str, flags)], [(os.devnull, os.devnull)]
+    )
     # Until both writers have complete shards past the one spoiled below: the restart goes on from the writer that is
     # behind, and the validation writer gets a task's documents only after the training writer has written its 11
     # shards of them. Waited for however long a loaded machine takes (no deadline: a clock would decide the verdict).
