@@ -17,18 +17,12 @@ from fsdp_trainer.checkpoint.verify import verify_checkpoint
 from fsdp_trainer.launch import child_pids, split_argv
 from tests.helpers import REPO, forked, injected, run_args, train_cli, train_popen, wait_for_step, worker_pids
 
-LAUNCHER = [sys.executable, "-m", "fsdp_trainer.launch"]
 
-
-def _launch(args: list[str], log: Path, nproc: int = 2) -> subprocess.Popen:
-    """fsdp-train in the background; stdout to `log`, stderr to log.with_suffix('.err')."""
-    return subprocess.Popen(
-        [*LAUNCHER, "--nproc_per_node", str(nproc), *args],
-        stdout=open(log, "w"),
-        stderr=open(log.with_suffix(".err"), "w"),
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def _launch(args: list[str], log: Path, nproc: int = 2, env: dict | None = None) -> forked.Started:
+    """fsdp-train in the background (forked; torchrun's workers new interpreters, as it starts them); stdout to `log`,
+    stderr to log.with_suffix('.err'), `env` added to this process's."""
+    files = [(str(log), str(log.with_suffix(".err")))]
+    return forked.start("fsdp_trainer.launch", ["--nproc_per_node", str(nproc), *map(str, args)], files, env)
 
 
 def test_torchrun_options_and_the_trainers_flags_are_told_apart():
@@ -91,7 +85,7 @@ def test_a_worker_killed_by_a_signal_is_one_line_and_the_shells_exit_code(tiny_d
     out, log = tmp_path / "run", tmp_path / "log.txt"
     proc = _launch(run_args(tiny_data, out, 100_000), log)
     wait_for_step(out, 2, proc, log)
-    workers = child_pids(proc.pid)
+    workers = child_pids(proc.pids[0])
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGKILL)  # as the OOM killer would
     assert proc.wait(timeout=900) == 128 + signal.SIGKILL
@@ -112,13 +106,7 @@ def test_the_first_line_names_the_rank_that_failed_and_why(tiny_data, tmp_path, 
     """Rank 1 raises (its own line first, its traceback after, rank 0's broken collective folded into one line) or
     exits with 3 saying nothing (named, with its code, and the launcher exits with it)."""
     log = tmp_path / "log.txt"
-    proc = subprocess.Popen(
-        [*LAUNCHER, "--nproc_per_node", "2", *run_args(tiny_data, tmp_path / "run", 20)],
-        stdout=open(log, "w"),
-        stderr=open(log.with_suffix(".err"), "w"),
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **injected(how, rank=1, step=3)},
-    )
+    proc = _launch(run_args(tiny_data, tmp_path / "run", 20), log, env=injected(how, rank=1, step=3))
     assert proc.wait(timeout=900) == code
     lines = log.with_suffix(".err").read_text().strip().splitlines()
     assert lines[0].startswith(first), lines
@@ -176,7 +164,7 @@ def test_a_second_run_on_a_live_runs_directory_is_refused_and_a_killed_launchers
     proc = train_popen(args, log)
     try:
         wait_for_step(out, 2, proc, log)
-        workers = sorted(worker_pids(proc.pid))
+        workers = sorted(worker_pids(proc.pids[0]))
         assert len(workers) == 2
         config = (out / "config.yaml").read_bytes()
         holder = f"train.out_dir={out} is in use by a live run (pid {workers[0]} on host {socket.gethostname()}"

@@ -69,13 +69,16 @@ def train_cli(
     torchrun: bool | None = None,
 ):
     """Run fsdp_trainer.train: in processes forked from one that imported it already (tests/helpers/forked.py), or
-    with `torchrun` as `python -m` for one process and torchrun for more. By default an `env` takes the second way
-    (what it sets may act as an interpreter starts: a sitecustomize on its PYTHONPATH, OMP_NUM_THREADS); with
-    torchrun=False the runs are forked with it, its PYTHONPATH first on their path (a stand-in package they import)."""
-    if torchrun or (torchrun is None and env is not None):
+    with `torchrun` as `python -m` for one process and torchrun for more (torchrun itself forked, its workers new
+    interpreters as it starts them). By default an `env` takes the second way (what it sets may act as an interpreter
+    starts: a sitecustomize on its PYTHONPATH, OMP_NUM_THREADS); with torchrun=False the runs are forked with it, its
+    PYTHONPATH first on their path (a stand-in package they import)."""
+    if (torchrun or (torchrun is None and env is not None)) and nproc == 1:
         cmd = train_command(args, nproc)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
+    elif torchrun or (torchrun is None and env is not None):
+        proc = forked.run("torch.distributed.run", torchrun_args(args, nproc), env=env, timeout=timeout)
     else:
         proc = forked.run("fsdp_trainer.train", args, nproc=nproc, env=env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -106,25 +109,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_args(args: list[str], nproc: int, **launch) -> list[str]:
+    """torchrun's arguments (what follows `python -m torch.distributed.run`) to run fsdp_trainer.train with `args` on
+    `nproc` processes; `launch`: torchrun_command's nnodes, rdzv_endpoint, flags."""
+    return torchrun_command(["-m", "fsdp_trainer.train", *args], nproc, **launch)[3:]
+
+
 def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 900) -> list[str]:
-    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine that meet through c10d rendezvous, the
-    way the nodes of a cluster do; returns each agent's output."""
+    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine (forked, their workers new interpreters)
+    that meet through c10d rendezvous, the way the nodes of a cluster do; returns each agent's output."""
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = torchrun_command(["-m", "fsdp_trainer.train", *args], nproc_per_node, nnodes, rdzv_endpoint=endpoint)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-        for _ in range(nnodes)
-    ]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs, strict=True):
-        if p.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}:\n{out[-5000:]}")
+    argv = torchrun_args(args, nproc_per_node, nnodes=nnodes, rdzv_endpoint=endpoint)
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"{node}.log") for node in range(nnodes)]
+        agents = [forked.start("torch.distributed.run", argv, [(log, log)], timeout=timeout) for log in logs]
+        try:
+            for agent in agents:
+                agent.wait(timeout)
+        finally:
+            for agent in agents:
+                agent.kill()
+        outputs = [Path(log).read_text(errors="replace") for log in logs]
+    for agent, out in zip(agents, outputs, strict=True):
+        if agent.returncode != 0:
+            raise AssertionError(f"torchrun {' '.join(argv)} exited {agent.returncode}:\n{out[-5000:]}")
     return outputs
 
 
@@ -188,12 +196,11 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) 
 
 def train_popen(
     args: list[str], log_path: Path, nproc: int = 2, torchrun_flags: tuple[str, ...] = (), env: dict | None = None
-):
-    """Start torchrun in the background, its output going to log_path, `env` added to this process's."""
-    cmd = torchrun_command(["-m", "fsdp_trainer.train", *args], nproc, flags=torchrun_flags)
-    log = open(log_path, "w")
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
+) -> forked.Started:
+    """Start torchrun in the background (forked; its workers new interpreters, as it starts them), its output going
+    to log_path, `env` added to this process's."""
+    return forked.start("torch.distributed.run", torchrun_args(args, nproc, flags=torchrun_flags),
+                        [(str(log_path), str(log_path))], env)  # fmt: skip
 
 
 def train_background(

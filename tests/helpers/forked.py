@@ -5,8 +5,9 @@ the suite starts a few hundred of them. Here a forkserver process imports them o
 is a process forked from it that runs the module or script as `python -m` / `python script.py` would (runpy, as
 `__main__`, with its own argv, environment, working directory and output files). A run of several ranks is that many
 such processes meeting over TCP in a real gloo process group, with the environment torchrun gives its workers (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun: tests of torchrun's own behaviour (its restarts,
-the one error line a node prints, fsdp-train) start it as a subprocess.
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun. Tests of torchrun's own behaviour (its restarts,
+the one error line a node prints, fsdp-train, nodes meeting through rendezvous) fork torchrun or the launcher as such
+a run, and its workers are new interpreters, as torchrun starts them.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def run(
 
 class Started:
     """The ranks of a run forked in the background (`start`), with what the tests use of a subprocess.Popen: poll,
-    wait, send_signal (to every rank, as torchrun forwards it), returncode (1 if any rank failed); and `pids`."""
+    wait, send_signal (to every rank, as torchrun forwards it), returncode (a single process's own, as Popen's: -N
+    for a death by signal N; 1 if any of several ranks failed); and `pids`."""
 
     def __init__(self, args: list[str], procs: list, store) -> None:
         self.args, self.procs, self._store = args, procs, store
@@ -124,6 +126,8 @@ class Started:
     def returncode(self) -> int | None:
         if any(p.exitcode is None for p in self.procs):
             return None
+        if len(self.procs) == 1:
+            return self.procs[0].exitcode
         return 0 if all(p.exitcode == 0 for p in self.procs) else 1
 
     def poll(self) -> int | None:
