@@ -73,11 +73,12 @@ def train_cli(
     interpreters as it starts them). By default an `env` takes the second way (what it sets may act as an interpreter
     starts: a sitecustomize on its PYTHONPATH, OMP_NUM_THREADS); with torchrun=False the runs are forked with it, its
     PYTHONPATH first on their path (a stand-in package they import)."""
-    if (torchrun or (torchrun is None and env is not None)) and nproc == 1:
+    with_torchrun = torchrun or (torchrun is None and env is not None)
+    if with_torchrun and nproc == 1:
         cmd = train_command(args, nproc)
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=full_env, timeout=timeout)
-    elif torchrun or (torchrun is None and env is not None):
+    elif with_torchrun:
         proc = forked.run("torch.distributed.run", torchrun_args(args, nproc), env=env, timeout=timeout)
     else:
         proc = forked.run("fsdp_trainer.train", args, nproc=nproc, env=env, timeout=timeout)
@@ -224,7 +225,9 @@ def injected(fail: str, rank: int, step: int | None = None, once: Path | None = 
     return env
 
 
-def wait_for_step(out_dir: Path, step: int, proc: subprocess.Popen, log_path: Path, timeout: float = 900) -> int:
+def wait_for_step(
+    out_dir: Path, step: int, proc: subprocess.Popen | forked.Started, log_path: Path, timeout: float = 900
+) -> int:
     """Block until metrics.jsonl has logged `step` (returns the newest logged step); fail if the run dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

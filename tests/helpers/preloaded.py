@@ -1,8 +1,8 @@
 """What the forkserver of tests/helpers/forked.py imports once, for every run forked from it: torch, the trainer and
 its tools' modules, transformers (which the tools import to verify an export), and what a run imports on its way
-(about 1 s of CPU a forked rank otherwise spends on each); then two steps of the tests' tiny model on one fake rank,
-which leave DTensor's sharding rules for its ops cached (0.3 s of CPU a forked 1-process run otherwise spends finding
-them on its first step)."""
+(about 1 s of CPU a forked rank otherwise spends on each), and what the test extras add to it; then two steps of the
+tests' tiny model on one fake rank, which leave DTensor's sharding rules for its ops cached (0.3 s of CPU a forked
+1-process run otherwise spends finding them on its first step)."""
 
 import gc
 import logging
