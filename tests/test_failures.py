@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -32,7 +30,6 @@ from tests.helpers import (
     run_distributed,
     train_background,
     train_cli,
-    train_command,
     wait_for_step,
 )
 from tests.helpers import tool as run_tool
@@ -130,15 +127,7 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_data, tmp_path
     args = run_args(tiny_data, tmp_path, checkpoint={"every": 4, "async_save": async_save})
     train_cli([*args, "--train.steps", "4"])
     # Resume with files capped at 256 KiB: run files fit, the step-8 shards do not (EFBIG, as ENOSPC would).
-    cmd = train_command([*args, "--train.steps", "8"])
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, resource.RLIM_INFINITY)),
-    )
+    proc = forked.run("fsdp_trainer.train", [*args, "--train.steps", "8"], file_size_limit=256 << 10)
     assert proc.returncode == 1
     ckpts = tmp_path / "checkpoints"
     assert re.fullmatch(
@@ -310,13 +299,7 @@ def _files_bytes(folder, prefix: str, but: str | None = None) -> dict:
 
 def _tool_with_files_capped(tool: str, *args) -> subprocess.CompletedProcess:
     """tools/`tool` with every file it writes capped at 100 kB (EFBIG past that, as ENOSPC on a full disk)."""
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / tool), *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY)),
-    )
+    return forked.run(str(REPO / "tools" / tool), list(map(str, args)), file_size_limit=100_000)
 
 
 def test_tools_that_run_out_of_room_leave_nothing_that_looks_complete(tiny_data, tmp_path):

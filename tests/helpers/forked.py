@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -65,9 +66,14 @@ def exit_code(code) -> int:
     return 1
 
 
-def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _run(
+    target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, file_size_limit: int | None
+) -> None:
     """In the forked child: `target` (a module name, or a script's path) as __main__, its output into files (appended
-    to: the ranks of a run started in the background share one log)."""
+    to: the ranks of a run started in the background share one log), every file it writes capped at `file_size_limit`
+    bytes if given (EFBIG past it, as ENOSPC on a full disk)."""
+    if file_size_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -98,14 +104,20 @@ def _run(target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, 
 
 
 def run(
-    target: str, argv: list[str], nproc: int = 1, env: dict | None = None, cwd: Path = REPO, timeout: float = 900
+    target: str,
+    argv: list[str],
+    nproc: int = 1,
+    env: dict | None = None,
+    cwd: Path = REPO,
+    timeout: float = 900,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `target` (module or script) with `argv` in `nproc` forked processes (ranks 0..nproc-1 of one node when
     more than one); returns what subprocess.run would: exit code 1 if any rank failed (the others then get SIGTERM,
-    as torchrun sends them), the ranks' stdout and stderr one after the other."""
+    as torchrun sends them), the ranks' stdout and stderr one after the other. `file_size_limit`: as `_run`'s."""
     with tempfile.TemporaryDirectory() as tmp:
         files = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(nproc)]
-        started = start(target, argv, files, env, cwd, timeout)
+        started = start(target, argv, files, env, cwd, timeout, file_size_limit)
         started.wait(timeout)
         stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
         stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
@@ -175,10 +187,11 @@ def start(
     env: dict | None = None,
     cwd: Path = REPO,
     timeout: float = 900,
+    file_size_limit: int | None = None,
 ) -> Started:
     """`target` (module or script) with `argv` forked as len(files) ranks of one node, started in the background;
     rank r's stdout and stderr are appended to files[r] (one path twice, or the same pair for every rank, for one
-    log); the ranks' store waits up to `timeout` for a key."""
+    log); the ranks' store waits up to `timeout` for a key; `file_size_limit` caps every file a rank writes (`_run`)."""
     server = context()
     nproc = len(files)
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -198,7 +211,9 @@ def start(
     else:
         ranks = [base]
     procs = [
-        server.Process(target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *map(str, paths)))
+        server.Process(
+            target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *map(str, paths), file_size_limit)
+        )
         for environ, paths in zip(ranks, files, strict=True)
     ]
     for p in procs:
