@@ -72,11 +72,17 @@ def _tiny_tokenizer(tiny_data) -> str:
     return json.loads(tiny_data.read_text())["data"]["tokenizer_path"]
 
 
-def _run_tool(tiny_data, out, inputs, *flags, check=True):
-    """prepare_data.py with the tiny tokenizer, outputs under `out` (a directory of shards unless flags say)."""
+def _tool_args(tiny_data, out, inputs, *flags) -> list[str]:
+    """prepare_data.py's arguments with the tiny tokenizer, outputs under `out` (a directory of shards unless flags
+    say)."""
     paths = ["--data.train_path", out / "train", "--data.val_path", out / "val"]
     tokenizer = ["--data.tokenizer_path", _tiny_tokenizer(tiny_data)]
-    return tool("prepare_data.py", "--recipe", tiny_data, *tokenizer, *paths, "--input", *inputs, *flags, check=check)
+    return list(map(str, ["--recipe", tiny_data, *tokenizer, *paths, "--input", *inputs, *flags]))
+
+
+def _run_tool(tiny_data, out, inputs, *flags, check=True):
+    """prepare_data.py with `_tool_args`."""
+    return tool("prepare_data.py", *_tool_args(tiny_data, out, inputs, *flags), check=check)
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +157,8 @@ def test_a_killed_preparation_keeps_the_previous_one_and_restarts_from_its_compl
     _run_tool(tiny_data, tmp_path / "whole", [plays_jsonl], *flags)
     _run_tool(tiny_data, tmp_path / "cut", [tiny_data.parent / "corpus.txt"], *flags)  # a previous preparation
     previous = _tree_bytes(tmp_path / "cut")
-    paths = ["--data.train_path", tmp_path / "cut" / "train", "--data.val_path", tmp_path / "cut" / "val"]
-    argv = ["--recipe", tiny_data, "--data.tokenizer_path", _tiny_tokenizer(tiny_data), *paths, "--input", plays_jsonl]
-    proc = forked.start(
-        str(REPO / "tools" / "prepare_data.py"), [*map(str, argv), *map(str, flags)], [(os.devnull, os.devnull)]
-    )
+    argv = _tool_args(tiny_data, tmp_path / "cut", [plays_jsonl], *flags)
+    proc = forked.start(str(REPO / "tools" / "prepare_data.py"), argv, [(os.devnull, os.devnull)])
     # Until both writers have complete shards past the one spoiled below: the restart goes on from the writer that is
     # behind, and the validation writer gets a task's documents only after the training writer has written its 11
     # shards of them. Waited for however long a loaded machine takes (no deadline: a clock would decide the verdict).
