@@ -5,7 +5,15 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import os
 from pathlib import Path
+
+# The compile tests check what our compile path does (dynamo's capture of a block, AC, the routing, expert
+# parallelism's symbolic sizes, FSDP around compiled blocks) against eager, not how inductor vectorizes its C++
+# kernels, a CPU stand-in for the GPU's Triton ones. Scalar kernels cost a third less to generate and build with
+# g++, the suite's largest cost with an empty compile cache (docs/benchmarks.md). Read as torch._inductor is first
+# imported, so set before anything imports torch; inherited by forked runs, torchrun's workers and tools.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest
 
