@@ -88,12 +88,12 @@ def train_cli(
 
 
 def script(
-    path: str | Path, *args, nproc: int = 1, cwd: Path = REPO, check: bool = True
+    path: str | Path, *args, nproc: int = 1, cwd: Path = REPO, check: bool = True, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the script at `path` with `args` (in `cwd`) as `python path ...` would, forked (tests/helpers/forked.py), as
-    `nproc` ranks with torchrun's environment when more than one; fails the test with its stderr if it fails, unless
-    not `check`."""
-    proc = forked.run(str(path), list(map(str, args)), nproc=nproc, cwd=cwd)
+    """Run the script at `path` with `args` (in `cwd`, with `env` added to this environment) as `python path ...`
+    would, forked (tests/helpers/forked.py), as `nproc` ranks with torchrun's environment when more than one; fails
+    the test with its stderr if it fails, unless not `check`."""
+    proc = forked.run(str(path), list(map(str, args)), nproc=nproc, cwd=cwd, env=env)
     if check and proc.returncode:
         raise AssertionError(proc.stderr[-3000:])
     return proc

@@ -77,6 +77,11 @@ def _run(
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    # What a new interpreter reads from its environment as it imports inductor, which the forkserver did with the
+    # suite's (conftest.py: scalar kernels): a run given its own setting (flex_attention's CPU kernels need vectors).
+    from torch._inductor import config as inductor_config  # preloaded
+
+    inductor_config.cpp.vec_isa_ok = {"1": True, "0": False}.get(env.get("TORCHINDUCTOR_VEC_ISA_OK", ""))
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
