@@ -10,9 +10,10 @@ from pathlib import Path
 
 # The compile tests check what our compile path does (dynamo's capture of a block, AC, the routing, expert
 # parallelism's symbolic sizes, FSDP around compiled blocks) against eager, not how inductor vectorizes its C++
-# kernels, a CPU stand-in for the GPU's Triton ones. Scalar kernels cost a third less to generate and build with
-# g++, the suite's largest cost with an empty compile cache (docs/benchmarks.md). Read as torch._inductor is first
-# imported, so set before anything imports torch; inherited by forked runs, torchrun's workers and tools.
+# kernels, a CPU stand-in for the GPU's Triton ones. Scalar kernels cost the compile tests a quarter to a third less
+# CPU with an empty compile cache, as CI's is (docs/benchmarks.md). Read as torch._inductor is first imported, so set
+# before anything imports torch; inherited by torchrun's workers and tools, and by the forkserver, whose runs take it
+# again from their own environment (tests/helpers/forked.py).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest

@@ -11,6 +11,7 @@ import logging
 def _import_the_package() -> None:
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (a model built on the meta device reaches it: torch._refs' ops disable dynamo)
+    import torch._inductor.config  # noqa: F401  (each forked run sets its vectorization switch: forked._run)
     import transformers  # noqa: F401
 
     import fsdp_trainer.convert  # noqa: F401
