@@ -80,8 +80,9 @@ def _run(
     # What a new interpreter reads from its environment as it imports inductor, which the forkserver did with the
     # suite's (conftest.py: scalar kernels): a run given its own setting (flex_attention's CPU kernels need vectors).
     from torch._inductor import config as inductor_config  # preloaded
+    from torch.utils._config_module import get_tristate_env  # how inductor's config reads it
 
-    inductor_config.cpp.vec_isa_ok = {"1": True, "0": False}.get(env.get("TORCHINDUCTOR_VEC_ISA_OK", ""))
+    inductor_config.cpp.vec_isa_ok = get_tristate_env("TORCHINDUCTOR_VEC_ISA_OK")
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
