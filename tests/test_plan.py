@@ -834,6 +834,20 @@ def test_on_one_device_the_check_counts_the_frozen_weights_fsdp_leaves_alone_and
     assert row.total_gb == pytest.approx(dataclasses.replace(row, buffers_gb=0).total_gb + row.buffers_gb)
 
 
+def test_each_ac_modes_step_on_one_model_peaks_as_on_a_model_built_with_that_mode_alone():
+    """`plan --check` measures a sharding's AC modes on one model, warmed by one step under the first (here full: the
+    others follow a step that recomputed): each mode's peak is the one a model built with that mode measures."""
+    from fsdp_trainer.planner.fake import measured_peak_gb, measured_peaks_gb
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
+                           "--parallel.mixed_precision", "fp32"])  # fmt: skip
+    together = measured_peaks_gb(recipe, 2, 1, ["full", "none", "selective"])
+    assert together["none"] > together["selective"] > together["full"]
+    for mode, gb in together.items():
+        recipe.parallel.activation_checkpointing = mode
+        assert gb == measured_peak_gb(recipe, 2, 1), mode
+
+
 def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
     """LoRA under NO_SHARD (a shard group of one) leaves the frozen weights outside FSDP, and to_empty makes a tied
     output layer a tensor of its own: the trainer ties it to the embedding again (parallelize.materialize), and so

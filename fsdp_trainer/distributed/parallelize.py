@@ -13,12 +13,12 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_trainer.config import ParallelConfig, compiles_experts, compute_dtype
 from fsdp_trainer.distributed.expert_parallel import apply_expert_parallel, experts_mesh
@@ -117,19 +117,32 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_save_matmuls_policy)
 
 
+def _checkpoint_kwargs(mode: str) -> dict:
+    """What torch's checkpoint takes for AC `mode`: `full` recomputes the whole block in backward, `selective` all but
+    the matmul and attention outputs."""
+    return {"preserve_rng_state": False, **({"context_fn": _selective_context} if mode == "selective" else {})}
+
+
 def apply_ac(model: Transformer, mode: str, every: int = 1) -> None:
-    """Wrap every `every`-th block in activation checkpointing: `full` recomputes the whole block in backward,
-    `selective` recomputes all but the matmul and attention outputs."""
+    """Wrap every `every`-th block in activation checkpointing of `mode`."""
     if mode == "none":
         return
     layers = model.model.layers
     for i, (name, block) in enumerate(list(layers.items())):
-        if i % every:
+        if i % every == 0:
+            layers[name] = checkpoint_wrapper(block, **_checkpoint_kwargs(mode))
+
+
+def switch_ac(model: Transformer, mode: str) -> None:
+    """The blocks apply_ac wrapped run under AC `mode` from their next forward, "none" as unwrapped blocks do: the
+    planner's check measures each mode's step on one model (planner/fake.py)."""
+    for block in model.model.layers.values():
+        if not isinstance(block, CheckpointWrapper):
             continue
-        if mode == "full":
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            layers[name] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=_selective_context)
+        if mode == "none":
+            block.checkpoint_fn = lambda module, *args, **kwargs: module(*args, **kwargs)
+        else:  # as checkpoint_wrapper makes it (its default, non-reentrant)
+            block.checkpoint_fn = partial(checkpoint, use_reentrant=False, **_checkpoint_kwargs(mode))
 
 
 def apply_compile(model: Transformer, mixed_precision: str) -> None:

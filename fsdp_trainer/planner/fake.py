@@ -10,12 +10,14 @@ or allocator fragmentation, which the planner's `runtime` term stands for.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,7 +29,7 @@ from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.context_parallel import context_group
 from fsdp_trainer.distributed.expert_parallel import experts_mesh
-from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize
+from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize, switch_ac
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.steps import training_kind
 from fsdp_trainer.train import train_step
@@ -50,11 +52,24 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
     """Peak GB one rank allocates in a steady-state optimizer step (the second: AdamW's state exists) of `recipe`, on a
     fake world of nproc x nnodes ranks made for it: the recipe's model with its adapters, and the step of its training
     kind with the frozen models it holds, on that kind's data. The recipe's precision must be resolved."""
+    mode = recipe.parallel.activation_checkpointing
+    return measured_peaks_gb(recipe, nproc, nnodes, [mode])[mode]
+
+
+def measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]) -> dict[str, float]:
+    """measured_peak_gb of `recipe` under each AC mode in `modes`, on one model: built with its blocks wrapped for
+    recomputation (unless every mode is "none"), one step under the first mode, then each mode's step in turn
+    (switch_ac). A step leaves the same state under any mode (shards, gradients, AdamW's), and a mode's step runs the
+    ops a run built with it runs: each mode's peak is its own run's, for one build and warm-up step instead of one
+    each (a third of a mode's CPU)."""
+    recipe = copy.deepcopy(recipe)
+    wrapped = [mode for mode in modes if mode != "none"]
+    recipe.parallel.activation_checkpointing = wrapped[0] if wrapped else "none"
     with fake_world(nproc * nnodes):
-        return _measured_peak_gb(recipe, nproc, nnodes)
+        return _measured_peaks_gb(recipe, nproc, nnodes, modes)
 
 
-def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
+def _measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]) -> dict[str, float]:
     parallel, data = recipe.parallel, recipe.data
     replicas, group = SHARDING[parallel.sharding].mesh_shape(nproc * nnodes, nproc)
     if replicas == 1:
@@ -86,19 +101,28 @@ def _measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
         for start in step.starts:
             allocate(start.model, "cpu")
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
+        switch_ac(model, modes[0])
         train_step(*args)
-        tracker = FSDPMemTracker(model, optimizer)
         # The tracker counts FSDP's parameters and what ops make; weights FSDP leaves alone (frozen ones in a shard
         # group of one, a frozen model's) it would count only where a view of one is made, as a new allocation.
         models = [model, *(start.model for start in step.starts)]
         outside = [p for m in models for p in m.parameters() if not isinstance(p, DTensor)]
-        tracker.track_inputs((batches[0].inputs, *outside))
-        with tracker:
-            # The tracker takes the root's second forward for the next step's and refuses it; with accumulation,
-            # each micro-batch's is one more. Its per-module numbers are cleared before each (the peak is kept), by a
-            # hook that must run before FSDP's, which the tracker registered again on entering.
-            each_micro_batch = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-            train_step(*args)
-            each_micro_batch.remove()
-        peak = tracker.get_tracker_snapshot("peak")
-    return max(by_kind["Total"] for by_kind in peak.values()) / 1e9
+        peaks = {}
+        for mode in modes:
+            switch_ac(model, mode)
+            peaks[mode] = _tracked_peak_gb(model, optimizer, (batches[0].inputs, *outside), args)
+    return peaks
+
+
+def _tracked_peak_gb(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple, args: tuple) -> float:
+    """The peak of one train_step(*args) by FSDPMemTracker, which counts `inputs` too."""
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs(inputs)
+    with tracker:
+        # The tracker takes the root's second forward for the next step's and refuses it; with accumulation, each
+        # micro-batch's is one more. Its per-module numbers are cleared before each (the peak is kept), by a hook that
+        # must run before FSDP's, which the tracker registered again on entering.
+        each_micro_batch = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+        train_step(*args)
+        each_micro_batch.remove()
+    return max(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values()) / 1e9

@@ -30,7 +30,7 @@ from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
-from fsdp_trainer.planner.fake import measured_peak_gb
+from fsdp_trainer.planner.fake import measured_peak_gb, measured_peaks_gb
 from fsdp_trainer.planner.memory import Estimate, estimate
 from fsdp_trainer.planner.speed import (
     GPUS,
@@ -283,29 +283,30 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     none of."""
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
-    refused = {}  # by sharding, why a run would refuse it (QLoRA's weights not splitting, EP): no step to measure
+    measured, refused = {}, {}  # (sharding, AC) -> GB; by sharding, why a run would refuse it (QLoRA's weights not
+    # splitting, EP): no step to measure
+    for sharding in dict.fromkeys(e.sharding for e in estimates if not e.offload):
+        case = copy.deepcopy(recipe)
+        case.parallel.sharding = sharding
+        try:
+            if quantizes_base(recipe.lora):
+                check_quantized_split(recipe.model, recipe.lora, sharding, nproc * nnodes, nproc)
+            check_expert_parallel(case)
+        except ValueError as error:
+            refused[sharding] = f"{sharding}: {error}"
+            continue
+        modes = [e.ac for e in estimates if e.sharding == sharding and not e.offload]  # one model for all of them
+        measured |= {(sharding, ac): gb for ac, gb in measured_peaks_gb(case, nproc, nnodes, modes).items()}
     for e in estimates:
         if e.offload:
             continue
-        if e.sharding not in refused:
-            case = copy.deepcopy(recipe)
-            case.parallel.sharding = e.sharding
-            try:
-                if quantizes_base(recipe.lora):
-                    check_quantized_split(recipe.model, recipe.lora, e.sharding, nproc * nnodes, nproc)
-                check_expert_parallel(case)
-                refused[e.sharding] = None
-            except ValueError as error:
-                refused[e.sharding] = f"{e.sharding}: {error}"
         planned = e.total_gb - e.runtime_gb
-        if refused.get(e.sharding):
+        if e.sharding in refused:
             rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | - | - |")
             continue
-        case = copy.deepcopy(recipe)
-        case.parallel.sharding, case.parallel.activation_checkpointing = e.sharding, e.ac
-        measured = measured_peak_gb(case, nproc, nnodes)
-        rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | {measured:.2f} | {planned / measured:.2f} |")
-    return "\n".join([*rows, *filter(None, refused.values())])
+        gb = measured[e.sharding, e.ac]
+        rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | {gb:.2f} | {planned / gb:.2f} |")
+    return "\n".join([*rows, *refused.values()])
 
 
 def _parser():
