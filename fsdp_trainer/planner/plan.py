@@ -283,8 +283,8 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     none of."""
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
-    measured, refused = {}, {}  # (sharding, AC) -> GB; by sharding, why a run would refuse it (QLoRA's weights not
-    # splitting, EP): no step to measure
+    # GB by (sharding, AC); by sharding, why a run would refuse it (QLoRA's weights not splitting, EP): no step
+    measured, refused = {}, {}
     for sharding in dict.fromkeys(e.sharding for e in estimates if not e.offload):
         case = copy.deepcopy(recipe)
         case.parallel.sharding = sharding
