@@ -285,7 +285,8 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
             "|---|---|---|---|---|"]  # fmt: skip
     # GB by (sharding, AC); by sharding, why a run would refuse it (QLoRA's weights not splitting, EP): no step
     measured, refused = {}, {}
-    for sharding in dict.fromkeys(e.sharding for e in estimates if not e.offload):
+    checked = [e for e in estimates if not e.offload]
+    for sharding in dict.fromkeys(e.sharding for e in checked):
         case = copy.deepcopy(recipe)
         case.parallel.sharding = sharding
         try:
@@ -295,11 +296,9 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
         except ValueError as error:
             refused[sharding] = f"{sharding}: {error}"
             continue
-        modes = [e.ac for e in estimates if e.sharding == sharding and not e.offload]  # one model for all of them
+        modes = [e.ac for e in checked if e.sharding == sharding]  # one model for all of them
         measured |= {(sharding, ac): gb for ac, gb in measured_peaks_gb(case, nproc, nnodes, modes).items()}
-    for e in estimates:
-        if e.offload:
-            continue
+    for e in checked:
         planned = e.total_gb - e.runtime_gb
         if e.sharding in refused:
             rows.append(f"| {e.sharding} | {e.ac} | {planned:.2f} | - | - |")
