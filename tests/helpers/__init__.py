@@ -185,6 +185,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
+    forked.forget_rank_0s_shardings(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

@@ -27,6 +27,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,6 +67,13 @@ def exit_code(code) -> int:
     return 1
 
 
+def forget_rank_0s_shardings(rank: int) -> None:
+    """In a forked process of any rank but 0: forget the shardings DTensor's C++ dispatch cached in the forkserver,
+    which holds rank 0's own for two ranks (tests/helpers/preloaded.py)."""
+    if rank != 0:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+
+
 def _run(
     target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, file_size_limit: int | None
 ) -> None:
@@ -83,6 +91,7 @@ def _run(
     from torch.utils._config_module import get_tristate_env  # how inductor's config reads it
 
     inductor_config.cpp.vec_isa_ok = get_tristate_env("TORCHINDUCTOR_VEC_ISA_OK")
+    forget_rank_0s_shardings(int(env.get("RANK", "0")))
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is

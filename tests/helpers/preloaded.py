@@ -50,10 +50,12 @@ def _import_test_extras() -> None:
 
 def _warm_sharding_rules() -> None:
     """Two training steps of the tests' tiny recipe (tests/conftest.py's tiny_data: fp32, TINY_BATCH's micro-batches)
-    on a fake process group of one rank. DTensor caches each op's sharding rule by its arguments' specs, which name
-    the mesh by its ranks, not its process group: a 1-process run forked later finds them. Not on 2 fake ranks: what
-    is cached there holds rank 0's shard offsets, which a forked rank 1 would take for its own (DCP then refuses the
-    checkpoint's plan)."""
+    on a fake process group of one rank, then as rank 0 of two. DTensor's C++ dispatch caches each op's sharding by
+    its arguments' specs, which name the mesh by its ranks, not by which of them this process is: a 1-process run or
+    rank 0 of a 2-process one forked later finds them (0.1 s of CPU a forked rank otherwise spends finding them on its
+    first step: a third of a 1-step run's). What it holds for two ranks is rank 0's own: a rank 1 that used it computed
+    another first loss than one process, and DCP refused its checkpoint's plan: a forked process of another rank
+    forgets it (forked.forget_rank_0s_shardings)."""
     from datetime import timedelta
 
     import torch
@@ -75,16 +77,17 @@ def _warm_sharding_rules() -> None:
     shape = (TINY_BATCH["micro_batch_size"], TINY_BATCH["seq_len"] + 1)
     tokens = torch.randint(0, TINY_MODEL["vocab_size"], shape, generator=torch.Generator().manual_seed(0))
     batch = MicroBatch(tokens[:, :-1], tokens[:, 1:])
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-        env = DistEnv(0, 1, 0, 1, torch.device("cpu"), mesh, timedelta(seconds=60))
-        model, applied = build_model(recipe, env)
-        optimizer, step = build_optimizer(model, recipe.optim), build_step(recipe, env, model)
-        for _ in range(2):
-            train_step(model, optimizer, [batch], 1e-3, 1.0, plan=applied.plan, step_losses=step)
-    finally:
-        dist.destroy_process_group()
+    for world in (1, 2):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+            env = DistEnv(0, world, 0, world, torch.device("cpu"), mesh, timedelta(seconds=60))
+            model, applied = build_model(recipe, env)
+            optimizer, step = build_optimizer(model, recipe.optim), build_step(recipe, env, model)
+            for _ in range(2):
+                train_step(model, optimizer, [batch], 1e-3, 1.0, plan=applied.plan, step_losses=step)
+        finally:
+            dist.destroy_process_group()
 
 
 # A collection while importing walks everything imported so far, again and again (about 1 s of CPU here); what is loaded
