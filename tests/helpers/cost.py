@@ -71,6 +71,7 @@ def _count_starts() -> None:
 
 def pytest_addoption(parser):
     parser.addoption("--cost_table", default=None, help="write each test file's and the slowest tests' cost here")
+    parser.addoption("--cost_slowest", type=int, default=30, help="how many of the slowest tests the table lists")
 
 
 def _machine_cpu() -> float:
@@ -110,7 +111,8 @@ def pytest_sessionfinish(session):
     if not path or hasattr(session.config, "workerinput"):  # xdist workers report to the controller
         return
     busy = _machine_cpu() - session.config._cost_machine
-    Path(path).write_text(table(_ROWS) + f"\nThe machine's busy CPU over the session: {busy:.0f} s\n")
+    slowest = session.config.getoption("cost_slowest")
+    Path(path).write_text(table(_ROWS, slowest) + f"\nThe machine's busy CPU over the session: {busy:.0f} s\n")
 
 
 def table(rows: list[tuple], slowest: int = 30) -> str:
