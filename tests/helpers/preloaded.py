@@ -1,8 +1,8 @@
 """What the forkserver of tests/helpers/forked.py imports once, for every run forked from it: torch, the trainer and
 its tools' modules, transformers (which the tools import to verify an export), and what a run imports on its way
 (about 1 s of CPU a forked rank otherwise spends on each), and what the test extras add to it; then two steps of the
-tests' tiny model on one fake rank, which leave DTensor's sharding rules for its ops cached (0.3 s of CPU a forked
-1-process run otherwise spends finding them on its first step)."""
+tests' tiny model on one fake rank and two as rank 0 of two, which leave DTensor's sharding rules for its ops cached
+(0.3 s of CPU a forked 1-process run otherwise spends finding them on its first step, 0.05-0.1 s rank 0 of two)."""
 
 import gc
 import logging
@@ -52,10 +52,10 @@ def _warm_sharding_rules() -> None:
     """Two training steps of the tests' tiny recipe (tests/conftest.py's tiny_data: fp32, TINY_BATCH's micro-batches)
     on a fake process group of one rank, then as rank 0 of two. DTensor's C++ dispatch caches each op's sharding by
     its arguments' specs, which name the mesh by its ranks, not by which of them this process is: a 1-process run or
-    rank 0 of a 2-process one forked later finds them (0.1 s of CPU a forked rank otherwise spends finding them on its
-    first step: a third of a 1-step run's). What it holds for two ranks is rank 0's own: a rank 1 that used it computed
-    another first loss than one process, and DCP refused its checkpoint's plan: a forked process of another rank
-    forgets it (forked.forget_rank_0s_shardings)."""
+    rank 0 of a 2-process one forked later finds them (on 2 ranks, 0.05-0.1 s of CPU a forked rank otherwise spends
+    finding them on its first step: a third of a 1-step run's). What it holds for two ranks is rank 0's own: a rank 1
+    that used it computed another first loss than one process, and DCP refused its checkpoint's plan: a forked process
+    of another rank forgets it (forked.forget_rank_0s_shardings)."""
     from datetime import timedelta
 
     import torch
