@@ -15,6 +15,11 @@ from pathlib import Path
 # before anything imports torch; inherited by torchrun's workers and tools, and by the forkserver, whose runs take it
 # again from their own environment (tests/helpers/forked.py).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# One OpenMP thread per process, as torchrun gives each worker: `make test` already runs a pytest worker per core,
+# each forking its runs' ranks, so a second intra-op thread only oversubscribes the cores, and libgomp's threads spin
+# while they wait for a descheduled peer (a test of in-process scoring and exports took twice the CPU beside two busy
+# processes with two threads as with one; docs/benchmarks.md). Read as torch is first imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
