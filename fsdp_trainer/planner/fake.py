@@ -58,10 +58,10 @@ def measured_peak_gb(recipe: Recipe, nproc: int, nnodes: int) -> float:
 
 def measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]) -> dict[str, float]:
     """measured_peak_gb of `recipe` under each AC mode in `modes`, on one model: built with its blocks wrapped for
-    recomputation (unless every mode is "none"), one step under the first mode, then each mode's step in turn
-    (switch_ac). A step leaves the same state under any mode (shards, gradients, AdamW's), and a mode's step runs the
-    ops a run built with it runs: each mode's peak is its own run's, for one build and warm-up step instead of one
-    each (a third of a mode's CPU)."""
+    recomputation (unless every mode is "none"), a warm-up step of one micro-batch under the first mode, then each
+    mode's step in turn (switch_ac). A step leaves the same state under any mode and however many micro-batches it
+    took (shards, gradients, AdamW's), and a mode's step runs the ops a run built with it runs: each mode's peak is its
+    own run's, for one build and a short warm-up instead of a build and a whole step each."""
     recipe = copy.deepcopy(recipe)
     wrapped = [mode for mode in modes if mode != "none"]
     recipe.parallel.activation_checkpointing = wrapped[0] if wrapped else "none"
@@ -102,7 +102,7 @@ def _measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]
             allocate(start.model, "cpu")
         args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
         switch_ac(model, modes[0])
-        train_step(*args)
+        train_step(model, optimizer, batches[:1], *args[3:])
         # The tracker counts FSDP's parameters and what ops make; weights FSDP leaves alone (frozen ones in a shard
         # group of one, a frozen model's) it would count only where a view of one is made, as a new allocation.
         models = [model, *(start.model for start in step.starts)]
