@@ -848,6 +848,22 @@ def test_each_ac_modes_step_on_one_model_peaks_as_on_a_model_built_with_that_mod
         assert gb == measured_peak_gb(recipe, 2, 1), mode
 
 
+def test_the_checks_tracker_reads_the_peak_torchs_fsdp_mem_tracker_reads(monkeypatch):
+    """`plan --check` tracks a step with a lean FSDPMemTracker (planner/fake.py: the step's peak alone, no bookkeeping
+    on device queries): each mode's peak of a DPO step with accumulation, its frozen reference beside the policy, is
+    the one torch's own tracker reads, to the byte."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from fsdp_trainer.planner import fake
+
+    recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
+                           "--parallel.mixed_precision", "fp32", "--preference.loss", "sigmoid",
+                           "--data.grad_accum_steps", "2"])  # fmt: skip
+    lean = fake.measured_peaks_gb(recipe, 2, 1, ["full", "none"])
+    monkeypatch.setattr(fake, "_PeakTracker", FSDPMemTracker)
+    assert lean == fake.measured_peaks_gb(recipe, 2, 1, ["full", "none"])
+
+
 def test_the_check_holds_a_tied_output_layer_outside_fsdp_once():
     """LoRA under NO_SHARD (a shard group of one) leaves the frozen weights outside FSDP, and to_empty makes a tied
     output layer a tensor of its own: the trainer ties it to the embedding again (parallelize.materialize), and so
