@@ -177,7 +177,10 @@ def test_a_checkpointed_block_recomputed_in_backward_keeps_no_routing():
 @pytest.mark.parametrize("ac, lora_rank", [("full", None), ("selective", 4)])
 def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refused(ac, lora_rank):
     """parallel.compile with either AC: the router keeps its routing through dynamo (not replayed in the compiled
-    recomputation), so the loss, the load-balancing loss and every gradient are eager's to bf16 rounding; with the 30B
+    recomputation), so the loss, the load-balancing loss and every gradient are as near an fp32 computation as eager
+    bf16's are (torch's accuracy check for compiled bf16 models, torch._dynamo.utils.same: each tensor's RMS error
+    against the same weights in fp32 at most 3x eager's; eager's rounding differs by CPU, and on an AVX2-only one an
+    expert adapter's gradient lay 2.7% of its largest value from eager's, within 0.64x eager's error); with the 30B
     recipe's adapters on the attention and the experts too, at a rank of 4: 8 bytes in bf16, less than the 16 bytes
     apart a grouped matmul's rows must start (lora.py pads it), whose B factor inductor would hand the kernel in a
     layout it refuses (parallelize.apply_compile). torch compiles the grouped matmuls in bf16 only: fp32 is refused in
@@ -199,23 +202,27 @@ def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refus
                         param.copy_(torch.randn(param.shape, generator=g) / 10)
         return model.to(torch.bfloat16)
 
-    compiled, eager = built(), built()
+    compiled, eager, reference = built(), built(), built().float()  # the reference: the same weights, in fp32
     apply_ac(compiled, ac)
     apply_compile(compiled, "bf16")
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     results = []
-    for model in (compiled, eager):
+    for model in (compiled, eager, reference):
         logits = model(tokens).float()
         routed = [layer.routing[0].tolist() for layer in routed_layers(model)]
         router = aux_loss(model)
         (logits.square().mean() + router).backward()
         grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
         results.append((routed, logits, router, grads))
-    (routed, *ours), (their_routes, *theirs) = results
-    assert routed == their_routes  # the same experts chosen, or no gradient below could match
+    (routed, *ours), (eager_routes, *theirs), (reference_routes, *exact) = results
+    assert routed == eager_routes == reference_routes  # the same experts chosen, or no gradient below could match
     assert len(ours[2]) == len(theirs[2]) == (12 if lora_rank else len(list(eager.parameters())))
-    for a, b in zip([*ours[:2], *ours[2]], [*theirs[:2], *theirs[2]], strict=True):
-        assert (a - b).abs().max() <= 0.02 * b.abs().max()
+
+    def rms(x):
+        return x.square().mean().sqrt()
+
+    for a, b, c in zip([*ours[:2], *ours[2]], [*theirs[:2], *theirs[2]], [*exact[:2], *exact[2]], strict=True):
+        assert rms(a - c) <= 3 * rms(b - c) + 1e-3 * rms(c)  # and a quarter of a bf16 rounding, where eager's is 0
     with pytest.raises(ValueError, match="compile with a mixture of experts .* and parallel.mixed_precision is fp32"):
         apply_compile(tiny_moe(1), "fp32")  # auto resolved to fp32 (a CPU without bf16)
     with pytest.raises(SystemExit):
