@@ -180,7 +180,7 @@ def test_compiled_blocks_compute_as_eager_in_bf16_and_other_precisions_are_refus
     recomputation), so the loss, the load-balancing loss and every gradient are as near an fp32 computation as eager
     bf16's are (torch's accuracy check for compiled bf16 models, torch._dynamo.utils.same: each tensor's RMS error
     against the same weights in fp32 at most 3x eager's; eager's rounding differs by CPU, and on an AVX2-only one an
-    expert adapter's gradient lay 2.7% of its largest value from eager's, within 0.64x eager's error); with the 30B
+    expert adapter's gradient lay 2.7% of its largest value from eager's with 0.64x eager's error); with the 30B
     recipe's adapters on the attention and the experts too, at a rank of 4: 8 bytes in bf16, less than the 16 bytes
     apart a grouped matmul's rows must start (lora.py pads it), whose B factor inductor would hand the kernel in a
     layout it refuses (parallelize.apply_compile). torch compiles the grouped matmuls in bf16 only: fp32 is refused in
