@@ -141,11 +141,13 @@ def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
     (tmp_path / "arc.jsonl").write_text("".join(json.dumps(record) + "\n" for record in ARC_RECORDS))
     (tmp_path / "tasks" / "arc_easy_local.yaml").write_text(ARC_LOCAL % {"data": tmp_path / "arc.jsonl"})
     tasks, include = ["shakespeare_next_line", "arc_easy_local"], str(tmp_path / "tasks")
-    ours, theirs = (
-        evaluate(lm, tasks, num_fewshot=1, limit=12, include_path=include)["results"]
+    scored = [
+        evaluate(lm, tasks, num_fewshot=1, limit=12, include_path=include, describe_machine=False)
         for lm in (ModelLM(model, tokenizer, batch_size=5), hf)
-    )
+    ]
+    ours, theirs = (results["results"] for results in scored)
     assert ours == theirs and set(ours) == set(tasks)
+    assert "pretty_env_info" not in scored[0]  # as scores taken while training: no description of the machine
     from fsdp_trainer.evaluation.tasks import task_manager
 
     assert task_manager(tasks, include).all_tasks == ["arc_easy_local"]  # lm-eval's registry of thousands not indexed
@@ -156,9 +158,10 @@ def test_tasks_score_as_through_lm_evals_hf_model(published, tmp_path):
     for prompt in (True, False):
         assert chats[0].apply_chat_template(history, prompt) == chats[1].apply_chat_template(history, prompt)
     ours, theirs = (
-        evaluate(lm, ["arc_easy_local"], num_fewshot=1, include_path=include, apply_chat_template=True)["results"]
+        evaluate(lm, ["arc_easy_local"], num_fewshot=1, include_path=include, apply_chat_template=True,
+                 describe_machine=False)["results"]
         for lm in chats
-    )
+    )  # fmt: skip
     assert ours == theirs
 
 
@@ -176,8 +179,10 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
         results.append(json.loads(path.read_text())["results"])
-        config = json.loads(path.read_text())["config"]  # lm-eval's own default seeds, as `lm_eval` draws examples
+        written = json.loads(path.read_text())
+        config = written["config"]  # lm-eval's own default seeds, as `lm_eval` draws examples
         assert [config[f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")] == [0, 1234, 1234, 1234]
+        assert "PyTorch version: " in written["pretty_env_info"]  # the machine, described as `lm_eval` describes it
     # --log_samples: each document's result beside the JSON, as lm_eval writes them
     samples = [json.loads(line) for line in (tmp_path / "scores_1--log_samples_samples_shakespeare_next_line.jsonl")
                .read_text().splitlines()]  # fmt: skip

@@ -32,13 +32,15 @@ class TrainingScores:
     def score(self, model: nn.Module) -> dict[str, float] | None:
         """{eval/TASK/METRIC: value} on rank 0 (None elsewhere). Collective. The random states training draws from
         are as they were before: lm-eval seeds Python's, numpy's and torch's generators (its own defaults, as
-        tools/evaluate.py and `lm_eval` do, so the scores are the ones they give on the checkpoint)."""
+        tools/evaluate.py and `lm_eval` do, so the scores are the ones they give on the checkpoint). The numbers only:
+        not lm-eval's description of the machine, which its results file keeps."""
         cfg = self.cfg
         lm = ModelLM(model, self.tokenizer, cfg.batch_size, cfg.max_gen_toks, lockstep=True, device=self.env.device)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         devices = [self.env.device] if self.env.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            results = evaluate(lm, cfg.tasks, cfg.num_fewshot, cfg.limit, cfg.apply_chat_template, cfg.include_path)
+            results = evaluate(lm, cfg.tasks, cfg.num_fewshot, cfg.limit, cfg.apply_chat_template, cfg.include_path,
+                               describe_machine=False)  # fmt: skip
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         reshard(model)

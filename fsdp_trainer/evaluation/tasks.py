@@ -5,10 +5,12 @@ own (a YAML file in a directory given as `include_path`), or one this package sh
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 from fsdp_trainer.sinks import scores_by_task
 
@@ -94,11 +96,15 @@ def evaluate(
     include_path: str | None = None,
     seeds: list[int | None] | None = None,
     log_samples: bool = False,
+    describe_machine: bool = True,
 ) -> dict | None:
     """lm-eval's results (its JSON) for `tasks` scored by `lm`, on rank 0 (None on the others): `limit` items of
     each task (a fraction when below 1), `num_fewshot` examples before each (the task's own number when None); `seeds`
     for Python, numpy, torch and the few-shot draw (None: lm-eval's own defaults, 0, 1234, 1234, 1234, so that a task
-    picks the examples `lm_eval` picks); with `log_samples`, each document's result under "samples"."""
+    picks the examples `lm_eval` picks); with `log_samples`, each document's result under "samples". Without
+    `describe_machine`, the results lack lm-eval's description of the machine (torch's collect_env: `pip list`, nvcc,
+    lscpu, about a second of rank 0's time while the other ranks wait, more on a cluster's shared filesystem), which
+    scores taken while training do not keep."""
     from lm_eval import simple_evaluate
     from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
 
@@ -106,19 +112,21 @@ def evaluate(
         limit = int(limit)  # lm-eval reads a float as a fraction
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its INFO lines: a few per request type and task
-    return simple_evaluate(
-        model=lm,
-        tasks=[SHIPPED[name]() if name in SHIPPED else name for name in tasks],
-        num_fewshot=num_fewshot,
-        limit=limit,
-        apply_chat_template=apply_chat_template,
-        task_manager=task_manager(tasks, include_path),
-        random_seed=seeds[0] if seeds else DEFAULT_RANDOM_SEED,
-        numpy_random_seed=seeds[1] if seeds else DEFAULT_OTHER_SEED,
-        torch_random_seed=seeds[2] if seeds else DEFAULT_OTHER_SEED,
-        fewshot_random_seed=seeds[3] if seeds else DEFAULT_OTHER_SEED,
-        log_samples=log_samples,
-    )
+    skipped = contextlib.nullcontext() if describe_machine else mock.patch("lm_eval.evaluator.add_env_info")
+    with skipped:
+        return simple_evaluate(
+            model=lm,
+            tasks=[SHIPPED[name]() if name in SHIPPED else name for name in tasks],
+            num_fewshot=num_fewshot,
+            limit=limit,
+            apply_chat_template=apply_chat_template,
+            task_manager=task_manager(tasks, include_path),
+            random_seed=seeds[0] if seeds else DEFAULT_RANDOM_SEED,
+            numpy_random_seed=seeds[1] if seeds else DEFAULT_OTHER_SEED,
+            torch_random_seed=seeds[2] if seeds else DEFAULT_OTHER_SEED,
+            fewshot_random_seed=seeds[3] if seeds else DEFAULT_OTHER_SEED,
+            log_samples=log_samples,
+        )
 
 
 def task_numbers(results: dict) -> dict[str, float]:
