@@ -24,14 +24,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
-from tests.helpers import TINY_BATCH, TINY_MODEL, tool
+from tests.helpers import TINY_BATCH, TINY_MODEL, made_once, tool
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A recipe file whose data section points at a 512-token tokenizer and token files cut from ~400 KB of
-    Shakespeare, all written by tools/prepare_data.py."""
-    root = tmp_path_factory.mktemp("data")
+    Shakespeare, all written by tools/prepare_data.py, once for the suite's workers."""
+    return made_once(tmp_path_factory, "data", _make_tiny_data) / "tiny.yaml"
+
+
+def _make_tiny_data(root: Path) -> None:
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         (root / "corpus.txt").write_text(f.read(400_000))
     recipe = root / "tiny.yaml"
@@ -53,7 +56,6 @@ def tiny_data(tmp_path_factory) -> Path:
         )
     )
     tool("prepare_data.py", "--recipe", recipe, "--input", root / "corpus.txt", "--val_fraction", "0.1")
-    return recipe
 
 
 PAIRS_SEQ_LEN = 256  # a pair per window at most 256 tokens: each conversation up to 128 of the tiny tokenizer's
@@ -77,26 +79,30 @@ def prepare_pairs(recipe, out, inputs, *extra, check=True):
 def chat_data(tiny_data, tmp_path_factory) -> Path:
     """The bundled chat set's first 300 conversations, packed in windows of 128 tokens of the tiny tokenizer: a
     recipe."""
-    root = tmp_path_factory.mktemp("chat")
-    with gzip.open(BUNDLED_CHAT, "rt") as f:
-        (root / "chat.jsonl").write_text("".join(f.readlines()[:300]))
-    recipe = json.loads(Path(tiny_data).read_text())
-    recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=128)
-    recipe["model"]["max_seq_len"] = 128
-    (root / "chat.yaml").write_text(json.dumps(recipe))
-    tool("prepare_data.py", "--recipe", root / "chat.yaml", "--format", "chat", "--input", root / "chat.jsonl",
-         "--val_fraction", "0.1")  # fmt: skip
-    return root / "chat.yaml"
+
+    def make(root: Path) -> None:
+        with gzip.open(BUNDLED_CHAT, "rt") as f:
+            (root / "chat.jsonl").write_text("".join(f.readlines()[:300]))
+        recipe = json.loads(Path(tiny_data).read_text())
+        recipe["data"].update(train_path=str(root / "train.bin"), val_path=str(root / "val.bin"), seq_len=128)
+        recipe["model"]["max_seq_len"] = 128
+        (root / "chat.yaml").write_text(json.dumps(recipe))
+        tool("prepare_data.py", "--recipe", root / "chat.yaml", "--format", "chat", "--input", root / "chat.jsonl",
+             "--val_fraction", "0.1")  # fmt: skip
+
+    return made_once(tmp_path_factory, "chat", make) / "chat.yaml"
 
 
 @pytest.fixture(scope="session")
 def pairs(tiny_data, tmp_path_factory):
     """The first 600 pairs of the bundled set, prepared with the tiny tokenizer."""
-    root = tmp_path_factory.mktemp("pairs")
-    with gzip.open(BUNDLED_PREFERENCES, "rt") as f:
-        (root / "pairs.jsonl").write_text("".join(f.readlines()[:600]))
-    prepare_pairs(tiny_data, root, [root / "pairs.jsonl"])
-    return root
+
+    def make(root: Path) -> None:
+        with gzip.open(BUNDLED_PREFERENCES, "rt") as f:
+            (root / "pairs.jsonl").write_text("".join(f.readlines()[:600]))
+        prepare_pairs(tiny_data, root, [root / "pairs.jsonl"])
+
+    return made_once(tmp_path_factory, "pairs", make)
 
 
 @pytest.fixture(scope="module")

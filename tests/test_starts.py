@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import PAIRS_SEQ_LEN
-from tests.helpers import run_args, script, tool, train_cli
+from tests.helpers import made_once, run_args, script, tool, train_cli
 
 KINDS = {
     "full": {},
@@ -69,8 +70,13 @@ def _kind_args(kind: str, tiny_data, pairs, out, steps: int, **sections) -> list
 
 @pytest.fixture(scope="module")
 def starts(tiny_data, pairs, tmp_path_factory):
-    """Two trained steps of each kind, then a run of each kind from each of their checkpoints."""
-    root = tmp_path_factory.mktemp("starts")
+    """Two trained steps of each kind, then a run of each kind from each of their checkpoints (once for the suite's
+    workers): the root of their directories, each run's results and the runs' stderr."""
+    root = made_once(tmp_path_factory, "starts", lambda root: _start_runs(tiny_data, pairs, root))
+    return root, json.loads((root / "results.json").read_text()), (root / "stderr.txt").read_text()
+
+
+def _start_runs(tiny_data: Path, pairs: Path, root: Path) -> None:
     runs = []
     for kind in KINDS:  # lr high enough that the adapters move off their init (B = 0)
         args = _kind_args(kind, tiny_data, pairs, root / kind, 2, checkpoint={"every": 2}, optim={"lr": 3e-2})
@@ -94,8 +100,8 @@ def starts(tiny_data, pairs, tmp_path_factory):
     runs = [(name, [str(a) for a in args], source) for name, args, source in runs]
     (root / "runs.py").write_text(SCRIPT)
     proc = script(root / "runs.py", json.dumps(runs))  # forked: torch and the package imported already
-    results = json.loads(proc.stdout.split("RESULTS ", 1)[1])
-    return root, results, proc.stderr
+    (root / "results.json").write_text(proc.stdout.split("RESULTS ", 1)[1])
+    (root / "stderr.txt").write_text(proc.stderr)
 
 
 @pytest.mark.parametrize("source", list(KINDS))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -102,6 +104,24 @@ def script(
 def tool(name: str, *args, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     """Run tools/`name` with `args` as `python tools/name ...` would (`script`)."""
     return script(REPO / "tools" / name, *args, nproc=nproc, check=check)
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The directory `name`, filled by make(directory) once for the whole suite: pytest-xdist's workers share their
+    base temporary directory's parent; the first to ask makes it, under a lock any other waits on, and every other
+    finds it made. For what tests on either worker read and none changes: prepared data, a run to compare with."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    root, made = shared / name, shared / f"{name}.made"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if not made.exists():
+            shutil.rmtree(root, ignore_errors=True)  # a make that failed before
+            root.mkdir()
+            make(root)
+            made.touch()
+    return root
 
 
 def free_port() -> int:
