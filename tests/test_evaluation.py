@@ -178,8 +178,8 @@ def test_the_tool_reads_a_lora_checkpoint_and_two_processes_score_as_one(tiny_da
         proc = tool("evaluate.py", *flags, *shard, "--output_path", path, nproc=nproc, check=False)  # torchrun's ranks
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.startswith("shakespeare_next_line: acc "), proc.stdout
-        results.append(json.loads(path.read_text())["results"])
         written = json.loads(path.read_text())
+        results.append(written["results"])
         config = written["config"]  # lm-eval's own default seeds, as `lm_eval` draws examples
         assert [config[f"{k}_seed"] for k in ("random", "numpy", "torch", "fewshot")] == [0, 1234, 1234, 1234]
         assert "PyTorch version: " in written["pretty_env_info"]  # the machine, described as `lm_eval` describes it
