@@ -176,14 +176,30 @@ def quiet_torchrun() -> None:
                 logger.setLevel(logging.CRITICAL)
 
 
+def name_rendezvous_events_cheaply() -> None:
+    """torchrun's rendezvous names each event it records after the method recording it, which it finds by calling
+    inspect.stack() twice: that reads the source of every frame on the stack and looks up each one's module among all
+    those loaded, 0.1-0.4 s of CPU a call (more modules, more) at each step of the agent's rendezvous, its heartbeats
+    and its shutdown (2% of the suite's CPU). The same name, read from the frame."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def method_name(depth: int = 2) -> str:  # inspect.stack()[depth].function: 0 is this frame, as there
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # a stack shallower than that
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = method_name
+
+
 def main(argv: list[str] | None = None) -> None:
+    gc.disable()  # importing torch makes about a million objects and no garbage: no collection walks them meanwhile
     argv = sys.argv[1:] if argv is None else argv
-    launcher_args, trainer_args = split_argv(argv)
+    launcher_args, trainer_args = split_argv(argv)  # torchrun's options, from its own parser: imports torch
     if {"-h", "--help"} & set(trainer_args):
         print("fsdp-train [torchrun's options: --nproc_per_node N --nnodes M ...] --recipe R [--section.key value]\n")
     recipe = parse_recipe(trainer_args)  # bad recipe: one line, exit 1; --help prints and exits 0
-    gc.disable()  # importing torch makes about a million objects and no garbage: no collection walks them meanwhile
-    from fsdp_trainer.build import check_run, run_summary  # torch is imported only once the recipe reads
+    from fsdp_trainer.build import check_run, run_summary
     from fsdp_trainer.distributed.runtime import check_groups
 
     with one_line_errors():  # missing or mismatched data, an unwritable out_dir: one line, nothing spawned
@@ -204,6 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.nproc_per_node not in ("auto", "cpu", "gpu", "xpu") and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its warning about it
     quiet_torchrun()
+    name_rendezvous_events_cheaply()
     # torchrun's agent turns SIGTERM into an exception (and the workers' shutdown) unless told to leave it to us.
     handled = getattr(args, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
     args.signals_to_handle = os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(

@@ -36,6 +36,28 @@ def test_torchrun_options_and_the_trainers_flags_are_told_apart():
     assert split_argv(["--start", "6"]) == ([], ["--start", "6"])
 
 
+def test_rendezvous_events_are_named_as_torchrun_names_them(monkeypatch):
+    """fsdp-train names torchrun's rendezvous events from the frame (launch.name_rendezvous_events_cheaply): the
+    method that recorded one, as torch's own function finds with inspect.stack(); past the stack, no name."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from fsdp_trainer.launch import name_rendezvous_events_cheaply
+
+    def next_rendezvous():  # a method that records an event: _record asks for the name of its caller
+        def _record():
+            return dynamic_rendezvous.get_method_name(), dynamic_rendezvous.get_method_name(10_000)
+
+        return _record()
+
+    torchs = dynamic_rendezvous.get_method_name
+    assert torchs.__module__ == dynamic_rendezvous.__name__  # what a torch upgrade renames leaves nothing patched
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", torchs)  # torch's again after the test
+    expected = next_rendezvous()
+    name_rendezvous_events_cheaply()
+    assert dynamic_rendezvous.get_method_name is not torchs
+    assert next_rendezvous() == expected == ("next_rendezvous", "no_method_name")
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

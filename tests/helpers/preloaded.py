@@ -9,16 +9,20 @@ import logging
 
 
 def _import_the_package() -> None:
+    import pytest  # noqa: F401  (a rank running a test module's function imports that module, and it pytest)
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (a model built on the meta device reaches it: torch._refs' ops disable dynamo)
     import torch._inductor.config  # noqa: F401  (each forked run sets its vectorization switch: forked._run)
+    import torch.distributed.run  # noqa: F401  (torchrun's agents, and fsdp-train's, forked from here)
     import transformers  # noqa: F401
 
     import fsdp_trainer.convert  # noqa: F401
     import fsdp_trainer.train  # noqa: F401
     from fsdp_trainer.config.parse import recipe_parser
+    from fsdp_trainer.launch import name_rendezvous_events_cheaply
 
     recipe_parser()  # imports jsonargparse and the modules it loads on its first parser
+    name_rendezvous_events_cheaply()  # as fsdp-train does: in a process that imported this much, 0.4 s an event
     try:  # every run writes TensorBoard events where the package is installed (the test extras install it)
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:
