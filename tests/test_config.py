@@ -170,3 +170,21 @@ def test_an_unknown_key_names_the_closest_known_one_and_the_recipe_file_it_is_in
         with pytest.raises(RecipeError) as refused:
             read_recipe(recipe_parser(), ["--recipe", str(Path(__file__).parents[1] / "recipes" / "debug.yaml"), *argv])
         assert str(refused.value).endswith(message), str(refused.value)
+
+
+def test_a_recipe_file_is_parsed_once_a_version_and_each_reader_gets_its_own_copy(tmp_path, monkeypatch):
+    """load_sections (a checkpoint's recipe, which a resume reads for its kind and then its precision) parses a file
+    once a process until it changes, and gives each caller a copy to change."""
+    from fsdp_trainer.config import parse
+
+    path, recipe = tmp_path / "recipe.yaml", parse_recipe(["--model.dim", "128"])
+    path.write_text(recipe_to_yaml(recipe))
+    parses, parse_sections = [], parse._parse_sections
+    monkeypatch.setattr(parse, "_parse_sections", lambda *args: parses.append(args) or parse_sections(*args))
+    first = parse.load_sections(path)
+    first["model"].dim = 1
+    assert parse.load_sections(path)["model"].dim == 128 and len(parses) == 1  # its own copy, of one parse
+    recipe.model.dim = 256
+    (tmp_path / "new.yaml").write_text(recipe_to_yaml(recipe))
+    (tmp_path / "new.yaml").replace(path)  # written anew, as write_atomic writes
+    assert parse.load_sections(path)["model"].dim == 256 and len(parses) == 2
