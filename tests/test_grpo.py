@@ -31,20 +31,9 @@ PROMPTS = ["To be, or not", "Now is the winter", "ROMEO. What light", "Friends, 
 G = 4
 
 
-def digit_reward(prompts, completions, completion_ids, **_):
-    """A reward that differs within a group of random completions: the first token's id mod 3; None for the sixth
-    completion, which sometimes_none skips too: no function scores it."""
-    return [None if i == 5 else float(ids[0] % 3) for i, ids in enumerate(completion_ids)]
-
-
-def sometimes_none(prompts, completions, completion_ids, answer, **_):
-    """Skips every fifth completion (None), else the length of the completion's text in tens of characters and the
-    record's `answer` column as a number: a column travels to the functions."""
-    pairs = enumerate(zip(completions, answer, strict=True))
-    return [None if i % 5 == 0 else len(text) / 10 + float(a) for i, (text, a) in pairs]
-
-
-REWARDS = [Reward("tests.test_grpo:digit_reward"), Reward("tests.test_grpo:sometimes_none", weight=0.5)]
+FUNCTIONS = "tests.helpers.rewards"
+"""Where the tests' reward functions are: a module of their own, which a run imports without this one."""
+REWARDS = [Reward(f"{FUNCTIONS}:digit_reward"), Reward(f"{FUNCTIONS}:sometimes_none", weight=0.5)]
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +233,7 @@ def test_dynamic_sampling_keeps_the_first_groups_that_differ_then_fills_with_ali
     from fsdp_trainer.steps.rollout_buffer import RolloutBuffer, as_group
     from fsdp_trainer.steps.rollouts import Rollouts, selected
 
-    cfg = GRPOConfig([RewardFunction("tests.test_grpo:digit_reward", weight=2.0)], num_generations=2)
+    cfg = GRPOConfig([RewardFunction(f"{FUNCTIONS}:digit_reward", weight=2.0)], num_generations=2)
     cfg.scale_rewards = "batch"
     rollouts = Rollouts(cfg, 0, "no tokenizer is read")
     scores = {0: (0, 0), 1: (0, 1), 2: (1, 1), 3: (2, 0), 4: (1, 0)}
@@ -342,24 +331,16 @@ def test_reward_functions_fail_in_one_line_naming_them():
     prompts, completions, ids = ["p", "p"], ["a", "b"], [[1], [2]]
     with pytest.raises(RewardError, match=r"^reward nowhere_module:f: importing nowhere_module failed \("):
         score([Reward("nowhere_module:f")], prompts, completions, ids, {})
-    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:missing: tests.test_grpo has no function missing$"):
-        score([Reward("tests.test_grpo:missing")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=rf"^reward {FUNCTIONS}:missing: {FUNCTIONS} has no function missing$"):
+        score([Reward(f"{FUNCTIONS}:missing")], prompts, completions, ids, {})
     with pytest.raises(RewardError, match=r"^reward digit_reward is not an import path: write it as module:function$"):
         score([Reward("digit_reward")], prompts, completions, ids, {})
-    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:sometimes_none raised TypeError: .*'answer'"):
-        score([Reward("tests.test_grpo:sometimes_none")], prompts, completions, ids, {})  # no answer column
-    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:one_reward returned 1 rewards for 2 completions: "):
-        score([Reward("tests.test_grpo:one_reward")], prompts, completions, ids, {})
-    with pytest.raises(RewardError, match=r"^reward tests.test_grpo:texts returned 'a' for completion 0: a reward is"):
-        score([Reward("tests.test_grpo:texts")], prompts, completions, ids, {})
-
-
-def one_reward(completions, **_):
-    return [1.0]
-
-
-def texts(completions, **_):
-    return completions
+    with pytest.raises(RewardError, match=rf"^reward {FUNCTIONS}:sometimes_none raised TypeError: .*'answer'"):
+        score([Reward(f"{FUNCTIONS}:sometimes_none")], prompts, completions, ids, {})  # no answer column
+    with pytest.raises(RewardError, match=rf"^reward {FUNCTIONS}:one_reward returned 1 rewards for 2 completions: "):
+        score([Reward(f"{FUNCTIONS}:one_reward")], prompts, completions, ids, {})
+    with pytest.raises(RewardError, match=rf"^reward {FUNCTIONS}:texts returned 'a' for completion 0: a reward is"):
+        score([Reward(f"{FUNCTIONS}:texts")], prompts, completions, ids, {})
 
 
 def test_builtin_rewards():

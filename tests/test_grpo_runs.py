@@ -87,7 +87,7 @@ def _all_records(path):
 
 REWARDS = [
     {"function": "fsdp_trainer.rewards:exact_answer"},
-    {"function": "tests.test_grpo:digit_reward", "weight": 0.5},
+    {"function": "tests.helpers.rewards:digit_reward", "weight": 0.5},
 ]
 
 
@@ -272,8 +272,13 @@ BAD = [
         "grpo.rewards[0]: reward nowhere_module:score: importing nowhere_module failed (ModuleNotFoundError",
     ),
     (
-        {"rewards": [{"function": "tests.test_grpo:sometimes_none"}, {"function": "tests.test_grpo:one_reward"}]},
-        "grpo.rewards[1]: reward tests.test_grpo:one_reward returned 1 rewards for 2 completions",
+        {
+            "rewards": [
+                {"function": "tests.helpers.rewards:sometimes_none"},
+                {"function": "tests.helpers.rewards:one_reward"},
+            ]
+        },
+        "grpo.rewards[1]: reward tests.helpers.rewards:one_reward returned 1 rewards for 2 completions",
     ),
     (
         {"rewards": [{"function": "tests.test_grpo_runs:needs_solution"}]},
