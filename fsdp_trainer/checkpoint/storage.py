@@ -3,7 +3,6 @@ code, and the facts of the layout (step directories, `latest`, the recipe a chec
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
@@ -264,10 +263,9 @@ def checkpoint_recipe(path: Path) -> Path:
     raise FileNotFoundError(f"{path} has no {RECIPE_FILE} and no run {CONFIG_FILE} two levels up")
 
 
-@functools.cache
 def saved_sections(path: Path) -> dict:
-    """A checkpoint's recipe sections (checkpoint_recipe's), parsed once a process: the planner asks a teacher's or a
-    reward model's size for every row."""
+    """A checkpoint's recipe sections (checkpoint_recipe's), parsed once a process (load_sections): the planner asks a
+    teacher's or a reward model's size for every row."""
     return load_sections(checkpoint_recipe(path))
 
 
