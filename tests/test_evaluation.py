@@ -6,6 +6,7 @@ processes with the results of one, and names an unknown task in one line."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -229,3 +230,37 @@ def test_an_unknown_eval_task_is_one_line_before_training(tiny_data, tmp_path):
         "error: eval.tasks: no task named shakespeare_nxt_line in lm-eval's registry, in the include path or among "
         "ours (shakespeare_next_line); `lm-eval ls tasks` lists lm-eval's"
     ]
+
+
+def test_a_name_no_task_file_mentions_is_unknown_without_indexing_lm_evals_registry():
+    """Every name lm-eval indexes in a directory is in the text of one of its files (okapi's group `arc_multilingual`
+    only in `_arc_yaml`, which its tasks include), so check_tasks names a misspelt task without indexing the
+    registry's thousands of files, and indexes it for a name some file mentions."""
+    from lm_eval.tasks import TaskManager
+
+    from fsdp_trainer.evaluation import tasks
+
+    okapi = tasks.lm_eval_tasks_dir() / "okapi" / "arc_multilingual"
+    indexed = TaskManager(include_path=str(okapi), include_defaults=False).all_tasks
+    assert {"arc_multilingual", "arc_de"} <= set(indexed)
+    assert all(tasks.mentioned(name, [okapi]) for name in indexed)
+    assert not tasks.mentioned("arc_dee", [okapi])
+    with mock.patch.object(tasks, "registry", wraps=tasks.registry) as built:
+        with pytest.raises(ValueError, match="^no task named arc_eazy in lm-eval's registry"):
+            tasks.check_tasks(["shakespeare_next_line", "arc_eazy"])
+    assert [call.kwargs for call in built.call_args_list] == [{"defaults": False}]
+    built = []  # the registry as okapi's directory alone, where check_tasks would index lm-eval's
+
+    def registry(include_path=None, defaults=True):
+        built.append(defaults)
+        return TaskManager(include_path=str(okapi), include_defaults=False)
+
+    with mock.patch.object(tasks, "registry", registry):
+        tasks.check_tasks(["arc_de"])
+        with pytest.raises(ValueError, match=r"^no task named arc_zz\* in"):
+            tasks.check_tasks(["arc_zz*"])  # a pattern: lm-eval's registry has what it matches
+        assert built == [False, False, True]
+        with mock.patch.object(tasks, "mentioned", return_value=True):  # as for arc_easy: the registry decides
+            with pytest.raises(ValueError, match="^no task named arc_eazy in"):
+                tasks.check_tasks(["arc_eazy"])
+        assert built == [False, False, True, False, True]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 from unittest import mock
@@ -76,15 +77,44 @@ def task_manager(tasks: list[str], include_path: str | None = None):
 
 def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
     """Every name in `tasks` is shipped here or known to lm-eval (its registry, `include_path`): else ValueError
-    naming the unknown ones (ModuleNotFoundError without lm-eval)."""
+    naming the unknown ones (ModuleNotFoundError without lm-eval). A name that none of lm-eval's task files
+    mentions is unknown without indexing its registry, so a misspelt name is one line in a second."""
     require_lm_eval()
-    manager = task_manager(tasks, include_path)
-    unknown = [name for name in tasks if name not in SHIPPED and not manager.match_tasks([name])]
+    local = registry(include_path, defaults=False)
+    unknown = [name for name in tasks if name not in SHIPPED and not local.match_tasks([name])]
+    if any(is_pattern(name) or mentioned(name, [lm_eval_tasks_dir()]) for name in unknown):
+        manager = registry(include_path)
+        unknown = [name for name in unknown if not manager.match_tasks([name])]
     if unknown:
         raise ValueError(
             f"no task named {', '.join(unknown)} in lm-eval's registry, in the include path or among ours "
             f"({', '.join(SHIPPED)}); `lm-eval ls tasks` lists lm-eval's"
         )
+
+
+def is_pattern(name: str) -> bool:
+    """Whether lm-eval reads `name` as a glob over its task names."""
+    return any(c in name for c in "*?[")
+
+
+def lm_eval_tasks_dir() -> Path:
+    """The directory of lm-eval's registry: its task files."""
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def mentioned(name: str, roots: list[Path]) -> bool:
+    """Whether a file under `roots` has `name` in its text. lm-eval indexes every task, group and tag by a name
+    written in its YAML files or in a file one includes (okapi's `_arc_yaml`), so a name that none has is not in its
+    index: reading the bytes takes a twentieth of the time that parsing them (as indexing does) takes."""
+    needle = name.encode()
+    for root in roots:
+        for directory, subdirectories, files in os.walk(root, followlinks=True):
+            subdirectories[:] = [d for d in subdirectories if d != "__pycache__"]
+            if any(needle in (Path(directory) / file).read_bytes() for file in files):
+                return True
+    return False
 
 
 def evaluate(
