@@ -85,14 +85,17 @@ def _start_runs(tiny_data: Path, pairs: Path, root: Path) -> None:
         for kind in KINDS:
             out = root / f"{source}_to_{kind}"
             resume = {"every": 1, "resume": root / source}
-            args = _kind_args(kind, tiny_data, pairs, out, 3, checkpoint=resume, optim={"lr": 1e-30, "min_lr": 1e-30})
+            steps = 3 if source == kind else 1  # step 3 after the source's 2; a start saves its first step
+            args = _kind_args(
+                kind, tiny_data, pairs, out, steps, checkpoint=resume, optim={"lr": 1e-30, "min_lr": 1e-30}
+            )
             runs.append((f"{source}->{kind}", args, None if source == kind else str(root / source)))
     # Full training from another full run's checkpoint, on other data: the next stage, from its weights
     other = {"train_path": json.loads(tiny_data.read_text())["data"]["val_path"]}
     frozen = {"lr": 1e-30, "min_lr": 1e-30}
     resume = {"every": 1, "resume": root / "full"}
     args = _kind_args(
-        "full", tiny_data, pairs, root / "full_other_data", 3, data=other, optim=frozen, checkpoint=resume
+        "full", tiny_data, pairs, root / "full_other_data", 1, data=other, optim=frozen, checkpoint=resume
     )
     runs.append(("full->full_other_data", args, str(root / "full")))
     # A LoRA run's directory holds LoRA checkpoints: a full run there under resume auto is refused
