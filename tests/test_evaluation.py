@@ -243,24 +243,24 @@ def test_a_name_no_task_file_mentions_is_unknown_without_indexing_lm_evals_regis
     okapi = tasks.lm_eval_tasks_dir() / "okapi" / "arc_multilingual"
     indexed = TaskManager(include_path=str(okapi), include_defaults=False).all_tasks
     assert {"arc_multilingual", "arc_de"} <= set(indexed)
-    assert all(tasks.mentioned(name, [okapi]) for name in indexed)
-    assert not tasks.mentioned("arc_dee", [okapi])
+    assert all(tasks.mentioned(name, okapi) for name in indexed)
+    assert not tasks.mentioned("arc_dee", okapi)
     with mock.patch.object(tasks, "registry", wraps=tasks.registry) as built:
         with pytest.raises(ValueError, match="^no task named arc_eazy in lm-eval's registry"):
             tasks.check_tasks(["shakespeare_next_line", "arc_eazy"])
     assert [call.kwargs for call in built.call_args_list] == [{"defaults": False}]
-    built = []  # the registry as okapi's directory alone, where check_tasks would index lm-eval's
+    asked = []  # the registry as okapi's directory alone, where check_tasks would index lm-eval's
 
     def registry(include_path=None, defaults=True):
-        built.append(defaults)
+        asked.append(defaults)
         return TaskManager(include_path=str(okapi), include_defaults=False)
 
     with mock.patch.object(tasks, "registry", registry):
         tasks.check_tasks(["arc_de"])
         with pytest.raises(ValueError, match=r"^no task named arc_zz\* in"):
             tasks.check_tasks(["arc_zz*"])  # a pattern: lm-eval's registry has what it matches
-        assert built == [False, False, True]
+        assert asked == [False, False, True]
         with mock.patch.object(tasks, "mentioned", return_value=True):  # as for arc_easy: the registry decides
             with pytest.raises(ValueError, match="^no task named arc_eazy in"):
                 tasks.check_tasks(["arc_eazy"])
-        assert built == [False, False, True, False, True]
+        assert asked == [False, False, True, False, True]

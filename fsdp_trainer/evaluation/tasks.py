@@ -82,7 +82,7 @@ def check_tasks(tasks: list[str], include_path: str | None = None) -> None:
     require_lm_eval()
     local = registry(include_path, defaults=False)
     unknown = [name for name in tasks if name not in SHIPPED and not local.match_tasks([name])]
-    if any(is_pattern(name) or mentioned(name, [lm_eval_tasks_dir()]) for name in unknown):
+    if any(is_pattern(name) or mentioned(name, lm_eval_tasks_dir()) for name in unknown):
         manager = registry(include_path)
         unknown = [name for name in unknown if not manager.match_tasks([name])]
     if unknown:
@@ -104,16 +104,15 @@ def lm_eval_tasks_dir() -> Path:
     return Path(lm_eval.tasks.__file__).parent
 
 
-def mentioned(name: str, roots: list[Path]) -> bool:
-    """Whether a file under `roots` has `name` in its text. lm-eval indexes every task, group and tag by a name
+def mentioned(name: str, root: Path) -> bool:
+    """Whether a file under `root` has `name` in its text. lm-eval indexes every task, group and tag by a name
     written in its YAML files or in a file one includes (okapi's `_arc_yaml`), so a name that none has is not in its
     index: reading the bytes takes a twentieth of the time that parsing them (as indexing does) takes."""
     needle = name.encode()
-    for root in roots:
-        for directory, subdirectories, files in os.walk(root, followlinks=True):
-            subdirectories[:] = [d for d in subdirectories if d != "__pycache__"]
-            if any(needle in (Path(directory) / file).read_bytes() for file in files):
-                return True
+    for directory, subdirectories, files in os.walk(root, followlinks=True):
+        subdirectories[:] = [d for d in subdirectories if d != "__pycache__"]
+        if any(needle in (Path(directory) / file).read_bytes() for file in files):
+            return True
     return False
 
 
