@@ -44,7 +44,7 @@ from fsdp_trainer.hf import (
     write_tokenizer_files,
 )
 from fsdp_trainer.hf_experts import per_expert
-from fsdp_trainer.model import Transformer, count_params
+from fsdp_trainer.model import Transformer, count_params, on_meta
 from fsdp_trainer.tokenizer import (
     HF_GENERATION_CONFIG,
     SentencePieceTokenizer,
@@ -55,7 +55,7 @@ from fsdp_trainer.tokenizer import (
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
+    with on_meta():
         return {name: t.shape for name, t in Transformer(cfg).state_dict().items()}
 
 

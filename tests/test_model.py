@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_trainer.config import ModelConfig, RopeScaling
+from fsdp_trainer.config import ModelConfig, MoEConfig, RopeScaling
 from fsdp_trainer.lean_autograd import gated, plain_gated, plain_rms_norm, rms_norm
 from fsdp_trainer.loss import NextTokenLoss
-from fsdp_trainer.model import KVCache, Transformer, rope_tables
+from fsdp_trainer.model import KVCache, Transformer, on_meta, rope_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,7 +174,7 @@ def test_init_weights_is_deterministic_and_follows_its_table():
 
 def test_meta_build_then_materialize_equals_direct_build():
     cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=50, max_seq_len=16)
-    with torch.device("meta"):
+    with on_meta():
         meta = Transformer(cfg)
     assert all(p.is_meta for p in meta.parameters())
     meta.to_empty(device="cpu")
@@ -183,6 +183,28 @@ def test_meta_build_then_materialize_equals_direct_build():
     direct.init_weights(seed=1)
     tokens = torch.randint(0, 50, (1, 16))
     torch.testing.assert_close(meta(tokens), direct(tokens), rtol=0, atol=0)  # rope tables recomputed too
+
+
+def test_a_build_on_meta_skips_only_the_draws_a_meta_tensor_cannot_hold():
+    """on_meta() builds what torch.device("meta") builds (every parameter and buffer: name, shape, dtype, whether it
+    trains), without its initial draws, which on meta change nothing, not even the random state; a tensor on another
+    device still gets its draw, and the default device is the CPU again after it."""
+    cfg = ModelConfig(family="qwen3_moe", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, vocab_size=50,
+                      max_seq_len=16, moe=MoEConfig(experts=4, top_k=2, ffn_dim=16))  # fmt: skip
+    state = torch.random.get_rng_state()
+    with torch.device("meta"):
+        drawn = Transformer(cfg)
+    assert torch.equal(torch.random.get_rng_state(), state)  # a meta draw takes nothing from the generator
+    with on_meta():
+        skipped = Transformer(cfg)
+        on_cpu = torch.nn.init.normal_(torch.zeros(64, device="cpu"))
+    assert on_cpu.count_nonzero() == 64 and torch.empty(1).device.type == "cpu"
+
+    def layout(model):
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return [(name, t.shape, t.dtype, t.requires_grad, t.is_meta) for name, t in tensors]
+
+    assert layout(skipped) == layout(drawn) and all(meta for *_, meta in layout(skipped))
 
 
 def _tiny_for_loss(tie: bool) -> Transformer:

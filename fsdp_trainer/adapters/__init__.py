@@ -15,7 +15,7 @@ from fsdp_trainer.adapters.nf4 import check_nf4_shapes, quantize_frozen, require
 from fsdp_trainer.adapters.peft_format import check_peft_adapter, load_peft_adapter
 from fsdp_trainer.config import LoraConfig, ModelConfig, ParallelConfig
 from fsdp_trainer.distributed.parallelize import SHARDING, fill_local_shard
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.model import Transformer, on_meta
 
 
 def meta_model(
@@ -28,7 +28,7 @@ def meta_model(
     """The model a recipe trains, on the meta device (shapes only): the Transformer, with the adapters its lora section
     asks for, every other weight frozen and held in `frozen_dtype`; with `quantize`, QLoRA's frozen projections in
     NF4 as lora.quantize_base asks. Materialized by distributed.parallelize.materialize after parallelize()."""
-    with torch.device("meta"):
+    with on_meta():
         built = Transformer(model, flex_attention=flex_attention)
         if lora.rank is not None:
             apply_lora(built, lora, frozen_dtype=frozen_dtype)

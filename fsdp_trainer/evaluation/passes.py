@@ -20,7 +20,7 @@ from fsdp_trainer.config import ParallelConfig
 from fsdp_trainer.distributed.parallelize import materialize, parallelize
 from fsdp_trainer.distributed.runtime import DistEnv
 from fsdp_trainer.generation import sample
-from fsdp_trainer.model import KVCache, Transformer
+from fsdp_trainer.model import KVCache, Transformer, on_meta
 from fsdp_trainer.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -118,7 +118,7 @@ def load_sharded(path: str, env: DistEnv) -> tuple[Transformer, Tokenizer]:
     saved = read_saved_model(path)
     if saved.tokenizer is None:
         raise FileNotFoundError(f"{saved.path} carries no tokenizer, and its recipe's data.tokenizer_path is gone")
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(saved.model)
     model.requires_grad_(False)
     parallelize(model, ParallelConfig(mixed_precision="fp32"), env.mesh)

@@ -36,7 +36,7 @@ from fsdp_trainer.distributed.parallelize import ShardingPlan, parallelize, resh
 from fsdp_trainer.distributed.runtime import DistEnv, sum_over_ranks
 from fsdp_trainer.generation import SamplingShape
 from fsdp_trainer.loss import share_of_global_mean
-from fsdp_trainer.model import Transformer
+from fsdp_trainer.model import Transformer, on_meta
 from fsdp_trainer.moe import aux_loss, forget_routing
 
 DataKind = Literal["tokens", "pairs", "unpaired", "prompts"]
@@ -267,7 +267,7 @@ def frozen_copy(
     policy is, to be materialized: every parameter frozen and held in the compute dtype (what FSDP gathers anyway, so
     a copy of the policy computes its forward bitwise); the buffers (RoPE's tables) stay fp32. Each block frees its
     gathered weights after its forward under every sharding."""
-    with torch.device("meta"):
+    with on_meta():
         frozen = Transformer(cfg, flex_attention=flex_attention)
     frozen.requires_grad_(False)
     for param in frozen.parameters():
