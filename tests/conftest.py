@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 from fsdp_trainer.data.prepare import BUNDLED_CHAT, BUNDLED_CORPUS, BUNDLED_PREFERENCES
-from tests.helpers import TINY_BATCH, TINY_MODEL, made_once, tool
+from tests.helpers import TINY_BATCH, TINY_MODEL, forked, made_once, tool
 
 
 @pytest.fixture(scope="session")
@@ -142,9 +142,12 @@ def one_rank():
 
 def pytest_configure(config):
     """Where tests are collected (an xdist worker, or the one process without xdist): no garbage collection while
-    collection imports transformers, TRL and peft, a million objects and no garbage (until collection ends)."""
+    collection imports transformers, TRL and peft, a million objects and no garbage (until collection ends). In xdist's
+    controller, before it starts the workers: the forkserver both workers' runs fork from (tests/helpers/forked.py)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         gc.disable()
+    else:
+        os.environ[forked.SHARED] = forked.start_server()
 
 
 def pytest_collection_finish(session):

@@ -15,10 +15,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from fsdp_trainer.distributed.runtime import close_distributed
 from fsdp_trainer.files import METRICS_FILE
 from fsdp_trainer.launch import child_pids
 from tests.helpers import forked
@@ -188,6 +184,8 @@ def run_distributed(fn, *args, world_size: int = 2) -> None:
     """Run fn(rank, world_size, *args) in world_size gloo processes, forked from tests/helpers/forked.py's server
     (torch and the package imported once, not again in each process: 3-4 s of CPU a rank); any rank's exception
     fails the test. Each process gets this one's environment as it is now."""
+    import torch.multiprocessing as mp
+
     forked.context()
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
@@ -200,6 +198,10 @@ def run_distributed(fn, *args, world_size: int = 2) -> None:
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn, args, environ: dict) -> None:
+    import torch.distributed as dist
+
+    from fsdp_trainer.distributed.runtime import close_distributed
+
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(

@@ -1,13 +1,13 @@
 """The tests' runs of the trainer and the tools without a new interpreter each.
 
 `python -m fsdp_trainer.train` spends about 3 s of CPU importing torch and the package before it does anything, and
-the suite starts a few hundred of them. Here a forkserver process imports them once (per pytest worker), and each run
-is a process forked from it that runs the module or script as `python -m` / `python script.py` would (runpy, as
-`__main__`, with its own argv, environment, working directory and output files). A run of several ranks is that many
-such processes meeting over TCP in a real gloo process group, with the environment torchrun gives its workers (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun. Tests of torchrun's own behaviour (its restarts,
-the one error line a node prints, fsdp-train, nodes meeting through rendezvous) fork torchrun or the launcher as such
-a run, and its workers are new interpreters, as torchrun starts them.
+the suite starts a few hundred of them. Here a forkserver process imports them once (one for both of `make test`'s
+pytest workers: SHARED), and each run is a process forked from it that runs the module or script as `python -m` /
+`python script.py` would (runpy, as `__main__`, with its own argv, environment, working directory and output files). A
+run of several ranks is that many such processes meeting over TCP in a real gloo process group, with the environment
+torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun. Tests of
+torchrun's own behaviour (its restarts, the one error line a node prints, fsdp-train, nodes meeting through rendezvous)
+fork torchrun or the launcher as such a run, and its workers are new interpreters, as torchrun starts them.
 """
 
 from __future__ import annotations
@@ -25,35 +25,57 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
 PRELOAD = ["tests.helpers.preloaded"]
 _context = None
 
 
+SHARED = "FSDP_TRAINER_TESTS_FORKSERVER"
+"""Where the forkserver is that the xdist controller started (tests/conftest.py) for both workers' runs: one preload
+(about 6 s of CPU) instead of one a worker. Without xdist, the one process starts its own."""
+
+
+def start_server() -> str:
+    """Start this process's forkserver with the preloaded modules and one OpenMP thread (the runs' own setting, which
+    torch reads when it is imported); returns its address. It lives as long as this process. Imports no torch: the
+    xdist controller, which runs no test, calls it."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return forkserver._forkserver._forkserver_address
+
+
+def _use_server(address: str) -> None:
+    """Fork this process's runs from the forkserver at `address`, which another process started and keeps. A request
+    hands the server this process's resource tracker and the write end of the pipe whose closing stops the server,
+    which a forked child keeps to fork from it in turn (none of ours does): /dev/null stands for the pipe, and the
+    server is not this process's child to wait for."""
+    server = forkserver._forkserver
+    server._forkserver_address = address
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_WRONLY)
+    server.ensure_running = resource_tracker.ensure_running
+
+
 def context():
-    """The forkserver context, started on first use with the preloaded modules and one OpenMP thread (the runs' own
-    setting, which torch reads when it is imported)."""
+    """The forkserver context: the shared server if there is one (SHARED), else this process's own, started on first
+    use."""
     global _context
     if _context is None:
-        server = multiprocessing.get_context("forkserver")
-        server.set_forkserver_preload(PRELOAD)
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
-        _context = server
+        if os.environ.get(SHARED):
+            _use_server(os.environ[SHARED])
+        else:
+            start_server()
+        _context = multiprocessing.get_context("forkserver")
     return _context
 
 
@@ -71,6 +93,8 @@ def forget_rank_0s_shardings(rank: int) -> None:
     """In a forked process of any rank but 0: forget the shardings DTensor's C++ dispatch cached in the forkserver,
     which holds rank 0's own for two ranks (tests/helpers/preloaded.py)."""
     if rank != 0:
+        import torch
+
         torch._C._clear_DTensor_sharding_propagator_cache()
 
 
@@ -212,6 +236,8 @@ def start(
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     store = None
     if nproc > 1:
+        import torch.distributed as dist
+
         # The ranks meet in a store this process holds, bound to a port the kernel picks, as torchrun's agent does: a
         # port found free and then handed over could be taken by another test's gloo connection in between.
         store = dist.TCPStore(
