@@ -539,8 +539,8 @@ def unwrapped_name(name: str) -> str:
 class on_meta(TorchFunctionMode):
     """Modules built in it are on the meta device (shapes only), their initial draws skipped: a meta tensor has no
     values, and whatever is built on meta gets them once its shards exist (init_weights, a checkpoint). torch draws a
-    Linear's kaiming values on meta through Python decompositions, a third of the time an 80-block model takes to
-    build, and the planner builds one for each of its rows' models."""
+    Linear's kaiming values on meta through Python decompositions: three quarters of the time an 80-block model took
+    to build (0.20 s; 0.044 s without), and the planner builds one for each of its rows' models."""
 
     def __enter__(self):
         self.device = torch.device("meta")
