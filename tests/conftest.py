@@ -143,10 +143,11 @@ def one_rank():
 def pytest_configure(config):
     """Where tests are collected (an xdist worker, or the one process without xdist): no garbage collection while
     collection imports transformers, TRL and peft, a million objects and no garbage (until collection ends). In xdist's
-    controller, before it starts the workers: the forkserver both workers' runs fork from (tests/helpers/forked.py)."""
+    controller, before it starts the workers: the forkserver both workers' runs fork from (tests/helpers/forked.py),
+    unless the cost plugin counts each test's runs, which it finds in its worker's process tree (a server each)."""
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         gc.disable()
-    else:
+    elif not config.pluginmanager.has_plugin("tests.helpers.cost"):
         os.environ[forked.SHARED] = forked.start_server()
 
 

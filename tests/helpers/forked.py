@@ -35,7 +35,8 @@ _context = None
 
 SHARED = "FSDP_TRAINER_TESTS_FORKSERVER"
 """Where the forkserver is that the xdist controller started (tests/conftest.py) for both workers' runs: one preload
-(about 6 s of CPU) instead of one a worker. Without xdist, the one process starts its own."""
+(about 6 s of CPU) instead of one a worker. Without xdist, or under the cost plugin (tests/helpers/cost.py, which
+counts a test's runs in its worker's process tree), each process starts its own."""
 
 
 def start_server() -> str:
