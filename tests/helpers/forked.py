@@ -28,6 +28,9 @@ from datetime import timedelta
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
+# torch is imported inside the functions that use it: xdist's controller imports this module (tests/conftest.py)
+# and runs no test, and importing torch there costs about 1.7 s of CPU.
+
 REPO = Path(__file__).resolve().parents[2]
 PRELOAD = ["tests.helpers.preloaded"]
 _context = None
