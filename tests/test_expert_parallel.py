@@ -95,6 +95,43 @@ def test_two_ranks_of_experts_compute_the_whole_models_loss_and_gradients(ac, lo
     run_distributed(_equals_the_whole_model, ac, lora, str(tmp_path) if (ac, lora) == ("none", True) else None)
 
 
+def test_sampling_with_the_weights_held_gathered_leaves_each_fsdp_module_as_its_sharding_set_it():
+    """Online RL and on-policy distillation sample with every FSDP module's weights held gathered (held_gathered);
+    after it each frees them after forward as the sharding says again, the experts' own modules under expert
+    parallelism too (they once stayed gathered after every forward: FULL_SHARD then held every block's experts). And
+    the planner's check, which switches a model between the shardings of one mesh (switch_sharding), leaves each
+    module as a model built for the other sharding has it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_trainer.config import ParallelConfig
+    from fsdp_trainer.distributed.parallelize import SHARDING, held_gathered, parallelize, switch_sharding
+    from fsdp_trainer.model import on_meta
+    from fsdp_trainer.planner.fake import fake_world
+
+    def built(sharding: str) -> Transformer:
+        with on_meta():
+            model = Transformer(CFG)
+        parallelize(model, ParallelConfig(sharding=sharding, expert_parallel=2, mixed_precision="fp32"), mesh)
+        return model
+
+    def reshards(model: Transformer) -> dict[str, bool]:
+        modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        return {name: m._get_fsdp_state()._fsdp_param_group._reshard_after_forward for name, m in modules}
+
+    with fake_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+        model = built("FULL_SHARD")
+        sharded = reshards(model)
+        assert sharded["model.layers.0"] and sharded["model.layers.0.mlp.experts"] and not sharded["model.layers.1"]
+        with held_gathered(model, SHARDING["FULL_SHARD"]):
+            assert not any(reshards(model).values())
+        assert reshards(model) == sharded
+        for sharding in ("SHARD_GRAD_OP", "FULL_SHARD"):
+            switch_sharding(model, SHARDING[sharding])
+            assert reshards(model) == reshards(built(sharding)), sharding
+
+
 def test_expert_parallel_runs_equal_one_process_and_checkpoints_cross_both_ways(tiny_data, tmp_path):
     """fsdp-train with parallel.expert_parallel 2 (each rank 3 of the 6 experts; everything else FSDP over all): on 2
     ranks over 6 steps, and on 4 over 10 (2 groups; each rank's experts sharded by FSDP over the 2 ranks holding them;

@@ -256,6 +256,20 @@ def reshards_after_forward(plan: ShardingPlan, block: int, blocks: int) -> bool:
     return plan.reshard_after_forward and block < blocks - 1
 
 
+def switch_sharding(model: Transformer, plan: ShardingPlan) -> None:
+    """From their next forward, the FSDP modules apply_fsdp made of `model` free their gathered parameters after
+    forward as `plan` says: the root never, the blocks by reshards_after_forward, a mixture's experts (eager expert
+    parallelism) as the plan. FULL_SHARD, SHARD_GRAD_OP and SHARD_OP differ in that alone on one mesh, besides what
+    the step does (set_gradient_sync): the planner's check measures their steps on one model (planner/fake.py)."""
+    blocks = list(model.model.layers.values())
+    for i, block in enumerate(blocks):
+        block.set_reshard_after_forward(reshards_after_forward(plan, i, len(blocks)), recurse=False)
+    for layer in routed_layers(model):
+        if isinstance(layer.experts, FSDPModule):
+            layer.experts.set_reshard_after_forward(plan.reshard_after_forward, recurse=False)
+    model.set_reshard_after_forward(False, recurse=False)
+
+
 @contextmanager
 def held_gathered(model: Transformer, plan: ShardingPlan) -> Iterator[None]:
     """Within: each FSDP module keeps its parameters gathered from its first forward on, so forward passes after the
@@ -269,10 +283,7 @@ def held_gathered(model: Transformer, plan: ShardingPlan) -> Iterator[None]:
     try:
         yield
     finally:
-        blocks = list(model.model.layers.values())
-        for i, block in enumerate(blocks):
-            block.set_reshard_after_forward(reshards_after_forward(plan, i, len(blocks)), recurse=False)
-        model.set_reshard_after_forward(False, recurse=False)
+        switch_sharding(model, plan)
         reshard(model)
 
 
