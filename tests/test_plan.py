@@ -834,18 +834,21 @@ def test_on_one_device_the_check_counts_the_frozen_weights_fsdp_leaves_alone_and
     assert row.total_gb == pytest.approx(dataclasses.replace(row, buffers_gb=0).total_gb + row.buffers_gb)
 
 
-def test_each_ac_modes_step_on_one_model_peaks_as_on_a_model_built_with_that_mode_alone():
-    """`plan --check` measures a sharding's AC modes on one model, warmed by one step under the first (here full: the
-    others follow a step that recomputed): each mode's peak is the one a model built with that mode measures."""
-    from fsdp_trainer.planner.fake import measured_peak_gb, measured_peaks_gb
+def test_each_rows_step_on_one_model_peaks_as_on_a_model_built_for_that_row_alone():
+    """`plan --check` measures the rows of the shardings that split the world alike (FULL_SHARD, SHARD_GRAD_OP and
+    SHARD_OP: one mesh) on one model, warmed by one step under the first row (here FULL_SHARD's full AC: the other rows
+    follow a step that recomputed and freed its blocks after forward): each row's peak, with accumulation, is the one
+    a model built for that sharding and AC mode alone measures."""
+    from fsdp_trainer.planner.fake import measured_peak_gb, measured_rows_gb
 
     recipe = parse_recipe(["--recipe", str(REPO / "recipes" / "debug.yaml"), "--model.n_layers", "2",
-                           "--parallel.mixed_precision", "fp32"])  # fmt: skip
-    together = measured_peaks_gb(recipe, 2, 1, ["full", "none", "selective"])
-    assert together["none"] > together["selective"] > together["full"]
-    for mode, gb in together.items():
-        recipe.parallel.activation_checkpointing = mode
-        assert gb == measured_peak_gb(recipe, 2, 1), mode
+                           "--parallel.mixed_precision", "fp32", "--data.grad_accum_steps", "2"])  # fmt: skip
+    rows = {"FULL_SHARD": ["full", "none"], "SHARD_GRAD_OP": ["none"], "SHARD_OP": ["selective"]}
+    together = measured_rows_gb(recipe, 2, 1, rows)
+    assert together["SHARD_GRAD_OP", "none"] > together["FULL_SHARD", "none"] > together["FULL_SHARD", "full"]
+    for (sharding, mode), gb in together.items():
+        recipe.parallel.sharding, recipe.parallel.activation_checkpointing = sharding, mode
+        assert gb == measured_peak_gb(recipe, 2, 1), (sharding, mode)
 
 
 def test_the_checks_tracker_reads_the_peak_torchs_fsdp_mem_tracker_reads(monkeypatch):

@@ -29,7 +29,14 @@ from fsdp_trainer.config import Recipe, compute_dtype
 from fsdp_trainer.data.loader import MicroBatch
 from fsdp_trainer.distributed.context_parallel import context_group
 from fsdp_trainer.distributed.expert_parallel import experts_mesh
-from fsdp_trainer.distributed.parallelize import SHARDING, allocate, parallelize, switch_ac
+from fsdp_trainer.distributed.parallelize import (
+    SHARDING,
+    allocate,
+    parallelize,
+    sharding_plan,
+    switch_ac,
+    switch_sharding,
+)
 from fsdp_trainer.optim import build_optimizer
 from fsdp_trainer.steps import training_kind
 from fsdp_trainer.train import train_step
@@ -62,14 +69,39 @@ def measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str])
     mode's step in turn (switch_ac). A step leaves the same state under any mode and however many micro-batches it
     took (shards, gradients, AdamW's), and a mode's step runs the ops a run built with it runs: each mode's peak is its
     own run's, for one build and a short warm-up instead of a build and a whole step each."""
-    recipe = copy.deepcopy(recipe)
-    wrapped = [mode for mode in modes if mode != "none"]
-    recipe.parallel.activation_checkpointing = wrapped[0] if wrapped else "none"
-    with fake_world(nproc * nnodes):
-        return _measured_peaks_gb(recipe, nproc, nnodes, modes)
+    sharding = recipe.parallel.sharding
+    return {mode: gb for (_, mode), gb in measured_rows_gb(recipe, nproc, nnodes, {sharding: modes}).items()}
 
 
-def _measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]) -> dict[str, float]:
+def measured_rows_gb(
+    recipe: Recipe, nproc: int, nnodes: int, rows: dict[str, list[str]]
+) -> dict[tuple[str, str], float]:
+    """measured_peaks_gb of `recipe` under each sharding of `rows` ({sharding: its AC modes}), by (sharding, mode).
+    The shardings that split the world alike (one mesh: FULL_SHARD, SHARD_GRAD_OP and SHARD_OP) are measured on one
+    model, warmed under the first: before another's steps, its FSDP modules free their gathered parameters after
+    forward as it says (switch_sharding) and its training kind's step is built again for it. A step leaves the same
+    state under any of them, so each row's peak is its own run's, for a build and a warm-up a mesh. Not where the
+    step holds frozen models (its starts): one built again peaks higher in its first step than in later ones (DPO's
+    reference, 1.3 MB at the debug recipe's widths), so each sharding gets a model and a warm-up of its own."""
+    by_mesh: dict[tuple[int, int], dict[str, list[str]]] = {}
+    for sharding, modes in rows.items():
+        by_mesh.setdefault(SHARDING[sharding].mesh_shape(nproc * nnodes, nproc), {})[sharding] = modes
+    peaks = {}
+    for pending in by_mesh.values():
+        while pending:
+            case = copy.deepcopy(recipe)
+            case.parallel.sharding = next(iter(pending))
+            wrapped = [mode for modes in pending.values() for mode in modes if mode != "none"]
+            case.parallel.activation_checkpointing = wrapped[0] if wrapped else "none"
+            with fake_world(nproc * nnodes):
+                peaks |= _measured_rows_gb(case, nproc, nnodes, pending)
+            pending = {sharding: modes for sharding, modes in pending.items() if (sharding, modes[0]) not in peaks}
+    return peaks
+
+
+def _measured_rows_gb(
+    recipe: Recipe, nproc: int, nnodes: int, rows: dict[str, list[str]]
+) -> dict[tuple[str, str], float]:
     parallel, data = recipe.parallel, recipe.data
     replicas, group = SHARDING[parallel.sharding].mesh_shape(nproc * nnodes, nproc)
     if replicas == 1:
@@ -86,7 +118,7 @@ def _measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]
     # to_empty could not then swap the weights FSDP leaves alone (the frozen ones, in a shard group of one).
     dtype = compute_dtype(parallel.mixed_precision)
     model = meta_model(recipe.model, recipe.lora, frozen_dtype=dtype, quantize=True)
-    applied = parallelize(model, parallel, mesh)  # on meta, outside: a mesh FSDP makes is no fake tensor either
+    parallelize(model, parallel, mesh)  # on meta, outside: a mesh FSDP makes is no fake tensor either
     with FakeTensorMode(allow_non_fake_inputs=True):
         allocate(model, "cpu")
         for weight in quantized_weights(model).values():  # QLoRA's: NF4 parts to_empty leaves on meta, made again
@@ -97,20 +129,29 @@ def _measured_peaks_gb(recipe: Recipe, nproc: int, nnodes: int, modes: list[str]
         batches = [kind.fake_batch(MicroBatch(t[:, :-1], t[:, 1:], None)) for t in windows]
         if context is not None:  # this rank's share of each window
             batches = [context.shard(batch) for batch in batches]
-        step = kind.build(recipe, env, model)
-        for start in step.starts:
-            allocate(start.model, "cpu")
-        args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, applied.plan, step)
-        switch_ac(model, modes[0])
-        train_step(model, optimizer, batches[:1], *args[3:])
-        # The tracker counts FSDP's parameters and what ops make; weights FSDP leaves alone (frozen ones in a shard
-        # group of one, a frozen model's) it would count only where a view of one is made, as a new allocation.
-        models = [model, *(start.model for start in step.starts)]
-        outside = [p for m in models for p in m.parameters() if not isinstance(p, DTensor)]
         peaks = {}
-        for mode in modes:
-            switch_ac(model, mode)
-            peaks[mode] = _tracked_peak_gb(model, optimizer, (batches[0].inputs, *outside), args)
+        for sharding, modes in rows.items():
+            case = copy.deepcopy(recipe)
+            case.parallel.sharding = sharding
+            plan = sharding_plan(sharding, parallel.accumulate_unsharded)
+            switch_sharding(model, plan)
+            step = kind.build(case, env, model)
+            for start in step.starts:
+                allocate(start.model, "cpu")
+            args = (model, optimizer, batches, 1e-4, 1.0, recipe.train.loss_chunks, None, plan, step)
+            if not peaks:  # the warm-up
+                switch_ac(model, modes[0])
+                train_step(model, optimizer, batches[:1], *args[3:])
+            # The tracker counts FSDP's parameters and what ops make; weights FSDP leaves alone (frozen ones in a
+            # shard group of one, a frozen model's) it would count only where a view of one is made, as a new
+            # allocation.
+            models = [model, *(start.model for start in step.starts)]
+            outside = [p for m in models for p in m.parameters() if not isinstance(p, DTensor)]
+            for mode in modes:
+                switch_ac(model, mode)
+                peaks[sharding, mode] = _tracked_peak_gb(model, optimizer, (batches[0].inputs, *outside), args)
+            if step.starts:  # the other shardings on models of their own (measured_rows_gb)
+                break
     return peaks
 
 

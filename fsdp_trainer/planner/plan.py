@@ -30,7 +30,7 @@ from fsdp_trainer.distributed.parallelize import SHARDING
 from fsdp_trainer.distributed.runtime import precision_on
 from fsdp_trainer.metrics import PEAK_FLOPS
 from fsdp_trainer.model import count_params
-from fsdp_trainer.planner.fake import measured_peak_gb, measured_peaks_gb
+from fsdp_trainer.planner.fake import measured_peak_gb, measured_rows_gb
 from fsdp_trainer.planner.memory import Estimate, estimate
 from fsdp_trainer.planner.speed import (
     GPUS,
@@ -283,8 +283,8 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
     none of."""
     rows = ["| sharding | AC | planned GB / rank (no runtime) | measured on fake tensors | planned / measured |",
             "|---|---|---|---|---|"]  # fmt: skip
-    # GB by (sharding, AC); by sharding, why a run would refuse it (QLoRA's weights not splitting, EP): no step
-    measured, refused = {}, {}
+    # The AC modes to measure by sharding; by sharding, why a run would refuse it (QLoRA's weights not splitting, EP)
+    modes, refused = {}, {}
     checked = [e for e in estimates if not e.offload]
     for sharding in dict.fromkeys(e.sharding for e in checked):
         case = copy.deepcopy(recipe)
@@ -296,8 +296,8 @@ def check_table(recipe: Recipe, estimates: list[Estimate], nproc: int, nnodes: i
         except ValueError as error:
             refused[sharding] = f"{sharding}: {error}"
             continue
-        modes = [e.ac for e in checked if e.sharding == sharding]  # one model for all of them
-        measured |= {(sharding, ac): gb for ac, gb in measured_peaks_gb(case, nproc, nnodes, modes).items()}
+        modes[sharding] = [e.ac for e in checked if e.sharding == sharding]
+    measured = measured_rows_gb(recipe, nproc, nnodes, modes)
     for e in checked:
         planned = e.total_gb - e.runtime_gb
         if e.sharding in refused:
