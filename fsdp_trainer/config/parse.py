@@ -3,6 +3,7 @@ error boundary."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import os
@@ -27,10 +28,11 @@ def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = No
     section's source for its docstrings: 0.3 s of CPU, against 0.01 s for the copy)."""
     parser = copy.deepcopy(_sections_parser())
     parser.prog = prog
-    parser.description = (
-        description or "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes."
-    )
+    parser.description = description or TRAINER
     return parser
+
+
+TRAINER = "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes."
 
 
 @functools.cache
@@ -38,7 +40,8 @@ def _sections_parser():
     from jsonargparse import ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(print_config="--print_config", exit_on_error=False)
+    parser = ArgumentParser(prog="fsdp_trainer.train", description=TRAINER, print_config="--print_config",
+                            exit_on_error=False)  # fmt: skip
     parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
     for name, cls in SECTIONS.items():
         parser.add_class_arguments(cls, nested_key=name)
@@ -81,7 +84,8 @@ def _takes_a_subclass(parser) -> bool:
 def short_help(parser) -> str:
     """What `--help` prints: the command, its own flags (a tool's), and the recipe's sections with where their keys
     are told; `--help_all` prints every key."""
-    own = [a for a in parser._actions if a.dest not in parser.recipe_dests]
+    # not the flags kept out of help (jsonargparse adds one of its own as a parser first parses)
+    own = [a for a in parser._actions if a.dest not in parser.recipe_dests and a.help != argparse.SUPPRESS]
     lines = [f"usage: {parser.prog} --recipe FILE [--recipe FILE ...] [--section.key VALUE ...]"
              + (" [flags below]" if own else ""), "", parser.description or "", ""]  # fmt: skip
     if own:
@@ -183,7 +187,7 @@ def parse_recipe(argv: list[str] | None = None) -> Recipe:
     Any error (unknown key, wrong type, bad choice, impossible combination) exits with status 1 and exactly one
     `error: ...` line on stderr. `--help` and `--print_config` print and exit 0.
     """
-    return parse_args(recipe_parser(), argv)[0]
+    return parse_args(_sections_parser(), argv)[0]  # no copy: what a parse leaves in it changes no later one
 
 
 def load_sections(path: str | os.PathLike) -> dict:
@@ -194,10 +198,10 @@ def load_sections(path: str | os.PathLike) -> dict:
     try:
         stat = os.stat(path)
     except OSError:  # the parser's error names it
-        return _parse_sections(recipe_parser(), ["--recipe", str(path)])[0]
+        return _parse_sections(_sections_parser(), ["--recipe", str(path)])[0]
     version = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if version not in _LOADED:
-        _LOADED[version] = _parse_sections(recipe_parser(), ["--recipe", str(path)])[0]
+        _LOADED[version] = _parse_sections(_sections_parser(), ["--recipe", str(path)])[0]
     return copy.deepcopy(_LOADED[version])
 
 
