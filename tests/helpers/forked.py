@@ -114,11 +114,12 @@ def _run(
     os.environ.clear()
     os.environ.update(env)
     # What a new interpreter reads from its environment as it imports inductor, which the forkserver did with the
-    # suite's (conftest.py: scalar kernels): a run given its own setting (flex_attention's CPU kernels need vectors).
+    # suite's (conftest.py: scalar kernels): a run given its own settings (flex_attention's CPU kernels need vectors).
     from torch._inductor import config as inductor_config  # preloaded
     from torch.utils._config_module import get_tristate_env  # how inductor's config reads it
 
     inductor_config.cpp.vec_isa_ok = get_tristate_env("TORCHINDUCTOR_VEC_ISA_OK")
+    inductor_config.cpp_cache_precompile_headers = os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS") != "0"
     forget_rank_0s_shardings(int(env.get("RANK", "0")))
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
