@@ -102,12 +102,35 @@ def forget_rank_0s_shardings(rank: int) -> None:
         torch._C._clear_DTensor_sharding_propagator_cache()
 
 
+class _Inherited:
+    """A file descriptor of this process that a forked child gets as its own (multiprocessing sends it to the
+    forkserver as the child starts): the same open file, its offset shared with this process's other writers."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _received, (reduction.DupFd(self.fd),)
+
+
+def _received(dup) -> int:
+    return dup.detach()
+
+
 def _run(
-    target: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, file_size_limit: int | None
+    target: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    out: str | int,
+    err: str | int,
+    file_size_limit: int | None,
 ) -> None:
     """In the forked child: `target` (a module name, or a script's path) as __main__, its output into files (appended
-    to: the ranks of a run started in the background share one log), every file it writes capped at `file_size_limit`
-    bytes if given (EFBIG past it, as ENOSPC on a full disk)."""
+    to: the ranks of a run started in the background share one log) or onto descriptors (`_Inherited`), every file it
+    writes capped at `file_size_limit` bytes if given (EFBIG past it, as ENOSPC on a full disk)."""
     if file_size_limit is not None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
     os.chdir(cwd)
@@ -122,7 +145,7 @@ def _run(
     inductor_config.cpp_cache_precompile_headers = os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS") != "0"
     forget_rank_0s_shardings(int(env.get("RANK", "0")))
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+        os.dup2(path if isinstance(path, int) else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
     # preloaded (nor a sitecustomize, which only an interpreter's start runs).
     sys.path[1:1] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
@@ -227,7 +250,7 @@ class Started:
 def start(
     target: str,
     argv: list[str],
-    files: list[tuple[str, str]],
+    files: list[tuple[str | int, str | int]],
     env: dict | None = None,
     cwd: Path = REPO,
     timeout: float = 900,
@@ -235,7 +258,8 @@ def start(
 ) -> Started:
     """`target` (module or script) with `argv` forked as len(files) ranks of one node, started in the background;
     rank r's stdout and stderr are appended to files[r] (one path twice, or the same pair for every rank, for one
-    log); the ranks' store waits up to `timeout` for a key; `file_size_limit` caps every file a rank writes (`_run`)."""
+    log), or written to this process's descriptors where files[r] names them; the ranks' store waits up to `timeout`
+    for a key; `file_size_limit` caps every file a rank writes (`_run`)."""
     server = context()
     nproc = len(files)
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -258,13 +282,25 @@ def start(
         ranks = [base]
     procs = [
         server.Process(
-            target=_run, args=(target, list(map(str, argv)), environ, str(cwd), *map(str, paths), file_size_limit)
+            target=_run,
+            args=(target, list(map(str, argv)), environ, str(cwd), *map(_file, paths), file_size_limit),
         )
         for environ, paths in zip(ranks, files, strict=True)
     ]
     for p in procs:
         p.start()
     return Started([target, *map(str, argv)], procs, store)
+
+
+def _file(path: str | int):
+    return _Inherited(path) if isinstance(path, int) else str(path)
+
+
+def address() -> str:
+    """The address of the forkserver this process forks its runs from (started if it has none yet): for a process of
+    the test's own, such as forked_python.py, to fork from it too."""
+    context()
+    return forkserver._forkserver._forkserver_address
 
 
 def run_command(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
