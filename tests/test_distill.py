@@ -147,12 +147,10 @@ def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, t
     assert proc.returncode == 1 and last.startswith("error: distill.teacher: checkpoint ")
 
     import gzip
-    import subprocess
-    import sys
 
     from fsdp_trainer.data.prepare import BUNDLED_CORPUS
     from fsdp_trainer.tokenizer import train_tokenizer
-    from tests.helpers import REPO
+    from tests.helpers import forked
 
     other = tmp_path / "other_tokenizer"  # the same vocabulary size, learnt from other text
     shutil.copytree(teacher, other)
@@ -160,9 +158,8 @@ def test_a_teacher_that_cannot_teach_the_model_is_one_line(tiny_data, teacher, t
     with gzip.open(BUNDLED_CORPUS, "rt") as f:
         (tmp_path / "text.txt").write_text(f.read(1_000_000)[600_000:].upper())
     train_tokenizer([str(tmp_path / "text.txt")], str(step / "tokenizer.model"), 512)
-    launcher = Path(sys.executable).with_name("fsdp-train")  # the console script `pip install -e .` made
     args = run_args(tiny_data, tmp_path / "c", 2, distill={"teacher": str(other)})
-    proc = subprocess.run([str(launcher), "--nproc_per_node", "2", *args], capture_output=True, text=True, cwd=REPO)
+    proc = forked.run("fsdp_trainer.launch", ["--nproc_per_node", "2", *args])  # fsdp-train's module, forked
     assert proc.returncode == 1 and proc.stdout == ""  # before any worker started
     assert proc.stderr.strip().splitlines() == [
         f"error: distill.teacher {step} was trained with the tokenizer {step}, not this run's "

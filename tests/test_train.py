@@ -18,7 +18,7 @@ import yaml
 from fsdp_trainer.config import ModelConfig
 from fsdp_trainer.distributed.runtime import native_precision
 from fsdp_trainer.model import count_params
-from tests.helpers import REPO, TINY_MODEL, injected, read_metrics, run_args, train_cli, train_losses
+from tests.helpers import REPO, TINY_MODEL, forked, injected, read_metrics, run_args, train_cli, train_losses
 from tests.helpers import script as script_run
 
 
@@ -353,15 +353,16 @@ def test_compile_with_selective_ac_matches_eager(tiny_data, tmp_path):
 
 
 def _run_on_terminal(args: list[str]) -> str:
-    """Run one training process with its stdout on a pseudo-terminal of 120 columns; return what it printed."""
+    """Run one training process with its stdout on a pseudo-terminal of 120 columns; return what it printed. The
+    process is forked from the tests' forkserver (forked_python.py, the terminal its stdout and stderr)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_trainer.train", *args],
+        [sys.executable, REPO / "tests" / "helpers" / "forked_python.py", "-m", "fsdp_trainer.train", *args],
         stdout=slave,
         stderr=slave,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", forked.SHARED: forked.address()},
     )
     os.close(slave)
     chunks = []

@@ -145,7 +145,9 @@ def _run(
     inductor_config.cpp_cache_precompile_headers = os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS") != "0"
     forget_rank_0s_shardings(int(env.get("RANK", "0")))
     for fd, path in ((1, out), (2, err)):
-        os.dup2(path if isinstance(path, int) else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+        opened = path if isinstance(path, int) else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
     # preloaded (nor a sitecustomize, which only an interpreter's start runs).
     sys.path[1:1] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
