@@ -207,21 +207,27 @@ NESTED = [
 def test_recipes_parse_as_they_do_with_jsonargparses_pass_for_subclass_defaults(monkeypatch):
     """parse.py skips the pass for a recipe parser (no key of a recipe takes a subclass): every shipped recipe, and
     each nested section given whole or in part, reads as the same Recipe, or fails with the same message, as with
-    it; the tools' parsers with their own flags too."""
+    it; the tools' parsers with their own flags too. parse_recipe reads every command line of a process with one
+    parser, not a copy each (a third of a parse's CPU): read in turn, they read as with a copy each; a copy made
+    after it parsed still lists a tool's own flags alone in its help."""
     from jsonargparse._typehints import ActionTypeHint
 
-    from fsdp_trainer.config.parse import RecipeError, read_recipe, recipe_parser
+    from fsdp_trainer.config.parse import RecipeError, _sections_parser, read_recipe, recipe_parser, short_help
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
     cases = [["--recipe", str(path)] for path in recipes] + [["--recipe", str(recipes[0]), *flags] for flags in NESTED]
 
-    def read(argv: list[str]) -> str:
+    def read(argv: list[str], parser=None) -> str:
         try:
-            return repr(read_recipe(recipe_parser(), argv)[0])
+            return repr(read_recipe(parser or recipe_parser(), argv)[0])
         except RecipeError as e:
             return str(e)
 
     skipped = [read(argv) for argv in cases]
+    assert [read(argv, _sections_parser()) for argv in cases] == skipped
+    tool = recipe_parser("tools/x.py", "A tool.")
+    tool.add_argument("--format", default="text", help="what the inputs are")
+    assert short_help(tool).split("flags:\n")[1].split("\n\n")[0] == "  --format: what the inputs are (default: text)"
     passes = []
     original = ActionTypeHint.add_sub_defaults.original
     monkeypatch.setattr(
@@ -232,25 +238,3 @@ def test_recipes_parse_as_they_do_with_jsonargparses_pass_for_subclass_defaults(
     monkeypatch.setattr(ActionTypeHint, "add_sub_defaults", staticmethod(original))
     assert [read(argv) for argv in cases] == skipped
     assert sum("Recipe(" in result for result in skipped) == len(recipes) + 5  # four of NESTED do not parse
-
-
-def test_one_parser_read_again_and_again_reads_each_recipe_as_a_new_copy_does():
-    """parse_recipe reads every command line of a process with one parser, not a copy each (a third of a parse's
-    CPU): the shipped recipes and the nested sections read in turn and in reverse give the Recipe, or the error, a
-    parser copied for each gives; a copy made after it parsed still lists a tool's own flags alone in its help."""
-    from fsdp_trainer.config.parse import RecipeError, _sections_parser, read_recipe, recipe_parser, short_help
-
-    recipes = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
-    cases = [["--recipe", str(path)] for path in recipes] + [["--recipe", str(recipes[0]), *flags] for flags in NESTED]
-    cases += cases[::-1]
-
-    def read(parser, argv: list[str]) -> str:
-        try:
-            return repr(read_recipe(parser, argv)[0])
-        except RecipeError as e:
-            return str(e)
-
-    assert [read(_sections_parser(), argv) for argv in cases] == [read(recipe_parser(), argv) for argv in cases]
-    tool = recipe_parser("tools/x.py", "A tool.")
-    tool.add_argument("--format", default="text", help="what the inputs are")
-    assert short_help(tool).split("flags:\n")[1].split("\n\n")[0] == "  --format: what the inputs are (default: text)"
