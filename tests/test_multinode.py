@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -86,12 +85,11 @@ esac
 def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(tiny_data, tmp_path):
     """tools/slurm/train.sbatch under stand-ins for srun and scontrol: 2 nodes of a rank each; USR1 (Slurm's warning
     before the time limit) requeues the job, the workers save the step they are at, and the requeued job resumes
-    there. Each node's launcher is forked from the tests' forkserver (its PYTHON: forked_python.py), its workers new
+    there. Each node's launcher is forked from the tests' forkserver (its PYTHON: forked.STAND_IN), its workers new
     interpreters as torchrun starts them."""
     fake = tmp_path / "fake_slurm"
     fake.mkdir()
-    python = f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "helpers" / "forked_python.py"}" "$@"\n'
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("python", python)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (fake / name).write_text(text)
         (fake / name).chmod(0o755)
     out = tmp_path / "run"
@@ -99,8 +97,8 @@ def test_slurm_script_launches_nodes_requeues_near_the_time_limit_and_resumes(ti
         **os.environ,
         "PATH": f"{fake}:{os.environ['PATH']}",
         "FAKE_SLURM": str(fake),
-        "PYTHON": str(fake / "python"),
-        forked.SHARED: forked.address(),
+        "PYTHON": str(forked.STAND_IN),
+        **forked.stand_in_env(),
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NAME": "test",
         "SLURM_NNODES": "2",

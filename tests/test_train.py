@@ -8,7 +8,6 @@ import os
 import pty
 import struct
 import subprocess
-import sys
 import termios
 
 import pytest
@@ -354,15 +353,15 @@ def test_compile_with_selective_ac_matches_eager(tiny_data, tmp_path):
 
 def _run_on_terminal(args: list[str]) -> str:
     """Run one training process with its stdout on a pseudo-terminal of 120 columns; return what it printed. The
-    process is forked from the tests' forkserver (forked_python.py, the terminal its stdout and stderr)."""
+    process is forked from the tests' forkserver (forked.STAND_IN, the terminal its stdout and stderr)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     proc = subprocess.Popen(
-        [sys.executable, REPO / "tests" / "helpers" / "forked_python.py", "-m", "fsdp_trainer.train", *args],
+        [forked.STAND_IN, "-m", "fsdp_trainer.train", *args],
         stdout=slave,
         stderr=slave,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", forked.SHARED: forked.address()},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **forked.stand_in_env()},
     )
     os.close(slave)
     chunks = []

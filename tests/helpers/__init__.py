@@ -135,13 +135,15 @@ def torchrun_args(args: list[str], nproc: int, **launch) -> list[str]:
 
 
 def train_multinode(args: list[str], nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 900) -> list[str]:
-    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine (forked, their workers new interpreters)
-    that meet through c10d rendezvous, the way the nodes of a cluster do; returns each agent's output."""
+    """Launch fsdp_trainer.train as `nnodes` torchrun agents on this machine that meet through c10d rendezvous, the
+    way the nodes of a cluster do; returns each agent's output. The agents are forked, and so are the workers they
+    start (forked.forked_workers)."""
     endpoint = f"127.0.0.1:{free_port()}"
     argv = torchrun_args(args, nproc_per_node, nnodes=nnodes, rdzv_endpoint=endpoint)
+    env = forked.forked_workers()
     with tempfile.TemporaryDirectory() as tmp:
         logs = [os.path.join(tmp, f"{node}.log") for node in range(nnodes)]
-        agents = [forked.start("torch.distributed.run", argv, [(log, log)], timeout=timeout) for log in logs]
+        agents = [forked.start("torch.distributed.run", argv, [(log, log)], env, timeout=timeout) for log in logs]
         try:
             for agent in agents:
                 agent.wait(timeout)

@@ -7,11 +7,13 @@ pytest workers: SHARED), and each run is a process forked from it that runs the 
 run of several ranks is that many such processes meeting over TCP in a real gloo process group, with the environment
 torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), but no torchrun. Tests of
 torchrun's own behaviour (its restarts, the one error line a node prints, fsdp-train, nodes meeting through rendezvous)
-fork torchrun or the launcher as such a run, and its workers are new interpreters, as torchrun starts them.
+fork torchrun or the launcher as such a run, and its workers are new interpreters, as torchrun starts them, unless the
+test gives the agent forked_workers() (STAND_IN, tests/helpers/forked_python.py).
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import multiprocessing
 import os
@@ -148,6 +150,12 @@ def _run(
         opened = path if isinstance(path, int) else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(opened, fd)
         os.close(opened)
+    if env.get("PYTHONUNBUFFERED"):  # as `python -u` (torchrun's workers) writes: each write at once
+        sys.stdout, sys.stderr = (
+            io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding, errors=stream.errors,
+                             write_through=True)
+            for fd, stream in ((1, sys.stdout), (2, sys.stderr))
+        )  # fmt: skip
     # Where a new interpreter would put them, after the script's folder: for what the run imports, not what is
     # preloaded (nor a sitecustomize, which only an interpreter's start runs).
     sys.path[1:1] = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
@@ -298,11 +306,24 @@ def _file(path: str | int):
     return _Inherited(path) if isinstance(path, int) else str(path)
 
 
-def address() -> str:
-    """The address of the forkserver this process forks its runs from (started if it has none yet): for a process of
-    the test's own, such as forked_python.py, to fork from it too."""
+STAND_IN = REPO / "tests" / "helpers" / "python"
+"""`python` that forks what it runs from this process's forkserver (forked_python.py), in the environment
+stand_in_env() gives: torchrun's workers where its agent has PYTHON_EXEC set to it."""
+
+
+def stand_in_env() -> dict[str, str]:
+    """The environment STAND_IN needs: this interpreter, and the forkserver this process forks its runs from (started
+    if it has none yet)."""
     context()
-    return forkserver._forkserver._forkserver_address
+    return {"FSDP_TRAINER_TESTS_PYTHON": sys.executable, SHARED: forkserver._forkserver._forkserver_address}
+
+
+def forked_workers() -> dict[str, str]:
+    """The environment of a torchrun agent whose workers are forked (STAND_IN as its PYTHON_EXEC) rather than new
+    interpreters (2-2.5 s of CPU a worker spends importing torch and the package): for runs under torchrun whose
+    test is not about the workers' processes themselves (their pids; their parent, which a node's one error line is
+    claimed under: errors.claim_node_line) and injects no failure (a sitecustomize runs as an interpreter starts)."""
+    return {"PYTHON_EXEC": str(STAND_IN), **stand_in_env()}
 
 
 def run_command(cmd: list[str], env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:

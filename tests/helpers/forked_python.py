@@ -1,10 +1,11 @@
-"""A stand-in for `python` where a script the tests run starts the interpreter it is given (tools/slurm/train.sbatch's
-PYTHON): `forked_python.py -m MODULE ARGS` or `forked_python.py SCRIPT ARGS` runs as `python` would run it, but in a
-process forked from the tests' forkserver (forked.py), which has imported torch and the package (2.6 s of CPU that a
-launcher started as a new interpreter spends before it reads its recipe). The run writes to this process's stdout and
-stderr, the same open files (their offsets shared with the script's other writers); a signal this process gets goes
-to the run; this process exits as the run did (by the same signal, if a signal ended it). The forkserver is the one
-at forked.SHARED in the environment: the test's own (forked.address())."""
+"""A stand-in for `python` where a program the tests run starts the interpreter it is given (torchrun's PYTHON_EXEC,
+tools/slurm/train.sbatch's PYTHON; tests/helpers/python runs this file): `forked_python.py [-u] -m MODULE ARGS` or
+`forked_python.py [-u] SCRIPT ARGS` runs as `python` would run it, but in a process forked from the tests' forkserver
+(forked.py), which has imported torch and the package (2-2.6 s of CPU that a worker or launcher started as a new
+interpreter spends before it reads its recipe). The run writes to this process's stdout and stderr, the same open
+files (their offsets shared with the program's other writers); a signal this process gets goes to the run; this
+process exits as the run did (by the same signal, if a signal ended it). The forkserver is the one at forked.SHARED
+in the environment (forked.stand_in_env())."""
 
 from __future__ import annotations
 
@@ -20,14 +21,17 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 
 def main() -> None:
-    args = sys.argv[1:]
+    args, env = sys.argv[1:], dict(os.environ)
+    if args[0] == "-u":  # as torchrun starts its workers: unbuffered output (forked._run reads it)
+        args, env["PYTHONUNBUFFERED"] = args[1:], "1"
     target, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    run = forked.start(target, argv, [(1, 2)], env=dict(os.environ), cwd=Path.cwd())
+    run = forked.start(target, argv, [(1, 2)], env=env, cwd=Path.cwd())
     for sig in FORWARDED:
         signal.signal(sig, lambda received, _: run.send_signal(received))
     code = run.wait()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     sys.exit(code)
 
