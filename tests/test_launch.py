@@ -91,8 +91,9 @@ def test_bad_input_is_one_line_before_any_worker_starts(tiny_data, tmp_path, fla
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_a_checkpoint_and_exits_0(tiny_data, tmp_path):
+    """The workers forked (forked.forked_workers: what they get is the signal, not who they are)."""
     out, log = tmp_path / "run", tmp_path / "log.txt"
-    proc = _launch(run_args(tiny_data, out, 100_000), log)
+    proc = _launch(run_args(tiny_data, out, 100_000), log, env=forked.forked_workers())
     wait_for_step(out, 3, proc, log)
     proc.send_signal(signal.SIGTERM)  # to the launcher alone, as Kubernetes sends it
     assert proc.wait(timeout=900) == 0
