@@ -21,18 +21,15 @@ class RecipeError(ValueError):
     """A recipe that does not parse or validate; the message names the key (or file) and what is wrong."""
 
 
-def recipe_parser(prog: str = "fsdp_trainer.train", description: str | None = None):
+def recipe_parser(prog: str | None = None, description: str | None = None):
     """The one parser of recipes: `--recipe FILE` (repeatable, later files and flags override earlier ones) and a
     `--section.key value` flag for every key. Tools add their own arguments to it, so every tool reads a recipe the
     way the trainer does. Each call gets its own copy of one parser built per process (building it reads every
     section's source for its docstrings: 0.3 s of CPU, against 0.01 s for the copy)."""
     parser = copy.deepcopy(_sections_parser())
-    parser.prog = prog
-    parser.description = description or TRAINER
+    parser.prog = prog or parser.prog
+    parser.description = description or parser.description
     return parser
-
-
-TRAINER = "Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes."
 
 
 @functools.cache
@@ -40,8 +37,12 @@ def _sections_parser():
     from jsonargparse import ArgumentParser, set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(prog="fsdp_trainer.train", description=TRAINER, print_config="--print_config",
-                            exit_on_error=False)  # fmt: skip
+    parser = ArgumentParser(
+        prog="fsdp_trainer.train",  # the trainer's; a tool's copy names the tool (recipe_parser)
+        description="Train a Llama/Qwen3-style model with FSDP. Launch with torchrun for several processes.",
+        print_config="--print_config",
+        exit_on_error=False,
+    )
     parser.add_argument("--recipe", action="config", help="YAML recipe; flags after it override its keys.")
     for name, cls in SECTIONS.items():
         parser.add_class_arguments(cls, nested_key=name)
