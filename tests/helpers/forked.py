@@ -339,5 +339,9 @@ def run_command(cmd: list[str], env: dict | None = None, timeout: float = 900) -
         if any(flag != "--standalone" and not flag.startswith("--nproc_per_node=") for flag in flags):
             raise ValueError(f"torchrun flags a forked run does not reproduce: {flags}")
         nproc = next(int(flag.split("=")[1]) for flag in flags if flag.startswith("--nproc_per_node="))
-    target, argv = (rest[1], rest[2:]) if rest[0] == "-m" else (rest[0], rest[1:])
-    return run(target, argv, nproc=nproc, env=env, timeout=timeout)
+    return run(*python_target(rest), nproc=nproc, env=env, timeout=timeout)
+
+
+def python_target(args: list[str]) -> tuple[str, list[str]]:
+    """What `python ARGS` runs, as `run` and `start` take it: (`-m`'s module or the script, their arguments)."""
+    return (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])

@@ -24,8 +24,7 @@ def main() -> None:
     args, env = sys.argv[1:], dict(os.environ)
     if args[0] == "-u":  # as torchrun starts its workers: unbuffered output (forked._run reads it)
         args, env["PYTHONUNBUFFERED"] = args[1:], "1"
-    target, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
-    run = forked.start(target, argv, [(1, 2)], env=env, cwd=Path.cwd())
+    run = forked.start(*forked.python_target(args), [(1, 2)], env=env, cwd=Path.cwd())
     for sig in FORWARDED:
         signal.signal(sig, lambda received, _: run.send_signal(received))
     code = run.wait()
