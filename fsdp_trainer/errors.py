@@ -5,8 +5,8 @@ rank finds the same error, whether it only follows another rank's failure, and w
 names in FSDP_TRAIN_REPORTS. Once the workers have stopped, the launcher prints the cause first (a rank killed by a
 signal or gone without a word, else the first rank that failed on its own), then one line for each rank that failed
 because of it. Under plain torchrun the first rank of a node to fail claims the node's line (a file created
-exclusively, named after the node's torchrun agent), so that a line is printed whichever rank exits first and torchrun
-stops the others.
+exclusively in the directory torchrun keeps for the node's workers), so that a line is printed whichever rank exits
+first and torchrun stops the others.
 """
 
 from __future__ import annotations
@@ -53,17 +53,22 @@ def say(line: str, everyone: bool = False, consequential: bool = False, details:
 
 def claim_node_line() -> bool:
     """Whether this process is the first of its node's torchrun workers to claim the node's error line (always, in a
-    process of its own)."""
+    process of its own). The claim is a file created exclusively in the directory torchrun keeps for this attempt of
+    the node's workers (their error.json files are in it), so a restart claims anew and nothing is left elsewhere."""
     if "LOCAL_RANK" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
         return True
-    agent = os.getppid()
-    try:  # the agent's start time, so that a pid used again by a later run's agent names another file
-        with open(f"/proc/{agent}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        started = "0"
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    path = os.path.join(tempfile.gettempdir(), f"fsdp_trainer_error_{agent}_{started}_{restart}")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <log dir>/<run>/attempt_<n>/<local rank>/error.json
+    if error_file:
+        path = os.path.join(os.path.dirname(os.path.dirname(error_file)), "fsdp_trainer_error_line")
+    else:  # torchrun --log-dir /dev/null keeps no directory: a file named after the agent and its start time
+        agent = os.getppid()
+        try:
+            with open(f"/proc/{agent}/stat") as f:
+                started = f.read().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError):
+            started = "0"
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        path = os.path.join(tempfile.gettempdir(), f"fsdp_trainer_error_{agent}_{started}_{restart}")
     try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

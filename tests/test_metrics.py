@@ -161,14 +161,16 @@ def test_wandb_gets_the_scalars_from_rank_0_and_a_resumed_run_continues_its_run(
 
 
 def test_naming_wandb_without_the_package_is_one_error_line(tiny_data, tmp_path):
-    log = tmp_path / "wandb.jsonl"
+    log, tmp = tmp_path / "wandb.jsonl", tmp_path / "tmp"
+    tmp.mkdir()
     proc = train_cli(
         run_args(tiny_data, tmp_path / "run", 2, wandb=WANDB),
         nproc=2,
         check=False,
-        env=_with_package("no_wandb", log),
+        env={**_with_package("no_wandb", log), "TMPDIR": str(tmp)},
     )  # under torchrun, whose workers find this error each and claim their node's one line
     assert proc.returncode != 0 and proc.stderr.count("error:") == 1, proc.stderr
+    assert not list(tmp.glob("fsdp_trainer_error*"))  # the claim is in torchrun's directory for the workers
     assert "error: wandb.project=tiny needs the wandb package" in proc.stderr and "pip install wandb" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
     # mode: disabled needs no package (a recipe keeps its project and turns W&B off).
