@@ -321,8 +321,8 @@ def stand_in_env() -> dict[str, str]:
 def forked_workers() -> dict[str, str]:
     """The environment of a torchrun agent whose workers are forked (STAND_IN as its PYTHON_EXEC) rather than new
     interpreters (2-2.5 s of CPU a worker spends importing torch and the package): for runs under torchrun whose
-    test is not about the workers' processes themselves (their pids; their parent, which a node's one error line is
-    claimed under: errors.claim_node_line) and injects no failure (a sitecustomize runs as an interpreter starts)."""
+    test is not about the workers' processes themselves (their pids) and injects no failure (a sitecustomize runs as
+    an interpreter starts)."""
     return {"PYTHON_EXEC": str(STAND_IN), **stand_in_env()}
 
 
